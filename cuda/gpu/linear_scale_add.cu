@@ -1,0 +1,314 @@
+// CUDA handlers for the scaled matrix product (see jaxfuse/linear_scale_add.h) through
+// cuBLASLt: alpha in the epilogue, and for linear_scale_add beta = 1 with C = D = the
+// residual buffer, so the product accumulates into the residual in place.
+//
+// Stages: instantiate validates the shapes once and builds the cuBLASLt descriptors;
+// initialize (outside any CUDA graph capture) creates the device's handle and picks the
+// algorithm; execute only enqueues cublasLtMatmul. Nothing syncs or allocates, so the
+// handlers are command-buffer (CUDA graph) compatible.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+
+#include "cublaslt.h"
+#include "jaxfuse/ffi_common.h"
+#include "jaxfuse/linear_scale_add.h"
+
+namespace jaxfuse {
+namespace {
+
+cudaDataType_t CudaType(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::BF16: return CUDA_R_16BF;
+    case ffi::DataType::F16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
+
+// Largest power of two (up to 256) dividing the address: cuBLASLt's heuristic assumes
+// 256-byte aligned operands unless told otherwise.
+uint32_t Alignment(const void* pointer) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(pointer);
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+#define JAXFUSE_RETURN_IF_CUBLAS_ERROR(expression)                                       \
+  do {                                                                                   \
+    const cublasStatus_t status_ = (expression);                                         \
+    if (status_ != CUBLAS_STATUS_SUCCESS) {                                              \
+      return Internal(#expression " failed: ", cublaslt::StatusString(status_));         \
+    }                                                                                    \
+  } while (0)
+
+// Per custom-call state: the validated problem, its descriptors, and per device (and
+// operand alignment) the chosen algorithm. Shared by the devices of one executable, so
+// the algorithm table is guarded.
+struct MatmulState {
+  static ffi::TypeId id;
+
+  MatmulProblem problem;
+  bool accumulate = false;
+  size_t workspace_bytes = 0;
+  const cublaslt::Api* api = nullptr;
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t layout_a = nullptr;  // cuBLAS "A": our b
+  cublasLtMatrixLayout_t layout_b = nullptr;  // cuBLAS "B": our a
+  cublasLtMatrixLayout_t layout_c = nullptr;  // C and D
+
+  struct Algorithm {
+    cublasLtHandle_t handle;
+    cublasLtMatmulAlgo_t algo;
+  };
+  using AlgorithmKey = std::tuple<int, uint32_t, uint32_t, uint32_t>;  // device, alignments
+  std::mutex mutex;
+  std::map<AlgorithmKey, Algorithm> algorithms;
+
+  ~MatmulState() {
+    if (!api) return;
+    if (layout_c) api->MatrixLayoutDestroy(layout_c);
+    if (layout_b) api->MatrixLayoutDestroy(layout_b);
+    if (layout_a) api->MatrixLayoutDestroy(layout_a);
+    if (desc) api->MatmulDescDestroy(desc);
+  }
+
+  bool Empty() const { return problem.p == 0 || problem.q == 0 || problem.r == 0; }
+
+  // Row-major out[P, Q] = op(a) op(b) is column-major out^T[Q, P] = op(b)^T op(a)^T, so
+  // cuBLAS's A is our b and its B is our a, with the same transpose flags.
+  ffi::Error BuildDescriptors() {
+    std::string error;
+    api = cublaslt::GetApi(&error);
+    if (!api) return Internal(error);
+    if (Empty()) return ffi::Error::Success();
+    const int64_t p = problem.p, q = problem.q, r = problem.r;
+    const cudaDataType_t input = CudaType(problem.input_type);
+    const cudaDataType_t output = CudaType(problem.output_type);
+    JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t trans_a = problem.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t trans_b = problem.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatmulDescSetAttribute(
+        desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
+    JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatmulDescSetAttribute(
+        desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+    // Stored shapes, column-major view: b is [R, Q] (or [Q, R]) row-major.
+    if (problem.transpose_b) {
+      JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatrixLayoutCreate(&layout_a, input, r, q, r));
+    } else {
+      JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatrixLayoutCreate(&layout_a, input, q, r, q));
+    }
+    if (problem.transpose_a) {
+      JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatrixLayoutCreate(&layout_b, input, p, r, p));
+    } else {
+      JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatrixLayoutCreate(&layout_b, input, r, p, r));
+    }
+    JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatrixLayoutCreate(&layout_c, output, q, p, q));
+    return ffi::Error::Success();
+  }
+
+  // The algorithm for this device and these operand alignments, found once.
+  ffi::Error FindAlgorithm(int device, const void* a, const void* b, const void* out,
+                           const Algorithm** found) {
+    const AlgorithmKey key{device, Alignment(a), Alignment(b), Alignment(out)};
+    std::lock_guard<std::mutex> lock(mutex);
+    if (auto it = algorithms.find(key); it != algorithms.end()) {
+      *found = &it->second;
+      return ffi::Error::Success();
+    }
+    Algorithm algorithm{};
+    JAXFUSE_RETURN_IF_CUBLAS_ERROR(cublaslt::GetHandle(device, &algorithm.handle));
+    cublasLtMatmulPreference_t preference = nullptr;
+    JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatmulPreferenceCreate(&preference));
+    auto set = [&](cublasLtMatmulPreferenceAttributes_t attribute, auto value) {
+      return api->MatmulPreferenceSetAttribute(preference, attribute, &value, sizeof(value));
+    };
+    set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<uint64_t>(workspace_bytes));
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, std::get<2>(key));  // cuBLAS A = b
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, std::get<1>(key));  // cuBLAS B = a
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, std::get<3>(key));
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, std::get<3>(key));
+    cublasLtMatmulHeuristicResult_t result{};
+    int count = 0;
+    const cublasStatus_t status = api->MatmulAlgoGetHeuristic(
+        algorithm.handle, desc, layout_a, layout_b, layout_c, layout_c, preference, 1,
+        &result, &count);
+    api->MatmulPreferenceDestroy(preference);
+    if (status != CUBLAS_STATUS_SUCCESS || count == 0) {
+      return Internal("cuBLASLt found no algorithm for a [", problem.p, ", ", problem.q,
+                      ", ", problem.r, "] product: ", cublaslt::StatusString(status));
+    }
+    algorithm.algo = result.algo;
+    *found = &algorithms.emplace(key, algorithm).first->second;
+    return ffi::Error::Success();
+  }
+};
+
+ffi::TypeId MatmulState::id = {};
+
+ffi::ErrorOr<std::unique_ptr<MatmulState>> MakeState(const ffi::AnyBuffer& a,
+                                                     const ffi::AnyBuffer& b,
+                                                     const ffi::AnyBuffer* c,
+                                                     const ffi::AnyBuffer& out,
+                                                     const ffi::AnyBuffer& workspace,
+                                                     bool transpose_a, bool transpose_b) {
+  auto state = std::make_unique<MatmulState>();
+  if (auto error = ParseMatmulProblem(a, b, c, out, transpose_a, transpose_b, &state->problem);
+      error.failure()) {
+    return error;
+  }
+  state->accumulate = c != nullptr;
+  state->workspace_bytes = workspace.size_bytes();
+  if (auto error = state->BuildDescriptors(); error.failure()) return error;
+  return std::move(state);
+}
+
+ffi::Error Initialize(int device, MatmulState* state) {
+  if (state->Empty()) return ffi::Error::Success();
+  // Handle and algorithm for 256-byte aligned operands, the usual case, found before any
+  // graph capture; other alignments are looked up on first use.
+  static const char aligned[256] __attribute__((aligned(256))) = {};
+  const MatmulState::Algorithm* algorithm = nullptr;
+  return state->FindAlgorithm(device, aligned, aligned, aligned, &algorithm);
+}
+
+ffi::Error Execute(cudaStream_t stream, int device, MatmulState* state,
+                   const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi::AnyBuffer* c,
+                   ffi::AnyBuffer out, ffi::AnyBuffer workspace, float alpha) {
+  const MatmulProblem& problem = state->problem;
+  // XLA aliases c to out; copy if it ever did not, so the update stays correct.
+  if (c != nullptr && c->untyped_data() != out.untyped_data() && out.size_bytes() > 0) {
+    if (cudaMemcpyAsync(out.untyped_data(), c->untyped_data(), out.size_bytes(),
+                        cudaMemcpyDeviceToDevice, stream) != cudaSuccess) {
+      return Internal("copying the residual into the output failed");
+    }
+  }
+  if (problem.p == 0 || problem.q == 0) return ffi::Error::Success();
+  if (problem.r == 0) {  // an empty contraction adds nothing
+    if (c != nullptr) return ffi::Error::Success();
+    return cudaMemsetAsync(out.untyped_data(), 0, out.size_bytes(), stream) == cudaSuccess
+               ? ffi::Error::Success()
+               : Internal("zeroing an empty product failed");
+  }
+  const MatmulState::Algorithm* algorithm = nullptr;
+  if (auto error = state->FindAlgorithm(device, a.untyped_data(), b.untyped_data(),
+                                        out.untyped_data(), &algorithm);
+      error.failure()) {
+    return error;
+  }
+  const float beta = c != nullptr ? 1.0f : 0.0f;
+  void* d = out.untyped_data();
+  JAXFUSE_RETURN_IF_CUBLAS_ERROR(state->api->Matmul(
+      algorithm->handle, state->desc, &alpha, b.untyped_data(), state->layout_a,
+      a.untyped_data(), state->layout_b, &beta, d, state->layout_c, d, state->layout_c,
+      &algorithm->algo, workspace.untyped_data(), workspace.size_bytes(), stream));
+  return ffi::Error::Success();
+}
+
+// --- bindings: linear_scale_add (accumulating) ------------------------------------
+
+ffi::ErrorOr<std::unique_ptr<MatmulState>> LinearScaleAddInstantiate(
+    ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c, ffi::Result<ffi::AnyBuffer> out,
+    ffi::Result<ffi::AnyBuffer> workspace, float, bool transpose_a, bool transpose_b) {
+  return MakeState(a, b, &c, *out, *workspace, transpose_a, transpose_b);
+}
+
+ffi::Error LinearScaleAddExecute(cudaStream_t stream, int32_t device, MatmulState* state,
+                                 ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c,
+                                 ffi::Result<ffi::AnyBuffer> out,
+                                 ffi::Result<ffi::AnyBuffer> workspace, float alpha, bool,
+                                 bool) {
+  return Execute(stream, device, state, a, b, &c, *out, *workspace, alpha);
+}
+
+// --- bindings: scaled_matmul (no accumulator) -----------------------------------
+
+ffi::ErrorOr<std::unique_ptr<MatmulState>> ScaledMatmulInstantiate(
+    ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out,
+    ffi::Result<ffi::AnyBuffer> workspace, float, bool transpose_a, bool transpose_b) {
+  return MakeState(a, b, nullptr, *out, *workspace, transpose_a, transpose_b);
+}
+
+ffi::Error ScaledMatmulExecute(cudaStream_t stream, int32_t device, MatmulState* state,
+                               ffi::AnyBuffer a, ffi::AnyBuffer b,
+                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::AnyBuffer> workspace, float alpha, bool, bool) {
+  return Execute(stream, device, state, a, b, nullptr, *out, *workspace, alpha);
+}
+
+ffi::Error MatmulInitialize(int32_t device, MatmulState* state) {
+  return Initialize(device, state);
+}
+
+}  // namespace
+}  // namespace jaxfuse
+
+namespace ffi = xla::ffi;
+using jaxfuse::MatmulState;
+
+extern "C" XLA_FFI_TypeId* JaxfuseMatmulStateTypeId() { return &MatmulState::id; }
+extern "C" const XLA_FFI_TypeInfo* JaxfuseMatmulStateTypeInfo() {
+  static const XLA_FFI_TypeInfo info = ffi::MakeTypeInfo<MatmulState>();
+  return &info;
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseMatmulInitializeCuda, jaxfuse::MatmulInitialize,
+                              ffi::Ffi::BindInitialize()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<MatmulState>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseLinearScaleAddInstantiateCuda,
+                              jaxfuse::LinearScaleAddInstantiate,
+                              ffi::Ffi::BindInstantiate()
+                                  .Arg<ffi::AnyBuffer>()  // a
+                                  .Arg<ffi::AnyBuffer>()  // b
+                                  .Arg<ffi::AnyBuffer>()  // c
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<float>("alpha")
+                                  .Attr<bool>("transpose_a")
+                                  .Attr<bool>("transpose_b"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseLinearScaleAddCuda, jaxfuse::LinearScaleAddExecute,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<MatmulState>>()
+                                  .Arg<ffi::AnyBuffer>()  // a: x [P, R] (or [R, P])
+                                  .Arg<ffi::AnyBuffer>()  // b: kernel [R, Q] (or [Q, R])
+                                  .Arg<ffi::AnyBuffer>()  // c: residual [P, Q], aliased to out
+                                  .Ret<ffi::AnyBuffer>()  // out: c + alpha * op(a) @ op(b)
+                                  .Ret<ffi::AnyBuffer>()  // workspace: uint8 scratch for cuBLASLt
+                                  .Attr<float>("alpha")
+                                  .Attr<bool>("transpose_a")
+                                  .Attr<bool>("transpose_b"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledMatmulInstantiateCuda,
+                              jaxfuse::ScaledMatmulInstantiate,
+                              ffi::Ffi::BindInstantiate()
+                                  .Arg<ffi::AnyBuffer>()  // a
+                                  .Arg<ffi::AnyBuffer>()  // b
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<float>("alpha")
+                                  .Attr<bool>("transpose_a")
+                                  .Attr<bool>("transpose_b"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledMatmulCuda, jaxfuse::ScaledMatmulExecute,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<MatmulState>>()
+                                  .Arg<ffi::AnyBuffer>()  // a
+                                  .Arg<ffi::AnyBuffer>()  // b
+                                  .Ret<ffi::AnyBuffer>()  // out: alpha * op(a) @ op(b)
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<float>("alpha")
+                                  .Attr<bool>("transpose_a")
+                                  .Attr<bool>("transpose_b"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,146 @@
+// The pybind11 module: the FFI handlers of each platform, the custom types they use, and
+// what was built. Python (jaxfuse/_src/ffi.py) registers them lazily.
+//
+// Adding an op: define its handler symbols in cuda/cpu/<op>.cc and cuda/gpu/<op>.cu, then
+// list them below. Nothing else in C++ changes.
+#include <pybind11/pybind11.h>
+
+#include "jaxfuse/ffi_common.h"
+
+#if defined(JAXFUSE_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#include <cublasLt.h>
+#include <cutlass/version.h>
+namespace jaxfuse::cublaslt {
+size_t LoadedVersion();
+}
+#endif
+
+namespace py = pybind11;
+
+// --- registry: CPU handlers ---------------------------------------------------------
+#define JAXFUSE_CPU_HANDLERS(X)                        \
+  X("jaxfuse_linear_scale_add", JaxfuseLinearScaleAddCpu) \
+  X("jaxfuse_scaled_matmul", JaxfuseScaledMatmulCpu)
+
+// --- registry: CUDA handlers (name, instantiate, initialize, execute) ---------------
+#define JAXFUSE_CUDA_HANDLERS(X)                                                   \
+  X("jaxfuse_linear_scale_add", JaxfuseLinearScaleAddInstantiateCuda,              \
+    JaxfuseMatmulInitializeCuda, JaxfuseLinearScaleAddCuda)                       \
+  X("jaxfuse_scaled_matmul", JaxfuseScaledMatmulInstantiateCuda,                   \
+    JaxfuseMatmulInitializeCuda, JaxfuseScaledMatmulCuda)
+
+// --- registry: CUDA state types (name, type id function, type info function) --------
+#define JAXFUSE_CUDA_TYPES(X) \
+  X("jaxfuse.MatmulState", JaxfuseMatmulStateTypeId, JaxfuseMatmulStateTypeInfo)
+
+#define JAXFUSE_DECLARE_CPU(name, symbol) XLA_FFI_DECLARE_HANDLER_SYMBOL(symbol);
+JAXFUSE_CPU_HANDLERS(JAXFUSE_DECLARE_CPU)
+
+#if defined(JAXFUSE_WITH_CUDA)
+#define JAXFUSE_DECLARE_NULLABLE(symbol) XLA_FFI_DECLARE_HANDLER_SYMBOL(symbol);
+#define JAXFUSE_DECLARE_CUDA(name, instantiate, initialize, execute) \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(instantiate);                      \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(initialize);                       \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(execute);
+JAXFUSE_CUDA_HANDLERS(JAXFUSE_DECLARE_CUDA)
+#define JAXFUSE_DECLARE_TYPE(name, type_id, type_info) \
+  XLA_FFI_DECLARE_TYPE_ID_SYMBOL(type_id);             \
+  XLA_FFI_DECLARE_TYPE_INFO_SYMBOL(type_info);
+JAXFUSE_CUDA_TYPES(JAXFUSE_DECLARE_TYPE)
+#endif
+
+namespace {
+
+template <typename T>
+py::capsule Capsule(T* pointer) {
+  return py::capsule(reinterpret_cast<void*>(pointer));
+}
+
+// {"cpu": {name: capsule}, "CUDA": {name: {"instantiate": ..., "execute": ...}}}
+py::dict Handlers() {
+  py::dict cpu;
+#define JAXFUSE_ADD_CPU(name, symbol) cpu[name] = Capsule(symbol);
+  JAXFUSE_CPU_HANDLERS(JAXFUSE_ADD_CPU)
+  py::dict handlers;
+  handlers["cpu"] = cpu;
+#if defined(JAXFUSE_WITH_CUDA)
+  py::dict cuda;
+#define JAXFUSE_ADD_CUDA(name, instantiate, initialize, execute)            \
+  {                                                                         \
+    py::dict stages;                                                        \
+    stages["instantiate"] = Capsule(instantiate);                           \
+    stages["initialize"] = Capsule(initialize);                             \
+    stages["execute"] = Capsule(execute);                                   \
+    cuda[name] = stages;                                                    \
+  }
+  JAXFUSE_CUDA_HANDLERS(JAXFUSE_ADD_CUDA)
+  handlers["CUDA"] = cuda;
+#endif
+  return handlers;
+}
+
+// {"CUDA": {name: {"type_id": capsule, "type_info": capsule}}}
+py::dict Types() {
+  py::dict types;
+#if defined(JAXFUSE_WITH_CUDA)
+  py::dict cuda;
+#define JAXFUSE_ADD_TYPE(name, type_id, type_info)              \
+  {                                                             \
+    py::dict registration;                                      \
+    registration["type_id"] = Capsule(type_id());               \
+    registration["type_info"] = Capsule(type_info());           \
+    cuda[name] = registration;                                  \
+  }
+  JAXFUSE_CUDA_TYPES(JAXFUSE_ADD_TYPE)
+  types["CUDA"] = cuda;
+#endif
+  return types;
+}
+
+py::dict BuildInfo() {
+  py::dict info;
+  py::list platforms;
+  platforms.append("cpu");
+  info["jaxlib_version"] = JAXFUSE_BUILD_JAXLIB_VERSION;
+  info["ffi_api_version"] = py::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+#if defined(JAXFUSE_WITH_CUDA)
+  platforms.append("CUDA");
+  py::list archs;
+  archs.append(JAXFUSE_CUDA_ARCHITECTURES);
+  info["cuda_architectures"] = archs;
+  info["cuda_version"] = py::make_tuple(CUDART_VERSION / 1000, (CUDART_VERSION % 1000) / 10);
+  info["cublas_header_version"] =
+      py::make_tuple(CUBLAS_VER_MAJOR, CUBLAS_VER_MINOR, CUBLAS_VER_PATCH);
+  info["cutlass_version"] =
+      py::make_tuple(CUTLASS_MAJOR, CUTLASS_MINOR, CUTLASS_PATCH);
+#else
+  info["cuda_architectures"] = py::list();
+  info["cuda_version"] = py::none();
+  info["cublas_header_version"] = py::none();
+  info["cutlass_version"] = py::none();
+#endif
+  info["platforms"] = platforms;
+  return info;
+}
+
+// Version of the cuBLASLt library loaded at run time (0 if it cannot be opened). Opening
+// it is deferred to this call, so importing jaxfuse never needs cuBLAS.
+size_t LoadedCublasLtVersion() {
+#if defined(JAXFUSE_WITH_CUDA)
+  return jaxfuse::cublaslt::LoadedVersion();
+#else
+  return 0;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_jaxfuse, module) {
+  module.doc() = "jaxfuse's XLA FFI handlers (see jaxfuse/_src/ffi.py)";
+  module.def("handlers", &Handlers, "FFI handler capsules per platform");
+  module.def("types", &Types, "FFI state types per platform");
+  module.def("build_info", &BuildInfo, "What this extension was built with");
+  module.def("loaded_cublaslt_version", &LoadedCublasLtVersion,
+             "Version of the cuBLASLt library opened at run time, 0 if none");
+}

@@ -1,0 +1,27 @@
+"""jaxfuse: TransformerEngine-style fused operations for JAX on NVIDIA GPUs.
+
+Every op takes ``implementation=None | "ffi" | "xla"``. ``"ffi"`` runs jaxfuse's XLA FFI
+custom calls (CUDA kernels on GPU; C++ reference loops on CPU, so CI exercises the same
+plumbing); ``"xla"`` runs the pure-jnp reference. ``None`` picks ``"ffi"`` on GPU when the
+CUDA part was built and ``"xla"`` elsewhere; the ``JAXFUSE_IMPLEMENTATION`` environment
+variable overrides that default for the whole process.
+"""
+
+from jaxfuse._src.ffi import build_info as _build_info
+from jaxfuse._src.ops.linear_scale_add.api import linear_scale_add
+
+__version__ = "0.1.0"
+
+
+def build_info() -> dict:
+  """What the compiled extension was built with.
+
+  Keys: ``available`` (bool), ``platforms`` (["cpu"] or ["cpu", "CUDA"]),
+  ``cuda_architectures``, ``cuda_version``, ``cublas_header_version``,
+  ``cutlass_version``, ``jaxlib_version`` (the jaxlib whose FFI headers were used) and
+  ``ffi_api_version``.
+  """
+  return dict(_build_info())
+
+
+__all__ = ["build_info", "linear_scale_add"]

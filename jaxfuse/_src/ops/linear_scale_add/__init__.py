@@ -1,0 +1,1 @@
+"""linear_scale_add: residual + alpha * (x @ kernel), one GEMM accumulating in place."""

@@ -1,0 +1,42 @@
+"""Helpers shared by the tests: random inputs, float64 references, tolerances."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Relative error budgets by compute dtype. Results are rounded once to the output dtype
+# (bf16: 8 mantissa bits, 2^-8 ~ 4e-3 per rounding of inputs and output; f16: 2^-11);
+# fp32 accumulations of a few hundred terms stay near 1e-6.
+RTOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2e-2,
+        jnp.dtype(jnp.float16): 4e-3}
+
+
+def rtol(dtype) -> float:
+  return RTOL[jnp.dtype(dtype)]
+
+
+def random_array(rng: np.random.Generator, shape, dtype, scale: float = 1.0) -> jax.Array:
+  """Fresh normal random values, rounded to `dtype` (never zeros or ones)."""
+  return jnp.asarray(rng.standard_normal(shape) * scale, dtype=dtype)
+
+
+def as_f64(value) -> np.ndarray:
+  return np.asarray(jnp.asarray(value, jnp.float32), dtype=np.float64)
+
+
+def assert_close(actual, expected, dtype, *, scale=None, msg: str = "") -> None:
+  """|actual - expected| <= rtol(dtype) * scale elementwise, scale = max|expected| by default.
+
+  Comparing against the tensor's magnitude rather than each element's avoids false
+  failures from cancellation in elements near zero; NaN never passes.
+  """
+  actual = as_f64(actual)
+  expected = np.asarray(expected, dtype=np.float64)
+  assert actual.shape == expected.shape, f"{msg} shape {actual.shape} != {expected.shape}"
+  assert not np.isnan(actual).any(), f"{msg} NaN in result"
+  if scale is None:
+    scale = max(np.abs(expected).max(initial=0.0), 1e-30)
+  error = np.abs(actual - expected).max(initial=0.0) / scale
+  assert error <= rtol(dtype), f"{msg} relative error {error:.3g} > {rtol(dtype):.3g} ({dtype})"

@@ -1,0 +1,323 @@
+"""linear_scale_add: reference vs float64 numpy, FFI (CPU and CUDA) vs reference,
+gradients, in-place HLO, vmap, shard_map, errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.test_util  # noqa: F401  (check_grads)
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jaxfuse
+from jaxfuse._src import compat
+from jaxfuse._src.ops.linear_scale_add import reference
+from tests import helpers
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+ALPHAS = [1.0, 0.0, -2.5, 3.5]
+# (x leading shape, K, N): batch dims, odd sizes, single rows, an empty batch.
+SHAPES = [((8,), 16, 24), ((3, 5), 7, 9), ((1,), 1, 1), ((2, 3, 4), 33, 17), ((0,), 8, 8),
+          ((64,), 128, 96)]
+GPU_SHAPES = SHAPES + [((512,), 1024, 768), ((4, 100), 264, 520)]
+
+BACKENDS = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("gpu", id="gpu", marks=pytest.mark.gpu),
+]
+
+
+def numpy_linear_scale_add(x, kernel, residual, alpha):
+  return helpers.as_f64(residual) + alpha * helpers.as_f64(x) @ helpers.as_f64(kernel)
+
+
+def make_inputs(seed, leading, k, n, dtype, residual_dtype=None):
+  rng = np.random.default_rng(seed)
+  x = helpers.random_array(rng, (*leading, k), dtype)
+  kernel = helpers.random_array(rng, (k, n), dtype, scale=1 / np.sqrt(max(k, 1)))
+  residual = helpers.random_array(rng, (*leading, n), residual_dtype or dtype)
+  return x, kernel, residual
+
+
+def on(device_kind, *arrays):
+  device = jax.devices(device_kind)[0]
+  return [jax.device_put(a, device) for a in arrays]
+
+
+# --- the reference is the specification ---------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("alpha", ALPHAS)
+def test_reference_matches_float64_numpy(dtype, alpha):
+  x, kernel, residual = make_inputs(0, (3, 5), 40, 24, dtype)
+  out = reference.linear_scale_add(x, kernel, residual, alpha)
+  assert out.dtype == residual.dtype and out.shape == residual.shape
+  helpers.assert_close(out, numpy_linear_scale_add(x, kernel, residual, alpha), dtype)
+
+
+# --- FFI handlers against the reference --------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("alpha", ALPHAS)
+def test_ffi_matches_reference(backend, dtype, alpha):
+  shapes = GPU_SHAPES if backend == "gpu" else SHAPES
+  for seed, (leading, k, n) in enumerate(shapes):
+    x, kernel, residual = on(backend, *make_inputs(seed, leading, k, n, dtype))
+    out = jax.jit(lambda x, k_, r: jaxfuse.linear_scale_add(
+        x, k_, r, alpha, implementation="ffi"))(x, kernel, residual)
+    assert out.dtype == residual.dtype and out.shape == residual.shape
+    expected = numpy_linear_scale_add(x, kernel, residual, alpha)
+    helpers.assert_close(out, expected, dtype, msg=f"{leading}x{k}x{n}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_float32_residual_with_16_bit_inputs(backend, dtype):
+  x, kernel, residual = on(backend, *make_inputs(1, (6, 5), 48, 40, dtype, jnp.float32))
+  out = jaxfuse.linear_scale_add(x, kernel, residual, 0.75, implementation="ffi")
+  assert out.dtype == jnp.float32
+  # Inputs are exact in fp32; only the fp32 accumulation order differs.
+  helpers.assert_close(out, numpy_linear_scale_add(x, kernel, residual, 0.75), jnp.float32)
+
+
+def test_ffi_runs_the_custom_call_not_the_reference():
+  x, kernel, residual = make_inputs(2, (4,), 8, 8, jnp.float32)
+  hlo = jax.jit(lambda *a: jaxfuse.linear_scale_add(*a, implementation="ffi")).lower(
+      x, kernel, residual).as_text()
+  assert "jaxfuse_linear_scale_add" in hlo
+  assert "dot_general" not in hlo
+
+
+# --- autodiff ----------------------------------------------------------------------
+
+
+def loss(implementation, alpha):
+  def f(x, kernel, residual):
+    out = jaxfuse.linear_scale_add(x, kernel, residual, alpha, implementation=implementation)
+    return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+  return f
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("alpha", ALPHAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradients_match_float64(backend, alpha, dtype):
+  x, kernel, residual = on(backend, *make_inputs(3, (3, 4), 24, 16, dtype))
+  grads = jax.jit(jax.grad(loss("ffi", alpha), argnums=(0, 1, 2)))(x, kernel, residual)
+  # float64 numpy: out = r + a x k; dL/dout = cos(out).
+  x64, k64, r64 = map(helpers.as_f64, (x, kernel, residual))
+  d_out = np.cos(r64 + alpha * x64 @ k64)
+  expected = (alpha * d_out @ k64.T,
+              alpha * x64.reshape(-1, 24).T @ d_out.reshape(-1, 16),
+              d_out)
+  for name, got, want, primal in zip(("dx", "dkernel", "dresidual"), grads, expected,
+                                     (x, kernel, residual)):
+    assert got.dtype == primal.dtype and got.shape == primal.shape, name
+    scale = max(np.abs(want).max(), 1.0)  # alpha = 0 gives exact zeros
+    helpers.assert_close(got, want, dtype, scale=scale, msg=name)
+
+
+def test_check_grads_ffi():
+  x, kernel, residual = make_inputs(4, (5,), 6, 7, jnp.float32)
+  jax.test_util.check_grads(
+      lambda x, k, r: jaxfuse.linear_scale_add(x, k, r, -1.5, implementation="ffi"),
+      (x, kernel, residual), order=1, modes=("rev",), atol=2e-2, rtol=2e-2, eps=1e-2)
+
+
+def test_backward_is_two_scaled_gemms_with_alpha_in_the_epilogue():
+  x, kernel, residual = make_inputs(5, (4,), 8, 8, jnp.float32)
+  hlo = jax.jit(jax.grad(loss("ffi", 2.5), argnums=(0, 1))).lower(
+      x, kernel, residual).as_text()
+  assert hlo.count("jaxfuse_scaled_matmul") == 2
+  assert "alpha = 2.500000e+00" in hlo
+  assert "dot_general" not in hlo
+
+
+# --- in place ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("leading", [(64,), (4, 16)])
+def test_donated_residual_is_updated_in_place(backend, leading):
+  x, kernel, residual = on(backend, *make_inputs(6, leading, 32, 48, jnp.bfloat16))
+  step = jax.jit(lambda x, k, r: jaxfuse.linear_scale_add(x, k, r, 0.5, implementation="ffi"),
+                 donate_argnums=2)
+  compiled = step.lower(x, kernel, residual).compile().as_text()
+  assert "output_to_operand_aliasing" in compiled
+  copies = [line for line in compiled.splitlines() if " copy(" in line or "copy-start" in line]
+  assert not copies, "the residual was copied:\n" + "\n".join(copies)
+  expected = numpy_linear_scale_add(x, kernel, residual, 0.5)
+  out = step(x, kernel, residual)
+  assert residual.is_deleted()
+  helpers.assert_close(out, expected, jnp.bfloat16)
+
+
+# --- vmap and shard_map ------------------------------------------------------------
+
+
+def test_vmap_over_activations_and_over_everything():
+  x, kernel, residual = make_inputs(7, (3, 5), 12, 10, jnp.float32)
+  f = lambda x, k, r: jaxfuse.linear_scale_add(x, k, r, -2.5, implementation="ffi")
+  shared = jax.vmap(f, in_axes=(0, None, 0))(x, kernel, residual)
+  for b in range(3):
+    helpers.assert_close(shared[b], numpy_linear_scale_add(x[b], kernel, residual[b], -2.5),
+                         jnp.float32)
+  kernels = jnp.stack([kernel, 2 * kernel, -kernel])
+  batched = jax.vmap(f)(x, kernels, residual)
+  for b in range(3):
+    helpers.assert_close(batched[b], numpy_linear_scale_add(x[b], kernels[b], residual[b],
+                                                             -2.5), jnp.float32)
+  per_example = jax.vmap(jax.grad(loss("ffi", 1.5), argnums=1), in_axes=(0, None, 0))(
+      x, kernel, residual)
+  expected = jax.vmap(jax.grad(loss("xla", 1.5), argnums=1), in_axes=(0, None, 0))(
+      x, kernel, residual)
+  helpers.assert_close(per_example, helpers.as_f64(expected), jnp.float32)
+
+
+def test_shard_map_on_8_cpu_devices():
+  devices = jax.devices("cpu")
+  assert len(devices) == 8, "conftest asks XLA for 8 host devices"
+  mesh = Mesh(np.array(devices), ("data",))
+  x, kernel, residual = make_inputs(8, (32,), 16, 24, jnp.float32)
+
+  def sharded(implementation):
+    def f(x, k, r):
+      return jaxfuse.linear_scale_add(x, k, r, 0.5, implementation=implementation)
+    return compat.shard_map(f, mesh=mesh, in_specs=(P("data"), P(), P("data")),
+                            out_specs=P("data"))
+
+  out = jax.jit(sharded("ffi"))(x, kernel, residual)
+  helpers.assert_close(out, numpy_linear_scale_add(x, kernel, residual, 0.5), jnp.float32)
+
+  def total(implementation):
+    return lambda x, k, r: jnp.sum(jnp.sin(sharded(implementation)(x, k, r)))
+
+  grads = jax.jit(jax.grad(total("ffi"), argnums=(0, 1, 2)))(x, kernel, residual)
+  expected = jax.grad(total("xla"), argnums=(0, 1, 2))(x, kernel, residual)
+  for got, want in zip(grads, expected):
+    helpers.assert_close(got, helpers.as_f64(want), jnp.float32)
+
+
+# --- errors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, error, match", [
+    (((4, 8), (9, 5), (4, 5)), ValueError, r"x's last dimension \(8\) must equal kernel.shape\[0\] \(9\)"),
+    (((4, 8), (8, 5), (4, 6)), ValueError, r"residual must have shape \(4, 5\)"),
+    (((4, 8), (8, 5), (3, 5)), ValueError, r"residual must have shape \(4, 5\)"),
+    (((4, 8), (2, 8, 5), (4, 5)), ValueError, r"kernel must have rank 2 \(\[K, N\]\)"),
+    (((), (8, 5), (5,)), ValueError, r"x must have rank >= 1"),
+])
+def test_shape_errors_name_the_argument(args, error, match):
+  x, kernel, residual = (jnp.ones(s, jnp.float32) for s in args)
+  for implementation in ("ffi", "xla"):
+    with pytest.raises(error, match=match):
+      jaxfuse.linear_scale_add(x, kernel, residual, implementation=implementation)
+
+
+def test_dtype_errors_name_the_argument():
+  f32, bf16 = jnp.float32, jnp.bfloat16
+  with pytest.raises(TypeError, match=r"x must have dtype float32, bfloat16 or float16, got int32"):
+    jaxfuse.linear_scale_add(jnp.ones((2, 4), jnp.int32), jnp.ones((4, 3), f32), jnp.ones((2, 3), f32))
+  with pytest.raises(TypeError, match=r"kernel dtype float32 must equal x dtype bfloat16"):
+    jaxfuse.linear_scale_add(jnp.ones((2, 4), bf16), jnp.ones((4, 3), f32), jnp.ones((2, 3), f32))
+  with pytest.raises(TypeError, match=r"residual dtype must be x's dtype \(bfloat16\) or float32, got float16"):
+    jaxfuse.linear_scale_add(jnp.ones((2, 4), bf16), jnp.ones((4, 3), bf16),
+                             jnp.ones((2, 3), jnp.float16))
+  with pytest.raises(TypeError, match=r"residual must have dtype .* got float64|residual must have dtype"):
+    jaxfuse.linear_scale_add(jnp.ones((2, 4), f32), jnp.ones((4, 3), f32), np.ones((2, 3), np.int8))
+
+
+@pytest.mark.parametrize("alpha, match", [
+    (np.ones(2), r"alpha must be a real scalar, got ndarray with shape \(2,\)"),
+    ("2", r"alpha must be a real scalar, got str"),
+    (True, r"alpha must be a real scalar, got a bool"),
+])
+def test_alpha_must_be_a_real_scalar(alpha, match):
+  x, kernel, residual = make_inputs(9, (2,), 4, 3, jnp.float32)
+  with pytest.raises(TypeError, match=match):
+    jaxfuse.linear_scale_add(x, kernel, residual, alpha)
+
+
+def test_traced_alpha_is_rejected_with_a_clear_message():
+  x, kernel, residual = make_inputs(10, (2,), 4, 3, jnp.float32)
+  with pytest.raises(TypeError, match="alpha must be a static Python scalar"):
+    jax.jit(lambda a: jaxfuse.linear_scale_add(x, kernel, residual, a))(1.0)
+
+
+def test_numpy_and_0d_array_alphas_are_accepted():
+  x, kernel, residual = make_inputs(11, (2,), 4, 3, jnp.float32)
+  expected = numpy_linear_scale_add(x, kernel, residual, 2.0)
+  for alpha in (np.float32(2.0), np.array(2.0), jnp.asarray(2.0), 2):
+    helpers.assert_close(jaxfuse.linear_scale_add(x, kernel, residual, alpha,
+                                                  implementation="ffi"), expected, jnp.float32)
+
+
+# --- implementation choice ---------------------------------------------------------
+
+
+def test_implementation_choice(monkeypatch):
+  x, kernel, residual = make_inputs(12, (2,), 4, 3, jnp.float32)
+  lowered = lambda **kw: jax.jit(lambda *a: jaxfuse.linear_scale_add(*a, **kw)).lower(
+      x, kernel, residual).as_text()
+  assert "jaxfuse_linear_scale_add" not in lowered()  # CPU default: the reference
+  monkeypatch.setenv("JAXFUSE_IMPLEMENTATION", "ffi")
+  assert "jaxfuse_linear_scale_add" in lowered()
+  assert "jaxfuse_linear_scale_add" not in lowered(implementation="xla")  # argument wins
+  monkeypatch.setenv("JAXFUSE_IMPLEMENTATION", "cuda")
+  with pytest.raises(ValueError, match=r"JAXFUSE_IMPLEMENTATION must be one of \('ffi', 'xla'\)"):
+    lowered()
+  with pytest.raises(ValueError, match=r"implementation must be one of"):
+    lowered(implementation="triton")
+
+
+# --- GPU only ----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_default_implementation_is_ffi():
+  x, kernel, residual = make_inputs(13, (8,), 16, 16, jnp.bfloat16)
+  hlo = jax.jit(lambda *a: jaxfuse.linear_scale_add(*a)).lower(x, kernel, residual).as_text()
+  assert "jaxfuse_linear_scale_add" in hlo
+
+
+_COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxfuse
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((256, 512)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((512, 384)) / 20, jnp.bfloat16)
+    r = jnp.asarray(rng.standard_normal((256, 384)), jnp.bfloat16)
+    def step(x, k, r):
+      out = jaxfuse.linear_scale_add(x, k, r, -0.5, implementation="ffi")
+      g = jax.grad(lambda x, k, r: jnp.sum(jaxfuse.linear_scale_add(
+          x, k, r, -0.5, implementation="ffi").astype(jnp.float32) ** 2), argnums=(0, 1))(x, k, r)
+      return out, *g
+    f = jax.jit(step)
+    results = [f(x, k, r) for _ in range(3)]  # replays
+    np.save(sys.argv[1], np.concatenate([np.asarray(a, np.float32).ravel() for a in results[-1]]))
+""")
+
+
+@pytest.mark.gpu
+def test_identical_results_with_cuda_graphs_for_custom_calls(tmp_path):
+  outputs = {}
+  for name, flags in (("plain", "--xla_gpu_enable_command_buffer="),
+                      ("graphs", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
+                                 "--xla_gpu_graph_min_graph_size=1")):
+    path = tmp_path / f"{name}.npy"
+    env = dict(os.environ, XLA_FLAGS=flags)
+    subprocess.run([sys.executable, "-c", _COMMAND_BUFFER_SCRIPT, str(path)], env=env,
+                   check=True, timeout=300)
+    outputs[name] = np.load(path)
+  np.testing.assert_array_equal(outputs["plain"], outputs["graphs"])

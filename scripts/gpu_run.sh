@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# One complete GPU run on the H200 (the device machine): build jaxfuse there against its
+# jaxlib, run the gpu-marked tests, the benchmarks and the stand-alone checks, and leave
+# logs and result JSON under $OUT (at most 8 files come back: everything is tarred).
+#
+#   scripts/gpu_run.sh [build] [test] [bench] [sanitize] [check] [NAME.py ...]
+#
+# With no stage named, runs build test bench. Wheels missing on the machine (nvidia-cutlass)
+# travel in .whl/ (carry it). Every later GPU claim in this repository comes from this script.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+# GPU_RUN_FROM_HEAD=1: run on the committed tree only (what the results will cite), not on
+# uncommitted work that traveled with the working tree.
+if [ "${GPU_RUN_FROM_HEAD:-0}" = 1 ] && git rev-parse HEAD >/dev/null 2>&1; then
+  export JAXFUSE_COMMIT=$(git rev-parse HEAD)
+  rm -rf /tmp/jaxfuse-head && mkdir -p /tmp/jaxfuse-head
+  git archive HEAD | tar x -C /tmp/jaxfuse-head
+  [ -d .whl ] && cp -r .whl /tmp/jaxfuse-head/
+  cd /tmp/jaxfuse-head && exec env GPU_RUN_FROM_HEAD=0 OUT="$OUT" bash scripts/gpu_run.sh "$@"
+fi
+mkdir -p "$OUT/logs"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(build test bench)
+status=0
+
+log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$OUT/summary.txt"; }
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export JAXFUSE_COMMIT=${JAXFUSE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+log "commit $JAXFUSE_COMMIT; $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null)"
+
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    build)
+      log "build"
+      # The machine's jaxlib provides the FFI headers; no build isolation.
+      CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} \
+        $PY -m pip install --no-build-isolation --no-deps -v -e . >"$OUT/logs/build.log" 2>&1 \
+        || { status=1; log "BUILD FAILED"; tail -50 "$OUT/logs/build.log"; break; }
+      $PY -c "import jaxfuse, json; print(json.dumps(jaxfuse.build_info()))" | tee -a "$OUT/summary.txt"
+      ;;
+    test)
+      log "pytest -m gpu"
+      $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs tests 2>&1 | tee "$OUT/logs/gpu_tests.log" | tail -40
+      [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; log "GPU TESTS FAILED"; }
+      ;;
+    bench)
+      for script in benchmarks/bench_*.py; do
+        name=$(basename "$script" .py)
+        log "benchmark $name"
+        timeout 300 $PY -m "benchmarks.$name" 2>&1 | tee "$OUT/logs/$name.log" | tail -25
+        [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; log "BENCHMARK $name FAILED"; }
+      done
+      ;;
+    sanitize)
+      log "compute-sanitizer memcheck (gpu tests marked sanitize)"
+      compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+        $PY -m pytest -m "gpu and sanitize" -q -p no:cacheprovider tests \
+        >"$OUT/logs/sanitizer.log" 2>&1
+      rc=$?; tail -30 "$OUT/logs/sanitizer.log"
+      [ $rc -eq 0 ] || { status=1; log "SANITIZER FAILED rc=$rc"; }
+      ;;
+    check)
+      for source in cuda/gpu/*/check_*.cu; do
+        [ -e "$source" ] || continue
+        name=$(basename "$source" .cu)
+        log "stand-alone $name"
+        cutlass=$($PY -c "import cutlass_library,os;print(os.path.dirname(cutlass_library.__file__)+'/source')")
+        nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
+          -Icuda/include -I"$cutlass/include" -I"$cutlass/tools/util/include" \
+          "$source" $(ls "$(dirname "$source")"/*.cu | grep -v /check_) -o "/tmp/$name" -lcuda \
+          >"$OUT/logs/$name.build.log" 2>&1 && "/tmp/$name" 2>&1 | tee "$OUT/logs/$name.log" | tail -40
+      done
+      ;;
+    *.py)
+      log "script $stage"
+      $PY "$stage" 2>&1 | tee "$OUT/logs/$(basename "$stage" .py).log" | tail -30
+      ;;
+    *) log "unknown stage $stage"; status=1 ;;
+  esac
+done
+
+# Results written by the benchmarks during this run, and all logs, as two archives.
+find benchmarks/results -name '*.json' -newer "$OUT/summary.txt" >/tmp/new_results 2>/dev/null
+[ -s /tmp/new_results ] && tar czf "$OUT/results.tar.gz" -T /tmp/new_results
+tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
+log "done status=$status" 2>/dev/null || echo "done status=$status"
+exit $status

@@ -38,7 +38,6 @@ namespace py = pybind11;
 JAXFUSE_CPU_HANDLERS(JAXFUSE_DECLARE_CPU)
 
 #if defined(JAXFUSE_WITH_CUDA)
-#define JAXFUSE_DECLARE_NULLABLE(symbol) XLA_FFI_DECLARE_HANDLER_SYMBOL(symbol);
 #define JAXFUSE_DECLARE_CUDA(name, instantiate, initialize, execute) \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(instantiate);                      \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(initialize);                       \
@@ -54,7 +53,8 @@ namespace {
 
 template <typename T>
 py::capsule Capsule(T* pointer) {
-  return py::capsule(reinterpret_cast<void*>(pointer));
+  // XLA only reads through these pointers; pybind11 capsules hold a void*.
+  return py::capsule(const_cast<void*>(reinterpret_cast<const void*>(pointer)));
 }
 
 // {"cpu": {name: capsule}, "CUDA": {name: {"instantiate": ..., "execute": ...}}}

@@ -10,14 +10,17 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
-# GPU_RUN_FROM_HEAD=1: run on the committed tree only (what the results will cite), not on
-# uncommitted work that traveled with the working tree.
-if [ "${GPU_RUN_FROM_HEAD:-0}" = 1 ] && git rev-parse HEAD >/dev/null 2>&1; then
-  export JAXFUSE_COMMIT=$(git rev-parse HEAD)
+# Run on a committed tree only (what the results cite), not on uncommitted work that
+# traveled with the working tree: scripts/prepare_gpu_run.sh packs `git archive HEAD` into
+# .gpu_src/ (carry it); git history itself does not travel to the device machine.
+if [ -f .gpu_src/head.tar ] && [ "${GPU_RUN_FROM_WORKTREE:-0}" != 1 ]; then
+  export JAXFUSE_COMMIT=$(cat .gpu_src/COMMIT)
   rm -rf /tmp/jaxfuse-head && mkdir -p /tmp/jaxfuse-head
-  git archive HEAD | tar x -C /tmp/jaxfuse-head
+  tar xf .gpu_src/head.tar -C /tmp/jaxfuse-head
   [ -d .whl ] && cp -r .whl /tmp/jaxfuse-head/
-  cd /tmp/jaxfuse-head && exec env GPU_RUN_FROM_HEAD=0 OUT="$OUT" bash scripts/gpu_run.sh "$@"
+  # Keep the build directory between calls on a warm machine.
+  mkdir -p build && ln -sfn "$PWD/build" /tmp/jaxfuse-head/build
+  cd /tmp/jaxfuse-head && exec env GPU_RUN_FROM_WORKTREE=1 OUT="$OUT" bash scripts/gpu_run.sh "$@"
 fi
 mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1

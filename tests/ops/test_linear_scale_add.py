@@ -113,9 +113,12 @@ def loss(implementation, alpha):
 def test_gradients_match_float64(backend, alpha, dtype):
   x, kernel, residual = on(backend, *make_inputs(3, (3, 4), 24, 16, dtype))
   grads = jax.jit(jax.grad(loss("ffi", alpha), argnums=(0, 1, 2)))(x, kernel, residual)
-  # float64 numpy: out = r + a x k; dL/dout = cos(out).
-  x64, k64, r64 = map(helpers.as_f64, (x, kernel, residual))
-  d_out = np.cos(r64 + alpha * x64 @ k64)
+  # float64 numpy: dL/dout = cos(out), evaluated at the forward output the op produced
+  # (rounded to dtype; re-deriving it in float64 would move cos by up to an ulp of out),
+  # and rounded to dtype as the cotangent of out.astype(float32) is.
+  out = jaxfuse.linear_scale_add(x, kernel, residual, alpha, implementation="ffi")
+  d_out = helpers.as_f64(jnp.asarray(np.cos(helpers.as_f64(out)), dtype))
+  x64, k64 = helpers.as_f64(x), helpers.as_f64(kernel)
   expected = (alpha * d_out @ k64.T,
               alpha * x64.reshape(-1, 24).T @ d_out.reshape(-1, 16),
               d_out)

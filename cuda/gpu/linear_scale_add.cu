@@ -157,13 +157,16 @@ ffi::ErrorOr<std::unique_ptr<MatmulState>> MakeState(const ffi::AnyBuffer& a,
                                                      const ffi::AnyBuffer& workspace,
                                                      bool transpose_a, bool transpose_b) {
   auto state = std::make_unique<MatmulState>();
+  // ffi::Unexpected: jaxlib 0.10's ErrorOr has no implicit conversion from Error.
   if (auto error = ParseMatmulProblem(a, b, c, out, transpose_a, transpose_b, &state->problem);
       error.failure()) {
-    return error;
+    return ffi::Unexpected<ffi::Error>(std::move(error));
   }
   state->accumulate = c != nullptr;
   state->workspace_bytes = workspace.size_bytes();
-  if (auto error = state->BuildDescriptors(); error.failure()) return error;
+  if (auto error = state->BuildDescriptors(); error.failure()) {
+    return ffi::Unexpected<ffi::Error>(std::move(error));
+  }
   return std::move(state);
 }
 

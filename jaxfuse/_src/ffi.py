@@ -75,6 +75,28 @@ def _preload_cublaslt() -> None:
           continue
 
 
+def _version_prefix(version: str) -> tuple[int, int]:
+  major, minor = version.split(".")[:2]
+  return int(major), int(minor)
+
+
+def check_runtime_jaxlib() -> None:
+  """Refuses a jaxlib older than the one whose FFI headers the handlers were built with.
+
+  Each jaxlib minor release may speak a newer XLA FFI API (0.10: 0.3, 0.11: 0.4); an older
+  runtime rejects the handlers with an error far from the cause.
+  """
+  import jaxlib
+  built = build_info()["jaxlib_version"]
+  running = jaxlib.__version__
+  if _version_prefix(running) < _version_prefix(built):
+    raise RuntimeError(
+        f"jaxfuse's handlers were built against jaxlib {built}'s XLA FFI headers, but this "
+        f"process runs jaxlib {running}, which speaks an older FFI API. Rebuild against the "
+        "installed jaxlib: pip install --no-build-isolation --force-reinstall --no-deps "
+        "<path to jaxfuse>")
+
+
 def _register_platform(platform: str) -> None:
   extension = require_extension()
   for name, registration in extension.types().get(platform, {}).items():
@@ -91,6 +113,7 @@ def ensure_registered() -> None:
   with _lock:
     if _registered:
       return
+    check_runtime_jaxlib()
     jax.devices()  # start the backends before registering anything
     _register_platform("cpu")
     if cuda_built() and compat.has_cuda_backend():

@@ -18,8 +18,8 @@
 #endif
 static_assert(XLA_FFI_API_MAJOR == 0 && XLA_FFI_API_MINOR <= JAXFUSE_MAX_FFI_API_MINOR,
               "jaxfuse: the XLA FFI headers are newer than the FFI API the supported jaxlib "
-              "runtimes speak (0.4 for jaxlib 0.10/0.11). Build against jaxlib<0.12, or raise "
-              "JAXFUSE_MAX_FFI_API_MINOR together with the jaxlib pin.");
+              "runtimes speak (0.3 for jaxlib 0.10, 0.4 for jaxlib 0.11). Build against "
+              "jaxlib<0.12, or raise JAXFUSE_MAX_FFI_API_MINOR together with the jaxlib pin.");
 
 namespace jaxfuse {
 

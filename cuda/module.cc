@@ -14,14 +14,19 @@
 namespace jaxfuse::cublaslt {
 size_t LoadedVersion();
 }
+namespace jaxfuse {
+size_t GroupedGemmWorkspaceBytes(int32_t form, int32_t a_type, int32_t b_type, int64_t m,
+                                 int64_t k, int64_t n, int64_t groups, int sm_count);
+}
 #endif
 
 namespace py = pybind11;
 
 // --- registry: CPU handlers ---------------------------------------------------------
-#define JAXFUSE_CPU_HANDLERS(X)                        \
+#define JAXFUSE_CPU_HANDLERS(X)                           \
   X("jaxfuse_linear_scale_add", JaxfuseLinearScaleAddCpu) \
-  X("jaxfuse_scaled_matmul", JaxfuseScaledMatmulCpu)
+  X("jaxfuse_scaled_matmul", JaxfuseScaledMatmulCpu)      \
+  X("jaxfuse_grouped_gemm", JaxfuseGroupedGemmCpu)
 
 // --- registry: CUDA handlers (name, instantiate, initialize, execute) ---------------
 #define JAXFUSE_CUDA_HANDLERS(X)                                                   \
@@ -29,6 +34,11 @@ namespace py = pybind11;
     JaxfuseMatmulInitializeCuda, JaxfuseLinearScaleAddCuda)                       \
   X("jaxfuse_scaled_matmul", JaxfuseScaledMatmulInstantiateCuda,                   \
     JaxfuseMatmulInitializeCuda, JaxfuseScaledMatmulCuda)
+
+// --- registry: stateless CUDA handlers (name, execute) ------------------------------
+#define JAXFUSE_CUDA_STATELESS_HANDLERS(X)                 \
+  X("jaxfuse_grouped_gemm", JaxfuseGroupedGemmCuda)        \
+  X("jaxfuse_grouped_gemm_fp8", JaxfuseGroupedGemmFp8Cuda)
 
 // --- registry: CUDA state types (name, type id function, type info function) --------
 #define JAXFUSE_CUDA_TYPES(X) \
@@ -43,6 +53,7 @@ JAXFUSE_CPU_HANDLERS(JAXFUSE_DECLARE_CPU)
   XLA_FFI_DECLARE_HANDLER_SYMBOL(initialize);                       \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(execute);
 JAXFUSE_CUDA_HANDLERS(JAXFUSE_DECLARE_CUDA)
+JAXFUSE_CUDA_STATELESS_HANDLERS(JAXFUSE_DECLARE_CPU)
 #define JAXFUSE_DECLARE_TYPE(name, type_id, type_info) \
   XLA_FFI_DECLARE_TYPE_ID_SYMBOL(type_id);             \
   XLA_FFI_DECLARE_TYPE_INFO_SYMBOL(type_info);
@@ -75,6 +86,8 @@ py::dict Handlers() {
     cuda[name] = stages;                                                    \
   }
   JAXFUSE_CUDA_HANDLERS(JAXFUSE_ADD_CUDA)
+#define JAXFUSE_ADD_CUDA_STATELESS(name, execute) cuda[name] = Capsule(execute);
+  JAXFUSE_CUDA_STATELESS_HANDLERS(JAXFUSE_ADD_CUDA_STATELESS)
   handlers["CUDA"] = cuda;
 #endif
   return handlers;
@@ -134,6 +147,17 @@ size_t LoadedCublasLtVersion() {
 #endif
 }
 
+// Scratch bytes of the CUDA grouped GEMM (0 without the CUDA part). Types: 0 bf16, 1 f16,
+// 2 float8_e4m3fn, 3 float8_e5m2; forms: 0 forward, 1 dgrad, 2 wgrad.
+size_t GroupedGemmWorkspaceBytes(int32_t form, int32_t a_type, int32_t b_type, int64_t m,
+                                 int64_t k, int64_t n, int64_t groups, int sm_count) {
+#if defined(JAXFUSE_WITH_CUDA)
+  return jaxfuse::GroupedGemmWorkspaceBytes(form, a_type, b_type, m, k, n, groups, sm_count);
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_jaxfuse, module) {
@@ -141,6 +165,10 @@ PYBIND11_MODULE(_jaxfuse, module) {
   module.def("handlers", &Handlers, "FFI handler capsules per platform");
   module.def("types", &Types, "FFI state types per platform");
   module.def("build_info", &BuildInfo, "What this extension was built with");
+  module.def("grouped_gemm_workspace_bytes", &GroupedGemmWorkspaceBytes, py::arg("form"),
+             py::arg("a_type"), py::arg("b_type"), py::arg("m"), py::arg("k"), py::arg("n"),
+             py::arg("groups"), py::arg("sm_count"),
+             "Scratch bytes the CUDA grouped GEMM needs (0 without the CUDA part)");
   module.def("loaded_cublaslt_version", &LoadedCublasLtVersion,
              "Version of the cuBLASLt library opened at run time, 0 if none");
 }

@@ -8,6 +8,7 @@ variable overrides that default for the whole process.
 """
 
 from jaxfuse._src.ffi import build_info as _build_info
+from jaxfuse._src.ops.grouped_linear.api import grouped_linear
 from jaxfuse._src.ops.linear_scale_add.api import linear_scale_add
 
 __version__ = "0.1.0"
@@ -24,4 +25,4 @@ def build_info() -> dict:
   return dict(_build_info())
 
 
-__all__ = ["build_info", "linear_scale_add"]
+__all__ = ["build_info", "grouped_linear", "linear_scale_add"]

@@ -40,3 +40,22 @@ def assert_close(actual, expected, dtype, *, scale=None, msg: str = "") -> None:
     scale = max(np.abs(expected).max(initial=0.0), 1e-30)
   error = np.abs(actual - expected).max(initial=0.0) / scale
   assert error <= rtol(dtype), f"{msg} relative error {error:.3g} > {rtol(dtype):.3g} ({dtype})"
+
+
+def count_primitives(jaxpr, predicate) -> int:
+  """Equations of a (closed) jaxpr, sub-jaxprs included, for which predicate(eqn) holds."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  count = 0
+  for eqn in jaxpr.eqns:
+    if predicate(eqn):
+      count += 1
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+          count += count_primitives(sub, predicate)
+  return count
+
+
+def ffi_target(name: str):
+  """Predicate for count_primitives: an ffi_call of the given target."""
+  return lambda eqn: eqn.primitive.name == "ffi_call" and eqn.params.get("target_name") == name

@@ -1,0 +1,149 @@
+"""Grouped GEMM (MoE expert layer): jaxfuse vs jax.lax.ragged_dot vs torch._grouped_mm.
+
+Forward (x_g @ W_g), dgrad (dy_g @ W_g^T) and wgrad (x_g^T @ dy_g) TFLOP/s, bf16, on the
+issue's cases, plus a dense bf16 GEMM of the same total size through XLA as the ceiling,
+all in one process on one GPU. FLOPs count routed rows only: 2 * sum(sizes) * K * N.
+
+    python -m benchmarks.bench_grouped_linear [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import common
+from jaxfuse._src.ops.grouped_linear import api as grouped_api
+from jaxfuse._src.ops.grouped_linear import ffi as grouped_ffi
+
+K, N = 2048, 4096
+CASES = {
+    "8x8192 uniform": [8192] * 8,
+    "8x8192 skewed, one empty": [16384, 12288, 0, 8192, 8192, 8192, 6144, 6144],
+    "64x512": [512] * 64,
+    "128x512": [512] * 128,
+}
+FORMS = ("fwd", "dgrad", "wgrad")
+
+
+def jaxfuse_steps(x, w, dy, offsets):
+  fwd = jax.jit(lambda x, w, o: grouped_ffi.grouped_gemm(x, w, o, form=grouped_ffi.FORWARD))
+  dgrad = jax.jit(lambda dy, w, o: grouped_ffi.grouped_gemm(dy, w, o, form=grouped_ffi.DGRAD))
+  wgrad = jax.jit(lambda x, dy, o: grouped_ffi.grouped_gemm(x, dy, o, form=grouped_ffi.WGRAD))
+  return {"fwd": (fwd, (x, w, offsets)), "dgrad": (dgrad, (dy, w, offsets)),
+          "wgrad": (wgrad, (x, dy, offsets))}
+
+
+def ragged_dot_steps(x, w, dy, sizes):
+  fwd = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s))
+  # XLA's own backward of ragged_dot: dgrad and wgrad as jax.vjp derives them.
+  def dgrad(x, w, s, dy):
+    return jax.vjp(lambda x: jax.lax.ragged_dot(x, w, s), x)[1](dy)[0]
+  def wgrad(x, w, s, dy):
+    return jax.vjp(lambda w: jax.lax.ragged_dot(x, w, s), w)[1](dy)[0]
+  return {"fwd": (fwd, (x, w, sizes)), "dgrad": (jax.jit(dgrad), (x, w, sizes, dy)),
+          "wgrad": (jax.jit(wgrad), (x, w, sizes, dy))}
+
+
+def time_jax(fn, args, calls):
+  return common.time_fn(fn, [args] * calls)["median_ms"]
+
+
+def time_torch(fn, calls):
+  import torch
+  for _ in range(3):
+    fn()
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(calls):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    times.append(start.elapsed_time(end))
+  return statistics.median(times)
+
+
+def torch_times(sizes, calls):
+  try:
+    import torch
+  except ImportError:
+    return {form: None for form in FORMS}
+  m = sum(sizes)
+  g = len(sizes)
+  x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+  w = torch.randn(g, K, N, device="cuda", dtype=torch.bfloat16) / K**0.5
+  dy = torch.randn(m, N, device="cuda", dtype=torch.bfloat16)
+  offs = torch.tensor(np.cumsum(sizes), device="cuda", dtype=torch.int32)
+  w_t = w.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major per group, as torch prefers
+  fns = {
+      "fwd": lambda: torch._grouped_mm(x, w_t, offs=offs),
+      "dgrad": lambda: torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs),
+      "wgrad": lambda: torch._grouped_mm(x.t(), dy, offs=offs),
+  }
+  out = {}
+  for form, fn in fns.items():
+    try:
+      out[form] = time_torch(fn, calls)
+    except Exception as error:  # report, keep going
+      print(f"torch._grouped_mm {form} failed: {error}")
+      out[form] = None
+  del x, w, dy
+  torch.cuda.empty_cache()
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--quick", action="store_true")
+  args = parser.parse_args()
+  calls = 5 if args.quick else 20
+  rows = []
+  # Dense ceiling: one bf16 GEMM of 65536 x 2048 x 4096 through XLA, same run.
+  a = jax.random.normal(jax.random.key(0), (65536, K), jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(1), (K, N), jnp.bfloat16)
+  dense_ms = time_jax(jax.jit(jnp.matmul), (a, b), calls)
+  dense_tflops = 2 * 65536 * K * N / (dense_ms * 1e-3) / 1e12
+  del a, b
+  print(f"dense XLA bf16 65536x{K}x{N}: {dense_ms:.3f} ms, {dense_tflops:.1f} TFLOP/s", flush=True)
+  for name, sizes in CASES.items():
+    m, g = sum(sizes), len(sizes)
+    key = jax.random.key(m + g)
+    kx, kw, kd = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (m, K), jnp.bfloat16)
+    w = (jax.random.normal(kw, (g, K, N)) / K**0.5).astype(jnp.bfloat16)
+    dy = jax.random.normal(kd, (m, N), jnp.bfloat16)
+    sizes_array = jnp.asarray(sizes, jnp.int32)
+    offsets = grouped_api.group_offsets(sizes_array)
+    flops = 2 * m * K * N
+    results = {"jaxfuse": {}, "ragged_dot": {}}
+    for form, (fn, fn_args) in jaxfuse_steps(x, w, dy, offsets).items():
+      results["jaxfuse"][form] = time_jax(fn, fn_args, calls)
+    for form, (fn, fn_args) in ragged_dot_steps(x, w, dy, sizes_array).items():
+      results["ragged_dot"][form] = time_jax(fn, fn_args, max(3, calls // 4))
+    del x, w, dy
+    results["torch"] = torch_times(sizes, calls)
+    for form in FORMS:
+      row = {"case": name, "groups": g, "rows": m, "K": K, "N": N, "form": form}
+      for impl, times in results.items():
+        ms = times[form]
+        row[f"{impl}_ms"] = ms
+        row[f"{impl}_tflops"] = flops / (ms * 1e-3) / 1e12 if ms else None
+      row["jaxfuse_vs_dense"] = row["jaxfuse_tflops"] / dense_tflops
+      row["jaxfuse_vs_torch"] = (row["torch_ms"] / row["jaxfuse_ms"]) if row["torch_ms"] else None
+      rows.append(row)
+      print(row, flush=True)
+  common.print_table(rows, ["case", "form", "jaxfuse_tflops", "torch_tflops",
+                            "ragged_dot_tflops", "jaxfuse_vs_dense", "jaxfuse_vs_torch"])
+  common.write_results("grouped_linear", rows, dtype="bfloat16", dense_xla_tflops=dense_tflops,
+                       baselines="jax.lax.ragged_dot (XLA) and torch._grouped_mm, same run")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,476 @@
+// Stand-alone correctness + timing check of the jaxfuse grouped GEMM (needs an sm_90a GPU).
+// Not part of the library build (its name starts with check_). Build, e.g.:
+//   nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
+//     -I cuda/include -I <cutlass>/include cuda/gpu/grouped_gemm/*.cu -o check_grouped_gemm
+// Run: ./check_grouped_gemm [--no-perf | --perf-only]. Exit status 0 iff every case passed.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "jaxfuse/grouped_gemm.h"
+
+namespace gg = jaxfuse::grouped_gemm;
+
+#define CHECK_CUDA(expr)                                                                 \
+  do {                                                                                   \
+    cudaError_t e_ = (expr);                                                             \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #expr,               \
+                   cudaGetErrorString(e_));                                              \
+      std::exit(2);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+static int g_failures = 0;
+static int g_sm_count = 0;
+
+// ---------------------------------------------------------------------------------------------
+// Element helpers.
+
+template <class T> __host__ __device__ float ToFloat(T v);
+template <> __host__ __device__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __host__ __device__ float ToFloat(__half v) { return __half2float(v); }
+template <> __host__ __device__ float ToFloat(__nv_fp8_e4m3 v) { return float(v); }
+template <> __host__ __device__ float ToFloat(__nv_fp8_e5m2 v) { return float(v); }
+template <class T> __device__ T FromFloat(float v) { return T(v); }
+template <> __device__ __nv_bfloat16 FromFloat(float v) { return __float2bfloat16(v); }
+template <> __device__ __half FromFloat(float v) { return __float2half(v); }
+
+template <class T> gg::ElementType TypeOf();
+template <> gg::ElementType TypeOf<__nv_bfloat16>() { return gg::ElementType::kBF16; }
+template <> gg::ElementType TypeOf<__half>() { return gg::ElementType::kF16; }
+template <> gg::ElementType TypeOf<__nv_fp8_e4m3>() { return gg::ElementType::kFloat8E4M3; }
+template <> gg::ElementType TypeOf<__nv_fp8_e5m2>() { return gg::ElementType::kFloat8E5M2; }
+
+__device__ uint32_t Hash(uint64_t x) {
+  x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return static_cast<uint32_t>(x);
+}
+
+template <class T>
+__global__ void FillRandom(T* p, int64_t count, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    float u = (Hash(seed * 0x9E3779B97F4A7C15ULL + i) & 0xFFFFFF) / float(0xFFFFFF);
+    p[i] = FromFloat<T>((2.0f * u - 1.0f) * scale);
+  }
+}
+
+template <class T>
+void Fill(T* p, int64_t count, uint64_t seed, float scale) {
+  FillRandom<T><<<1024, 256>>>(p, count, seed, scale);
+  CHECK_CUDA(cudaGetLastError());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Naive references (fp32 accumulation).
+
+// Row-ragged: out[r][j] = alpha[g] * sum_kk a[r][kk] * B_g(kk, j), zero where row_group < 0.
+// b_k_major: B_g(kk, j) = b[g][j][kk] (dgrad, FP8 forward); else b[g][kk][j] (forward).
+template <class TA, class TB>
+__global__ void RefRows(const TA* a, const TB* b, float* out, const int* row_group, int64_t m,
+                        int64_t K, int64_t N, bool b_k_major, const float* alpha) {
+  int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (idx >= m * N) return;
+  int64_t r = idx / N, j = idx % N;
+  int g = row_group[r];
+  if (g < 0) { out[idx] = 0.f; return; }
+  const TB* bg = b + int64_t(g) * K * N;
+  float acc = 0.f;
+  for (int64_t kk = 0; kk < K; ++kk) {
+    float bv = b_k_major ? ToFloat(bg[j * K + kk]) : ToFloat(bg[kk * N + j]);
+    acc += ToFloat(a[r * K + kk]) * bv;
+  }
+  out[idx] = alpha ? alpha[g] * acc : acc;
+}
+
+// Wgrad: dw[g][i][j] = sum_{r in group g} x[r][i] * dy[r][j].
+template <class T>
+__global__ void RefWgrad(const T* x, const T* dy, float* out, const int64_t* lo_hi, int G,
+                         int64_t k, int64_t n) {
+  int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (idx >= int64_t(G) * k * n) return;
+  int g = int(idx / (k * n));
+  int64_t rest = idx % (k * n), i = rest / n, j = rest % n;
+  float acc = 0.f;
+  for (int64_t r = lo_hi[2 * g]; r < lo_hi[2 * g + 1]; ++r) acc += ToFloat(x[r * k + i]) * ToFloat(dy[r * n + j]);
+  out[idx] = acc;
+}
+
+template <class TO>
+__global__ void ToFloatKernel(const TO* in, float* out, int64_t count) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = ToFloat(in[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host semantics of the offsets: clamp to [0, m], running max.
+
+std::vector<int64_t> Clamp(const std::vector<int32_t>& offsets, int64_t m) {
+  std::vector<int64_t> c(offsets.size());
+  int64_t run = 0;
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    int64_t v = std::min<int64_t>(std::max<int64_t>(offsets[i], 0), m);
+    run = std::max(run, v);
+    c[i] = run;
+  }
+  return c;
+}
+
+std::vector<int32_t> OffsetsFromSizes(const std::vector<int>& sizes) {
+  std::vector<int32_t> o(sizes.size() + 1, 0);
+  for (size_t i = 0; i < sizes.size(); ++i) o[i + 1] = o[i] + sizes[i];
+  return o;
+}
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t b) : bytes(b) { CHECK_CUDA(cudaMalloc(&ptr, std::max<size_t>(b, 256))); }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  template <class T> T* as() const { return static_cast<T*>(ptr); }
+};
+
+// Compares out (any type) against ref (float); `must_be_zero[i]` marks outputs that must be
+// exactly zero. Prints and records PASS/FAIL.
+template <class TO>
+void Compare(const std::string& name, const TO* out, const float* ref, int64_t count,
+             const std::vector<char>& must_be_zero, double tol) {
+  DeviceBuffer as_float(count * sizeof(float));
+  ToFloatKernel<TO><<<1024, 256>>>(out, as_float.as<float>(), count);
+  CHECK_CUDA(cudaGetLastError());
+  std::vector<float> h_out(count), h_ref(count);
+  CHECK_CUDA(cudaMemcpy(h_out.data(), as_float.ptr, count * sizeof(float), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(h_ref.data(), ref, count * sizeof(float), cudaMemcpyDeviceToHost));
+  double max_ref = 0, max_err = 0;
+  int64_t bad_zero = 0, nans = 0;
+  for (int64_t i = 0; i < count; ++i) max_ref = std::max(max_ref, double(std::fabs(h_ref[i])));
+  for (int64_t i = 0; i < count; ++i) {
+    if (std::isnan(h_out[i]) || std::isinf(h_out[i])) { ++nans; continue; }
+    if (must_be_zero[i]) {
+      if (h_out[i] != 0.0f) ++bad_zero;
+      continue;
+    }
+    max_err = std::max(max_err, double(std::fabs(h_out[i] - h_ref[i])));
+  }
+  double rel = max_ref > 0 ? max_err / max_ref : max_err;
+  bool pass = nans == 0 && bad_zero == 0 && rel <= tol;
+  if (!pass) ++g_failures;
+  std::printf("%-64s max_rel_err=%.3e (max|ref|=%.3g) nonzero_in_zero_region=%lld nan=%lld  %s\n",
+              name.c_str(), rel, max_ref, (long long)bad_zero, (long long)nans,
+              pass ? "PASS" : "FAIL");
+}
+
+// ---------------------------------------------------------------------------------------------
+// One correctness case.
+
+struct Case {
+  std::string name;
+  int64_t m, k, n;
+  std::vector<int32_t> offsets;  // G+1 entries (possibly hostile)
+};
+
+template <class TA, class TB, class TO>
+void RunCase(const Case& c, gg::Form form, gg::TileConfig config, bool use_graph) {
+  const int G = int(c.offsets.size()) - 1;
+  const int64_t m = c.m, k = c.k, n = c.n;
+  const bool fp8 = sizeof(TA) == 1;
+  const char* form_name = form == gg::Form::kForward ? "fwd" : form == gg::Form::kDgrad ? "dgrad" : "wgrad";
+  std::string name = c.name + " " + form_name + (config == gg::TileConfig::kLarge ? " large" : config == gg::TileConfig::kSmall ? " small" : " auto");
+  name += fp8 ? (sizeof(TA) == 1 && TypeOf<TA>() == gg::ElementType::kFloat8E5M2 ? " e5m2xe4m3" : " e4m3xe4m3")
+              : (TypeOf<TA>() == gg::ElementType::kBF16 ? " bf16" : " f16");
+  if (use_graph) name += " graph";
+
+  // Operands.
+  int64_t a_count, b_count, out_count;
+  if (form == gg::Form::kForward) { a_count = m * k; b_count = G * k * n; out_count = m * n; }
+  else if (form == gg::Form::kDgrad) { a_count = m * n; b_count = G * k * n; out_count = m * k; }
+  else { a_count = m * k; b_count = m * n; out_count = G * k * n; }
+  DeviceBuffer a(a_count * sizeof(TA)), b(b_count * sizeof(TB)), out(out_count * sizeof(TO));
+  DeviceBuffer ref(out_count * sizeof(float));
+  Fill<TA>(a.as<TA>(), a_count, 11, fp8 ? 4.f : 1.f);
+  Fill<TB>(b.as<TB>(), b_count, 23, fp8 ? 4.f : 1.f);
+  DeviceBuffer d_off((G + 1) * sizeof(int32_t));
+  DeviceBuffer scale_a(G * sizeof(float)), scale_b(G * sizeof(float)), alpha(G * sizeof(float));
+  std::vector<float> h_sa(G), h_sb(G), h_alpha(G);
+  for (int g = 0; g < G; ++g) {
+    h_sa[g] = 0.25f + 0.01f * (g % 17);
+    h_sb[g] = 0.5f + 0.02f * (g % 5);
+    h_alpha[g] = h_sa[g] * h_sb[g];
+  }
+  CHECK_CUDA(cudaMemcpy(scale_a.ptr, h_sa.data(), G * sizeof(float), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(scale_b.ptr, h_sb.data(), G * sizeof(float), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(alpha.ptr, h_alpha.data(), G * sizeof(float), cudaMemcpyHostToDevice));
+
+  gg::Problem p{};
+  p.form = form;
+  p.a_type = TypeOf<TA>();
+  p.b_type = TypeOf<TB>();
+  p.out_type = TypeOf<TO>();
+  p.m = m; p.k = k; p.n = n;
+  p.num_groups = G;
+  p.group_offsets = d_off.as<int32_t>();
+  p.a = a.ptr; p.b = b.ptr; p.out = out.ptr;
+  p.a_scale_inv = fp8 ? scale_a.as<float>() : nullptr;
+  p.b_scale_inv = fp8 ? scale_b.as<float>() : nullptr;
+  p.tile_config = config;
+  if (!gg::IsSupported(p)) {
+    ++g_failures;
+    std::printf("%-64s IsSupported=false  FAIL\n", name.c_str());
+    return;
+  }
+  size_t ws_bytes = gg::WorkspaceBytes(p, g_sm_count);
+  DeviceBuffer ws(ws_bytes);
+  p.workspace = ws.ptr;
+  p.workspace_bytes = ws_bytes;
+
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraphExec_t exec = nullptr;
+  // With a graph: capture once with *different* (benign) offsets, then write the case's
+  // offsets on the device and replay: the replay must use the new offsets.
+  if (use_graph) {
+    std::vector<int32_t> benign(G + 1);
+    for (int g = 0; g <= G; ++g) benign[g] = int32_t(int64_t(g) * m / G);
+    CHECK_CUDA(cudaMemcpy(d_off.ptr, benign.data(), (G + 1) * sizeof(int32_t), cudaMemcpyHostToDevice));
+    cudaGraph_t graph;
+    CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    cudaError_t run_error = gg::Run(p, g_sm_count, stream);
+    cudaError_t cap_error = cudaStreamEndCapture(stream, &graph);
+    if (run_error != cudaSuccess || cap_error != cudaSuccess) {
+      ++g_failures;
+      std::printf("%-64s capture failed: run=%s end=%s  FAIL\n", name.c_str(),
+                  cudaGetErrorString(run_error), cudaGetErrorString(cap_error));
+      cudaGetLastError();
+      return;
+    }
+    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));  // run once with the benign offsets
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    cudaGraphDestroy(graph);
+  }
+  CHECK_CUDA(cudaMemcpy(d_off.ptr, c.offsets.data(), (G + 1) * sizeof(int32_t), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemset(out.ptr, 0xFF, out_count * sizeof(TO)));  // NaN poison: catch unwritten outputs
+  if (use_graph) {
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  } else {
+    cudaError_t e = gg::Run(p, g_sm_count, stream);
+    if (e != cudaSuccess) {
+      ++g_failures;
+      std::printf("%-64s Run -> %s  FAIL\n", name.c_str(), cudaGetErrorString(e));
+      return;
+    }
+  }
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  if (exec) cudaGraphExecDestroy(exec);
+  cudaStreamDestroy(stream);
+
+  // Reference.
+  std::vector<int64_t> cl = Clamp(c.offsets, m);
+  std::vector<char> must_be_zero(out_count, 0);
+  if (form != gg::Form::kWgrad) {
+    std::vector<int> row_group(m, -1);
+    for (int g = 0; g < G; ++g)
+      for (int64_t r = cl[g]; r < cl[g + 1]; ++r) row_group[r] = g;
+    int64_t cols = form == gg::Form::kForward ? n : k;
+    for (int64_t r = 0; r < m; ++r)
+      if (row_group[r] < 0) std::fill(must_be_zero.begin() + r * cols, must_be_zero.begin() + (r + 1) * cols, 1);
+    DeviceBuffer d_rg(m * sizeof(int));
+    CHECK_CUDA(cudaMemcpy(d_rg.ptr, row_group.data(), m * sizeof(int), cudaMemcpyHostToDevice));
+    int64_t K = form == gg::Form::kForward ? k : n;
+    bool b_k_major = form == gg::Form::kDgrad || fp8;
+    RefRows<TA, TB><<<unsigned((out_count + 255) / 256), 256>>>(
+        a.as<TA>(), b.as<TB>(), ref.as<float>(), d_rg.as<int>(), m, K, cols, b_k_major,
+        fp8 ? alpha.as<float>() : nullptr);
+  } else {
+    std::vector<int64_t> lo_hi(2 * G);
+    for (int g = 0; g < G; ++g) {
+      lo_hi[2 * g] = cl[g]; lo_hi[2 * g + 1] = cl[g + 1];
+      if (cl[g] == cl[g + 1]) std::fill(must_be_zero.begin() + g * k * n, must_be_zero.begin() + (g + 1) * k * n, 1);
+    }
+    DeviceBuffer d_lh(2 * G * sizeof(int64_t));
+    CHECK_CUDA(cudaMemcpy(d_lh.ptr, lo_hi.data(), 2 * G * sizeof(int64_t), cudaMemcpyHostToDevice));
+    RefWgrad<TA><<<unsigned((out_count + 255) / 256), 256>>>(a.as<TA>(), reinterpret_cast<const TA*>(b.ptr), ref.as<float>(), d_lh.as<int64_t>(), G, k, n);
+  }
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  Compare<TO>(name, out.as<TO>(), ref.as<float>(), out_count, must_be_zero, fp8 ? 2e-2 : 8e-3);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timing.
+
+template <class TA, class TB, class TO>
+void Time(const char* label, gg::Form form, int G, int64_t rows_per_group, int64_t k, int64_t n,
+          gg::TileConfig config) {
+  const int64_t m = G * rows_per_group;
+  const bool fp8 = sizeof(TA) == 1;
+  int64_t a_count, b_count, out_count;
+  if (form == gg::Form::kForward) { a_count = m * k; b_count = G * k * n; out_count = m * n; }
+  else if (form == gg::Form::kDgrad) { a_count = m * n; b_count = G * k * n; out_count = m * k; }
+  else { a_count = m * k; b_count = m * n; out_count = G * k * n; }
+  DeviceBuffer a(a_count * sizeof(TA)), b(b_count * sizeof(TB)), out(out_count * sizeof(TO));
+  Fill<TA>(a.as<TA>(), a_count, 5, 1.f);
+  Fill<TB>(b.as<TB>(), b_count, 6, 1.f);
+  std::vector<int> sizes(G, int(rows_per_group));
+  std::vector<int32_t> offsets = OffsetsFromSizes(sizes);
+  DeviceBuffer d_off((G + 1) * sizeof(int32_t)), scales(G * sizeof(float));
+  CHECK_CUDA(cudaMemcpy(d_off.ptr, offsets.data(), (G + 1) * sizeof(int32_t), cudaMemcpyHostToDevice));
+  std::vector<float> ones(G, 1.f);
+  CHECK_CUDA(cudaMemcpy(scales.ptr, ones.data(), G * sizeof(float), cudaMemcpyHostToDevice));
+
+  gg::Problem p{};
+  p.form = form; p.a_type = TypeOf<TA>(); p.b_type = TypeOf<TB>(); p.out_type = TypeOf<TO>();
+  p.m = m; p.k = k; p.n = n; p.num_groups = G; p.group_offsets = d_off.as<int32_t>();
+  p.a = a.ptr; p.b = b.ptr; p.out = out.ptr;
+  p.a_scale_inv = fp8 ? scales.as<float>() : nullptr;
+  p.b_scale_inv = fp8 ? scales.as<float>() : nullptr;
+  p.tile_config = config;
+  gg::TileConfig resolved = config == gg::TileConfig::kAuto ? gg::ChooseTileConfig(p, g_sm_count) : config;
+  size_t ws_bytes = gg::WorkspaceBytes(p, g_sm_count);
+  DeviceBuffer ws(ws_bytes);
+  p.workspace = ws.ptr; p.workspace_bytes = ws_bytes;
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start)); CHECK_CUDA(cudaEventCreate(&stop));
+  const double flops = 2.0 * double(m) * double(k) * double(n);
+  // Median over 5 repetitions of 30 launches each (clocks vary on random data).
+  const int iters = 30, reps = 5;
+  auto median_ms = [&](auto&& launch) {
+    std::vector<double> t;
+    for (int r = 0; r < reps; ++r) {
+      CHECK_CUDA(cudaEventRecord(start, stream));
+      for (int i = 0; i < iters; ++i) launch();
+      CHECK_CUDA(cudaEventRecord(stop, stream));
+      CHECK_CUDA(cudaEventSynchronize(stop));
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+      t.push_back(ms / iters);
+    }
+    std::sort(t.begin(), t.end());
+    return t[reps / 2];
+  };
+  for (int i = 0; i < 3; ++i) CHECK_CUDA(gg::Run(p, g_sm_count, stream));
+  double eager_ms = median_ms([&] { CHECK_CUDA(gg::Run(p, g_sm_count, stream)); });
+
+  // Graph: capture once, change the offsets on the device (same total), replay.
+  cudaGraph_t graph; cudaGraphExec_t exec;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  CHECK_CUDA(gg::Run(p, g_sm_count, stream));
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  std::vector<int> sizes2(sizes);
+  for (int g = 0; g + 1 < G; g += 2) { sizes2[g] += int(rows_per_group / 4); sizes2[g + 1] -= int(rows_per_group / 4); }
+  std::vector<int32_t> offsets2 = OffsetsFromSizes(sizes2);
+  CHECK_CUDA(cudaMemcpyAsync(d_off.ptr, offsets2.data(), (G + 1) * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+  for (int i = 0; i < 3; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  double graph_ms = median_ms([&] { CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
+  std::printf("PERF %-10s %-5s G=%-4d rows/group=%-5lld k=%-5lld n=%-5lld %-5s eager %.3f ms %6.1f TFLOP/s | graph(offsets changed) %.3f ms %6.1f TFLOP/s\n",
+              label, form == gg::Form::kForward ? "fwd" : form == gg::Form::kDgrad ? "dgrad" : "wgrad",
+              G, (long long)rows_per_group, (long long)k, (long long)n,
+              resolved == gg::TileConfig::kLarge ? "large" : "small",
+              eager_ms, flops / eager_ms * 1e-9, graph_ms, flops / graph_ms * 1e-9);
+  cudaGraphExecDestroy(exec); cudaGraphDestroy(graph);
+  cudaEventDestroy(start); cudaEventDestroy(stop); cudaStreamDestroy(stream);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+template <class T>
+void Run16BitCases(const std::vector<Case>& cases, bool graph_first) {
+  for (const Case& c : cases)
+    for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
+      for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall})
+        RunCase<T, T, T>(c, form, cfg, graph_first);
+}
+
+int main(int argc, char** argv) {
+  bool perf = true, check = true;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--no-perf") == 0) perf = false;
+    if (std::strcmp(argv[i], "--perf-only") == 0) check = false;
+  }
+  int device = 0;
+  CHECK_CUDA(cudaGetDevice(&device));
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+  g_sm_count = prop.multiProcessorCount;
+  std::printf("device: %s, %d SMs, cc %d.%d\n", prop.name, g_sm_count, prop.major, prop.minor);
+
+  if (check) {
+  // Hostile group layouts.
+  std::vector<Case> cases;
+  cases.push_back({"G=4 empty group, sum<m (m=1024,k=136,n=264)", 1024, 136, 264, OffsetsFromSizes({300, 0, 517, 129})});
+  cases.push_back({"G=3 sum>m (m=1000,k=256,n=384)", 1000, 256, 384, OffsetsFromSizes({700, 600, 500})});
+  cases.push_back({"G=1 (m=777,k=64,n=512)", 777, 64, 512, OffsetsFromSizes({777})});
+  cases.push_back({"G=4 non-monotone/negative offsets (m=600,k=128,n=128)", 600, 128, 128, {0, 100, 50, 400, -3}});
+  {
+    std::vector<int> sizes(128);
+    srand(7);
+    for (int g = 0; g < 128; ++g) sizes[g] = (g % 9 == 0) ? 0 : rand() % 130;
+    cases.push_back({"G=128 random sizes, some empty (m=8192,k=128,n=256)", 8192, 128, 256, OffsetsFromSizes(sizes)});
+  }
+
+  // Graph capture first (so the first-ever Run of these kernels happens inside a capture),
+  // then the same layouts eagerly.
+  std::printf("== bf16, captured in a CUDA graph, replayed after changing offsets on the device\n");
+  for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
+    RunCase<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>(cases[0], form, gg::TileConfig::kAuto, true);
+  std::printf("== bf16 eager\n");
+  Run16BitCases<__nv_bfloat16>(cases, false);
+  std::printf("== f16 eager\n");
+  for (const Case& c : cases)
+    for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
+      RunCase<__half, __half, __half>(c, form, gg::TileConfig::kAuto, false);
+  std::printf("== FP8 eager (per-group alpha = a_scale_inv * b_scale_inv)\n");
+  for (const Case& c : cases) {
+    if (c.k % 16 || c.n % 16) continue;
+    for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall}) {
+      RunCase<__nv_fp8_e4m3, __nv_fp8_e4m3, __nv_bfloat16>(c, gg::Form::kForward, cfg, false);
+      RunCase<__nv_fp8_e4m3, __nv_fp8_e4m3, __nv_bfloat16>(c, gg::Form::kDgrad, cfg, false);
+      RunCase<__nv_fp8_e5m2, __nv_fp8_e4m3, __nv_bfloat16>(c, gg::Form::kDgrad, cfg, false);
+    }
+  }
+  {  // FP8 wgrad must be reported unsupported.
+    gg::Problem p{};
+    p.form = gg::Form::kWgrad; p.a_type = p.b_type = gg::ElementType::kFloat8E4M3;
+    p.out_type = gg::ElementType::kBF16; p.m = 128; p.k = 128; p.n = 128; p.num_groups = 1;
+    bool ok = !gg::IsSupported(p) && gg::Run(p, g_sm_count, 0) == cudaErrorInvalidValue;
+    if (!ok) ++g_failures;
+    std::printf("%-64s %s\n", "FP8 wgrad rejected (IsSupported false, Run invalid value)", ok ? "PASS" : "FAIL");
+  }
+  }  // check
+
+  if (perf) {
+    using bf16 = __nv_bfloat16;
+    struct Shape { int G; int64_t rows; };
+    const Shape shapes[] = {{8, 8192}, {64, 512}, {128, 512}, {128, 128}};
+    for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
+      for (const Shape& s : shapes)
+        for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall, gg::TileConfig::kAuto})
+          Time<bf16, bf16, bf16>(cfg == gg::TileConfig::kAuto ? "bf16 auto" : "bf16", form, s.G, s.rows, 2048, 4096, cfg);
+    for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
+      Time<__half, __half, __half>("f16", form, 8, 8192, 2048, 4096, gg::TileConfig::kAuto);
+    for (const Shape& s : shapes)
+      for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall, gg::TileConfig::kAuto}) {
+        const char* label = cfg == gg::TileConfig::kAuto ? "fp8 auto" : "fp8";
+        Time<__nv_fp8_e4m3, __nv_fp8_e4m3, bf16>(label, gg::Form::kForward, s.G, s.rows, 2048, 4096, cfg);
+        Time<__nv_fp8_e5m2, __nv_fp8_e4m3, bf16>(label, gg::Form::kDgrad, s.G, s.rows, 2048, 4096, cfg);
+      }
+  }
+  std::printf("%s: %d failure(s)\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+  return g_failures ? 1 : 0;
+}

@@ -1,0 +1,208 @@
+// CUTLASS 3.x SM90 pointer-array grouped GEMM: shared type-building macro and host glue.
+// Included only by the per-family kernel files (gemm_*.cu); each of them instantiates a few
+// kernels (compiles cost ~80 s and ~4 GB for the first kernel of a file).
+#pragma once
+
+#include <atomic>
+
+#include "cutlass/cutlass.h"
+#include "cute/tensor.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/thread/linear_combination.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+
+#include "internal.cuh"
+
+#if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
+#error "jaxfuse grouped GEMM needs CUDA >= 12.3 and -gencode=arch=compute_90a,code=sm_90a"
+#endif
+
+namespace jaxfuse::grouped_gemm::detail {
+
+using GroupShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // <M,N,K>
+
+// Defines, at namespace scope (gcc's host pass failed when the collective builders were nested
+// in a class template), the type NAME = GemmUniversalAdapter<...> for one grouped kernel:
+//   EA/EB: operand element types, LA/LB: CUTLASS layout tags (RowMajor/ColumnMajor; see the
+//   family files for what they mean), ED: output element type (C is void: no source read),
+//   TM/TN/TK: CTA tile, CM/CN: cluster, KS/ES: mainloop / epilogue schedules.
+#define JAXFUSE_GG_DEFINE_GEMM(NAME, EA, LA, EB, LB, ED, TM, TN, TK, CM, CN, KS, ES)          \
+  namespace NAME##_types {                                                                 \
+  using TileShape = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<TK>>;              \
+  using ClusterShape = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;                \
+  static constexpr int kAlignA = 128 / cutlass::sizeof_bits<EA>::value;                    \
+  static constexpr int kAlignB = 128 / cutlass::sizeof_bits<EB>::value;                    \
+  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ED>::value;                    \
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<     \
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,        \
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,                 \
+      cutlass::layout::RowMajor*, kAlignD, ED, cutlass::layout::RowMajor*, kAlignD, ES,    \
+      cutlass::epilogue::fusion::LinearCombination<ED, float, void, float>>::CollectiveOp; \
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<        \
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, EA, LA*, kAlignA, EB, LB*,      \
+      kAlignB, float, TileShape, ClusterShape,                                             \
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(                  \
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,                            \
+      KS>::CollectiveOp;                                                                   \
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<GroupShape, CollectiveMainloop,      \
+                                                      CollectiveEpilogue>;                 \
+  }                                                                                        \
+  using NAME = cutlass::gemm::device::GemmUniversalAdapter<NAME##_types::Kernel>;
+
+// Maximum number of co-resident clusters of this kernel on the current device (0 = unknown,
+// CUTLASS then sizes the persistent grid from the SM count). A device property, cached per
+// device; never depends on device data.
+template <class Gemm>
+int MaxActiveClusters() {
+  using Kernel = typename Gemm::GemmKernel;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];  // 0 = not computed, -1 = query failed
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    cudaGetLastError();
+    return 0;
+  }
+  int cached = cache[device].load(std::memory_order_relaxed);
+  if (cached != 0) return cached > 0 ? cached : 0;
+
+  const int cm = cute::size<0>(typename Kernel::ClusterShape{});
+  const int cn = cute::size<1>(typename Kernel::ClusterShape{});
+  const int smem = static_cast<int>(Kernel::SharedStorageSize);
+  const void* fn = reinterpret_cast<const void*>(cutlass::device_kernel<Kernel>);
+  int result = -1;
+  if (cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess) {
+    cudaLaunchConfig_t config = {};
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim.x = cm;
+    attribute[0].val.clusterDim.y = cn;
+    attribute[0].val.clusterDim.z = 1;
+    config.gridDim = dim3(cm, cn, 1);
+    config.blockDim = dim3(Kernel::MaxThreadsPerBlock, 1, 1);
+    config.dynamicSmemBytes = smem;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, fn, &config) == cudaSuccess && clusters > 0) {
+      result = clusters;
+    }
+  }
+  cudaGetLastError();  // a failed query must not leak a sticky-looking error into run()
+  cache[device].store(result, std::memory_order_relaxed);
+  return result > 0 ? result : 0;
+}
+
+template <class Gemm>
+typename Gemm::Arguments MakeArguments(const GemmArrays& arrays, int sm_count,
+                                       int max_active_clusters) {
+  using Kernel = typename Gemm::GemmKernel;
+  using ElementA = typename Gemm::ElementA;
+  using ElementB = typename Gemm::ElementB;
+  using ElementD = typename Kernel::CollectiveEpilogue::ElementD;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideC = typename Kernel::InternalStrideC;
+  using StrideD = typename Kernel::InternalStrideD;
+  using UnderlyingShape = typename GroupShape::UnderlyingProblemShape;
+  // The setup kernel writes these as plain int32 triples / int64 leading dimensions.
+  static_assert(sizeof(UnderlyingShape) == 3 * sizeof(int32_t), "problem shape layout");
+  static_assert(sizeof(StrideA) == sizeof(int64_t), "stride A layout");
+  static_assert(sizeof(StrideB) == sizeof(int64_t), "stride B layout");
+  static_assert(sizeof(StrideD) == sizeof(int64_t), "stride D layout");
+  static_assert(cute::is_void_v<typename Kernel::CollectiveEpilogue::ElementC>,
+                "epilogue must not read a source");
+
+  typename Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  // No host problem shapes: the kernel reads shapes on the device (graph safe).
+  args.problem_shape = GroupShape{arrays.num_groups,
+                                  reinterpret_cast<UnderlyingShape*>(arrays.problem_shapes),
+                                  nullptr};
+  args.mainloop.ptr_A = reinterpret_cast<const ElementA**>(arrays.ptr_a);
+  args.mainloop.dA = reinterpret_cast<StrideA*>(arrays.stride_a);
+  args.mainloop.ptr_B = reinterpret_cast<const ElementB**>(arrays.ptr_b);
+  args.mainloop.dB = reinterpret_cast<StrideB*>(arrays.stride_b);
+
+  auto& fusion = args.epilogue.thread;
+  fusion.alpha = 1.0f;
+  fusion.beta = 0.0f;
+  fusion.alpha_ptr = nullptr;
+  fusion.beta_ptr = nullptr;
+  fusion.beta_ptr_array = nullptr;
+  fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
+  if (arrays.alpha_ptrs != nullptr) {
+    fusion.alpha_ptr_array = arrays.alpha_ptrs;  // one pointer per group
+    fusion.dAlpha = {cute::_0{}, cute::_0{}, 1};
+  } else {
+    fusion.alpha_ptr_array = nullptr;
+    fusion.dAlpha = {cute::_0{}, cute::_0{}, 0};
+  }
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = static_cast<StrideC*>(nullptr);
+  args.epilogue.ptr_D = reinterpret_cast<ElementD**>(arrays.ptr_d);
+  args.epilogue.dD = reinterpret_cast<StrideD*>(arrays.stride_d);
+
+  args.hw_info.device_id = 0;  // unused when sm_count > 0
+  args.hw_info.sm_count = sm_count;
+  args.hw_info.max_active_clusters = max_active_clusters;
+  return args;
+}
+
+// Host-only: CUTLASS's workspace (tensormaps per SM + scheduler) for this kernel.
+template <class Gemm>
+size_t CutlassWorkspaceBytes(int num_groups, int sm_count) {
+  GemmArrays dummy;
+  dummy.num_groups = num_groups;
+  auto args = MakeArguments<Gemm>(dummy, sm_count, /*max_active_clusters=*/0);
+  return Gemm::get_workspace_size(args);
+}
+
+template <class Gemm>
+cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream) {
+  if (sm_count <= 0 || arrays.num_groups <= 0) return cudaErrorInvalidValue;
+  auto args = MakeArguments<Gemm>(arrays, sm_count, MaxActiveClusters<Gemm>());
+  if (Gemm::get_workspace_size(args) > arrays.cutlass_workspace_bytes) {
+    return cudaErrorInvalidValue;
+  }
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
+  // initialize(): builds the TMA descriptor templates on the host (driver entry point, no
+  // sync) and launches nothing for this scheduler; run(): one kernel launch on `stream`.
+  if (gemm.initialize(args, arrays.cutlass_workspace, stream) != cutlass::Status::kSuccess) {
+    cudaError_t error = cudaGetLastError();
+    return error != cudaSuccess ? error : cudaErrorUnknown;
+  }
+  if (gemm.run(stream) != cutlass::Status::kSuccess) {
+    cudaError_t error = cudaGetLastError();
+    return error != cudaSuccess ? error : cudaErrorLaunchFailure;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace jaxfuse::grouped_gemm::detail
+
+// Defines NAME_WorkspaceBytes / NAME_Run for a family with a large and a small config.
+#define JAXFUSE_GG_DEFINE_FAMILY_2(NAME, LARGE, SMALL)                                       \
+  size_t NAME##_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {          \
+    return config == TileConfig::kSmall ? CutlassWorkspaceBytes<SMALL>(num_groups, sm_count) \
+                                        : CutlassWorkspaceBytes<LARGE>(num_groups, sm_count); \
+  }                                                                                        \
+  cudaError_t NAME##_Run(TileConfig config, const GemmArrays& arrays, int sm_count,        \
+                         cudaStream_t stream) {                                            \
+    return config == TileConfig::kSmall ? RunGemm<SMALL>(arrays, sm_count, stream)         \
+                                        : RunGemm<LARGE>(arrays, sm_count, stream);        \
+  }
+
+// Same for a family with a single config.
+#define JAXFUSE_GG_DEFINE_FAMILY_1(NAME, ONLY)                                               \
+  size_t NAME##_WorkspaceBytes(TileConfig, int num_groups, int sm_count) {                 \
+    return CutlassWorkspaceBytes<ONLY>(num_groups, sm_count);                              \
+  }                                                                                        \
+  cudaError_t NAME##_Run(TileConfig, const GemmArrays& arrays, int sm_count,               \
+                         cudaStream_t stream) {                                            \
+    return RunGemm<ONLY>(arrays, sm_count, stream);                                        \
+  }

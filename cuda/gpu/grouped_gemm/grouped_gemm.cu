@@ -1,0 +1,404 @@
+// jaxfuse grouped GEMM: dispatch, workspace layout, setup kernel and zeroing kernels.
+// No CUTLASS header here (compiles in seconds); the CUTLASS kernels live in gemm_*.cu.
+#include <algorithm>
+#include <cstdint>
+
+#include "internal.cuh"
+#include "jaxfuse/grouped_gemm.h"
+
+namespace jaxfuse::grouped_gemm {
+namespace {
+
+using detail::GemmArrays;
+
+constexpr size_t kAlign = 256;
+constexpr int kSetupThreads = 1024;
+constexpr int kZeroThreads = 256;
+
+size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+bool Is16Bit(ElementType t) { return t == ElementType::kBF16 || t == ElementType::kF16; }
+bool IsFp8(ElementType t) {
+  return t == ElementType::kFloat8E4M3 || t == ElementType::kFloat8E5M2;
+}
+int ElementBytes(ElementType t) { return Is16Bit(t) ? 2 : 1; }
+
+using WorkspaceFn = size_t (*)(TileConfig, int, int);
+using RunFn = cudaError_t (*)(TileConfig, const GemmArrays&, int, cudaStream_t);
+struct Family {
+  WorkspaceFn workspace = nullptr;
+  RunFn run = nullptr;
+  bool has_alpha = false;
+};
+
+#define JAXFUSE_GG_FAMILY(NAME, ALPHA) \
+  Family { &detail::NAME##_WorkspaceBytes, &detail::NAME##_Run, ALPHA }
+
+// The kernel family for a problem (types/form only), or a null family when unsupported.
+Family PickFamily(const Problem& p) {
+  if (Is16Bit(p.a_type)) {
+    if (p.b_type != p.a_type || p.out_type != p.a_type) return {};
+    const bool bf16 = p.a_type == ElementType::kBF16;
+    switch (p.form) {
+      case Form::kForward:
+        return bf16 ? JAXFUSE_GG_FAMILY(Bf16Fwd, false) : JAXFUSE_GG_FAMILY(F16Fwd, false);
+      case Form::kDgrad:
+        return bf16 ? JAXFUSE_GG_FAMILY(Bf16Dgrad, false) : JAXFUSE_GG_FAMILY(F16Dgrad, false);
+      case Form::kWgrad:
+        return bf16 ? JAXFUSE_GG_FAMILY(Bf16Wgrad, false) : JAXFUSE_GG_FAMILY(F16Wgrad, false);
+    }
+    return {};
+  }
+  if (IsFp8(p.a_type)) {
+    // FP8: A e4m3 or e5m2 (gradient operand), B e4m3, bf16 output; no wgrad (would need
+    // column-wise FP8 copies with 16-aligned group starts).
+    if (p.b_type != ElementType::kFloat8E4M3 || p.out_type != ElementType::kBF16) return {};
+    if (p.form == Form::kWgrad) return {};
+    return p.a_type == ElementType::kFloat8E4M3 ? JAXFUSE_GG_FAMILY(Fp8E4m3E4m3, true)
+                                                : JAXFUSE_GG_FAMILY(Fp8E5m2E4m3, true);
+  }
+  return {};
+}
+#undef JAXFUSE_GG_FAMILY
+
+bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Workspace layout (offsets from the 256-aligned base).
+struct Layout {
+  size_t offsets, shapes, ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d, alpha, alpha_ptrs;
+  size_t cutlass, cutlass_bytes, total;
+};
+
+Layout MakeLayout(const Problem& p, const Family& family, TileConfig config, int sm_count) {
+  const size_t g = static_cast<size_t>(p.num_groups);
+  Layout l{};
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    size_t here = at;
+    at = AlignUp(at + bytes);
+    return here;
+  };
+  l.offsets = take((g + 1) * sizeof(int64_t));
+  l.shapes = take(g * 3 * sizeof(int32_t));
+  l.ptr_a = take(g * sizeof(void*));
+  l.ptr_b = take(g * sizeof(void*));
+  l.ptr_d = take(g * sizeof(void*));
+  l.stride_a = take(g * sizeof(int64_t));
+  l.stride_b = take(g * sizeof(int64_t));
+  l.stride_d = take(g * sizeof(int64_t));
+  l.alpha = take(g * sizeof(float));
+  l.alpha_ptrs = take(g * sizeof(float*));
+  l.cutlass_bytes = family.workspace(config, p.num_groups, sm_count);
+  l.cutlass = take(l.cutlass_bytes);
+  l.total = at + kAlign;  // slack so that an unaligned base can be aligned up
+  return l;
+}
+
+// ------------------------------------------------------------------------------------------
+// Device code.
+
+struct SetupParams {
+  int form;  // 0 forward, 1 dgrad, 2 wgrad
+  int num_groups;
+  int64_t m, k, n;
+  const int32_t* offsets;
+  const char* a;
+  const char* b;
+  char* out;
+  int a_bytes, b_bytes, out_bytes;
+  bool b_k_major_forward;  // FP8 forward: b = w^T [G, n, k]
+  const float* a_scale_inv;
+  const float* b_scale_inv;
+  // Outputs (workspace).
+  int64_t* clamped;  // [G+1]: offsets clamped to [0, m], running max (non-decreasing)
+  int32_t* shapes;   // [G][3]
+  const void** ptr_a;
+  const void** ptr_b;
+  void** ptr_d;
+  int64_t* stride_a;
+  int64_t* stride_b;
+  int64_t* stride_d;
+  float* alpha;
+  const float** alpha_ptrs;
+};
+
+// One block. Pass 1: clamped[i] = max_{j <= i} clamp(offsets[j], 0, m) (block scan, chunked for
+// any G). Pass 2: per-group shapes, pointers, strides and alphas.
+__global__ void __launch_bounds__(kSetupThreads) SetupKernel(SetupParams p) {
+  __shared__ int64_t warp_max[kSetupThreads / 32];
+  __shared__ int64_t carry;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  if (tid == 0) carry = 0;
+  __syncthreads();
+  const int count = p.num_groups + 1;
+  for (int base = 0; base < count; base += kSetupThreads) {
+    const int i = base + tid;
+    int64_t v = 0;
+    if (i < count) {
+      v = static_cast<int64_t>(p.offsets[i]);
+      v = v < 0 ? 0 : (v > p.m ? p.m : v);
+    }
+    // Inclusive max-scan within the warp.
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      int64_t u = __shfl_up_sync(0xffffffffu, v, d);
+      if (lane >= d) v = max(v, u);
+    }
+    if (lane == 31) warp_max[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+      int64_t w = lane < kSetupThreads / 32 ? warp_max[lane] : 0;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        int64_t u = __shfl_up_sync(0xffffffffu, w, d);
+        if (lane >= d) w = max(w, u);
+      }
+      warp_max[lane] = w;  // inclusive prefix over warps
+    }
+    __syncthreads();
+    int64_t prefix = carry;
+    if (warp > 0) prefix = max(prefix, warp_max[warp - 1]);
+    v = max(v, prefix);
+    if (i < count) p.clamped[i] = v;
+    __syncthreads();  // everyone read `carry` and warp_max
+    if (tid == kSetupThreads - 1) carry = v;
+    __syncthreads();
+  }
+  // __syncthreads above also orders the global writes of `clamped` for this block.
+  for (int g = tid; g < p.num_groups; g += kSetupThreads) {
+    const int64_t lo = p.clamped[g];
+    const int64_t hi = p.clamped[g + 1];
+    const int32_t rows = static_cast<int32_t>(hi - lo);
+    int32_t* shape = p.shapes + 3 * g;
+    const int64_t weight = static_cast<int64_t>(g) * p.k * p.n;  // w[g] / dw[g] element offset
+    if (p.form == 0) {  // forward: (rows, n, k)
+      shape[0] = rows;
+      shape[1] = static_cast<int32_t>(p.n);
+      shape[2] = static_cast<int32_t>(p.k);
+      p.ptr_a[g] = p.a + lo * p.k * p.a_bytes;
+      p.stride_a[g] = p.k;
+      p.ptr_b[g] = p.b + weight * p.b_bytes;
+      p.stride_b[g] = p.b_k_major_forward ? p.k : p.n;
+      p.ptr_d[g] = p.out + lo * p.n * p.out_bytes;
+      p.stride_d[g] = p.n;
+    } else if (p.form == 1) {  // dgrad: (rows, k, n)
+      shape[0] = rows;
+      shape[1] = static_cast<int32_t>(p.k);
+      shape[2] = static_cast<int32_t>(p.n);
+      p.ptr_a[g] = p.a + lo * p.n * p.a_bytes;
+      p.stride_a[g] = p.n;
+      p.ptr_b[g] = p.b + weight * p.b_bytes;
+      p.stride_b[g] = p.n;
+      p.ptr_d[g] = p.out + lo * p.k * p.out_bytes;
+      p.stride_d[g] = p.k;
+    } else {  // wgrad: (k, n, rows); an empty group gets no tiles (zeroed by ZeroEmptyGroups)
+      shape[0] = rows > 0 ? static_cast<int32_t>(p.k) : 0;
+      shape[1] = rows > 0 ? static_cast<int32_t>(p.n) : 0;
+      shape[2] = rows;
+      p.ptr_a[g] = p.a + lo * p.k * p.a_bytes;
+      p.stride_a[g] = p.k;
+      p.ptr_b[g] = p.b + lo * p.n * p.b_bytes;
+      p.stride_b[g] = p.n;
+      p.ptr_d[g] = p.out + weight * p.out_bytes;
+      p.stride_d[g] = p.n;
+    }
+    if (p.alpha != nullptr) {
+      const float sa = p.a_scale_inv != nullptr ? p.a_scale_inv[g] : 1.0f;
+      const float sb = p.b_scale_inv != nullptr ? p.b_scale_inv[g] : 1.0f;
+      p.alpha[g] = sa * sb;
+      p.alpha_ptrs[g] = p.alpha + g;
+    }
+  }
+}
+
+// Zeroes rows [0, clamped[0]) and [clamped[G], m) of a row-major [m, cols] output: the rows no
+// group covers. Work is proportional to the uncovered rows (grid-stride over them only).
+__global__ void __launch_bounds__(kZeroThreads)
+    ZeroUncoveredRows(uint4* out, const int64_t* clamped, int num_groups, int64_t m,
+                      int64_t row_units /* 16-byte units per row */) {
+  const int64_t head_end = clamped[0] * row_units;
+  const int64_t tail_begin = clamped[num_groups] * row_units;
+  const int64_t tail = m * row_units - tail_begin;
+  const int64_t total = head_end + tail;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i < head_end ? i : tail_begin + (i - head_end)] = zero;
+  }
+}
+
+// Zeroes dw[g] for every group with no rows (the GEMM skips those groups).
+__global__ void __launch_bounds__(kZeroThreads)
+    ZeroEmptyGroups(uint4* out, const int64_t* clamped, int num_groups,
+                    int64_t group_units /* 16-byte units per dw[g] */) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int g = blockIdx.y; g < num_groups; g += gridDim.y) {
+    if (clamped[g + 1] != clamped[g]) continue;
+    uint4* dst = out + static_cast<int64_t>(g) * group_units;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < group_units;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      dst[i] = zero;
+    }
+  }
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------
+// Host API.
+
+bool IsSupported(const Problem& p) {
+  if (p.num_groups < 1) return false;
+  if (p.m < 0 || p.k < 0 || p.n < 0) return false;
+  constexpr int64_t kMax = (int64_t{1} << 31) - 1;
+  if (p.m > kMax || p.k > kMax || p.n > kMax) return false;
+  const Family family = PickFamily(p);
+  if (family.run == nullptr) return false;
+  // TMA: 16-byte aligned leading dimensions and group base addresses.
+  const int64_t multiple = IsFp8(p.a_type) ? 16 : 8;
+  if (p.k % multiple != 0 || p.n % multiple != 0) return false;
+  if (!Aligned16(p.a) || !Aligned16(p.b) || !Aligned16(p.out)) return false;
+  return true;
+}
+
+// Measured on an H200 (132 SMs), k = 2048, n = 4096, see README.md: the large configs win or
+// tie everywhere except where they leave SMs idle, so the small configs are for small
+// problems and narrow outputs only.
+TileConfig ChooseTileConfig(const Problem& p, int sm_count) {
+  if (sm_count <= 0) sm_count = 132;
+  // Large-config CTA tile N: 256 (16-bit), 128 (FP8: the promoted mainloop's two accumulator
+  // sets do not fit a 128x256 cooperative tile without spilling).
+  const int64_t tile_n = IsFp8(p.a_type) ? 128 : 256;
+  const int64_t groups = std::max(1, p.num_groups);
+  const int64_t rows_per_group = std::max<int64_t>(1, p.m / groups);
+  if (p.form == Form::kWgrad) {
+    // Output tiles are k x n per group (cluster 2x1 along k); the contraction is the rows.
+    const int64_t tiles = groups * CeilDiv(p.k, 128) * CeilDiv(p.n, tile_n);
+    if (p.n <= tile_n / 2 || tiles < 2 * sm_count) return TileConfig::kSmall;
+    return TileConfig::kLarge;
+  }
+  const int64_t out_cols = p.form == Form::kForward ? p.n : p.k;
+  const int64_t n_tiles = CeilDiv(out_cols, tile_n);
+  if (out_cols <= tile_n / 2) return TileConfig::kSmall;
+  // The large configs use 1x2 clusters (along N, which is the same for every group, so ragged
+  // group sizes waste no cluster slots); an odd, small N-tile count would idle CTAs.
+  if (n_tiles % 2 == 1 && n_tiles < 4) return TileConfig::kSmall;
+  const int64_t tiles = groups * CeilDiv(rows_per_group, 128) * n_tiles;
+  if (tiles < 2 * sm_count) return TileConfig::kSmall;
+  return TileConfig::kLarge;
+}
+
+namespace {
+TileConfig ResolveConfig(const Problem& p, int sm_count) {
+  if (p.tile_config == TileConfig::kLarge || p.tile_config == TileConfig::kSmall) {
+    return p.tile_config;
+  }
+  return ChooseTileConfig(p, sm_count);
+}
+}  // namespace
+
+size_t WorkspaceBytes(const Problem& p, int sm_count) {
+  const Family family = PickFamily(p);
+  if (family.run == nullptr || p.num_groups < 1 || sm_count <= 0) return 0;
+  return MakeLayout(p, family, ResolveConfig(p, sm_count), sm_count).total;
+}
+
+cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
+  if (!IsSupported(p) || sm_count <= 0) return cudaErrorInvalidValue;
+  const Family family = PickFamily(p);
+  const TileConfig config = ResolveConfig(p, sm_count);
+  const Layout layout = MakeLayout(p, family, config, sm_count);
+  if (p.workspace == nullptr || p.workspace_bytes < layout.total) return cudaErrorInvalidValue;
+
+  const int out_bytes = ElementBytes(p.out_type);
+  const bool wgrad = p.form == Form::kWgrad;
+  // Output extent: rows x cols for forward/dgrad, G x k x n for wgrad.
+  const int64_t out_cols = p.form == Form::kForward ? p.n : p.k;
+  const int64_t contraction = p.form == Form::kForward ? p.k : p.n;
+  if (!wgrad) {
+    if (p.m == 0 || out_cols == 0) return cudaSuccess;  // empty output
+    if (contraction == 0) {                            // x @ (empty) = 0
+      return cudaMemsetAsync(p.out, 0, static_cast<size_t>(p.m * out_cols * out_bytes), stream);
+    }
+  } else {
+    if (p.k == 0 || p.n == 0) return cudaSuccess;  // empty output
+    if (p.m == 0) {                                // every group is empty
+      return cudaMemsetAsync(
+          p.out, 0, static_cast<size_t>(p.num_groups) * p.k * p.n * out_bytes, stream);
+    }
+  }
+
+  char* base = reinterpret_cast<char*>(
+      (reinterpret_cast<uintptr_t>(p.workspace) + kAlign - 1) / kAlign * kAlign);
+  SetupParams s{};
+  s.form = p.form == Form::kForward ? 0 : (p.form == Form::kDgrad ? 1 : 2);
+  s.num_groups = p.num_groups;
+  s.m = p.m;
+  s.k = p.k;
+  s.n = p.n;
+  s.offsets = p.group_offsets;
+  s.a = static_cast<const char*>(p.a);
+  s.b = static_cast<const char*>(p.b);
+  s.out = static_cast<char*>(p.out);
+  s.a_bytes = ElementBytes(p.a_type);
+  s.b_bytes = ElementBytes(p.b_type);
+  s.out_bytes = out_bytes;
+  s.b_k_major_forward = IsFp8(p.a_type) && p.form == Form::kForward;
+  s.a_scale_inv = p.a_scale_inv;
+  s.b_scale_inv = p.b_scale_inv;
+  s.clamped = reinterpret_cast<int64_t*>(base + layout.offsets);
+  s.shapes = reinterpret_cast<int32_t*>(base + layout.shapes);
+  s.ptr_a = reinterpret_cast<const void**>(base + layout.ptr_a);
+  s.ptr_b = reinterpret_cast<const void**>(base + layout.ptr_b);
+  s.ptr_d = reinterpret_cast<void**>(base + layout.ptr_d);
+  s.stride_a = reinterpret_cast<int64_t*>(base + layout.stride_a);
+  s.stride_b = reinterpret_cast<int64_t*>(base + layout.stride_b);
+  s.stride_d = reinterpret_cast<int64_t*>(base + layout.stride_d);
+  s.alpha = family.has_alpha ? reinterpret_cast<float*>(base + layout.alpha) : nullptr;
+  s.alpha_ptrs = family.has_alpha ? reinterpret_cast<const float**>(base + layout.alpha_ptrs)
+                                  : nullptr;
+
+  SetupKernel<<<1, kSetupThreads, 0, stream>>>(s);
+  cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) return error;
+
+  if (!wgrad) {
+    const int64_t row_units = out_cols * out_bytes / 16;
+    const int64_t units = p.m * row_units;
+    const int64_t blocks = std::min<int64_t>(CeilDiv(units, kZeroThreads), 4 * sm_count);
+    ZeroUncoveredRows<<<static_cast<unsigned>(std::max<int64_t>(blocks, 1)), kZeroThreads, 0,
+                        stream>>>(static_cast<uint4*>(p.out), s.clamped, p.num_groups, p.m,
+                                  row_units);
+  } else {
+    const int64_t group_units = p.k * p.n * out_bytes / 16;
+    const int64_t gy = std::min<int64_t>(p.num_groups, 65535);
+    const int64_t per_group_cap = std::max<int64_t>(1, 4 * sm_count / gy);
+    const int64_t gx = std::max<int64_t>(
+        1, std::min<int64_t>(CeilDiv(group_units, kZeroThreads), per_group_cap));
+    ZeroEmptyGroups<<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), kZeroThreads,
+                      0, stream>>>(static_cast<uint4*>(p.out), s.clamped, p.num_groups,
+                                   group_units);
+  }
+  error = cudaGetLastError();
+  if (error != cudaSuccess) return error;
+
+  GemmArrays arrays;
+  arrays.num_groups = p.num_groups;
+  arrays.problem_shapes = s.shapes;
+  arrays.ptr_a = s.ptr_a;
+  arrays.ptr_b = s.ptr_b;
+  arrays.ptr_d = s.ptr_d;
+  arrays.stride_a = s.stride_a;
+  arrays.stride_b = s.stride_b;
+  arrays.stride_d = s.stride_d;
+  arrays.alpha_ptrs = s.alpha_ptrs;
+  arrays.cutlass_workspace = base + layout.cutlass;
+  arrays.cutlass_workspace_bytes = layout.cutlass_bytes;
+  return family.run(config, arrays, sm_count, stream);
+}
+
+}  // namespace jaxfuse::grouped_gemm

@@ -1,0 +1,53 @@
+// Internal interface between the dispatch file (grouped_gemm.cu, no CUTLASS) and the
+// per-family CUTLASS kernel files (gemm_*.cu). Host-only types; no CUTLASS headers here.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "jaxfuse/grouped_gemm.h"
+
+namespace jaxfuse::grouped_gemm::detail {
+
+// Device arrays filled by the setup kernel, read by the CUTLASS pointer-array kernel.
+// The layouts match CUTLASS's types (static_asserted in gemm_common.cuh):
+//   problem_shapes: cute::Shape<int,int,int> = 3 x int32 per group (M, N, K in CUTLASS terms)
+//   stride_*:       cute::Stride<int64_t,_1,_0> or <_1,int64_t,_0> = one int64 (the leading
+//                   dimension) per group
+struct GemmArrays {
+  int num_groups = 0;
+  int32_t* problem_shapes = nullptr;  // [G][3]
+  const void** ptr_a = nullptr;       // [G]
+  const void** ptr_b = nullptr;       // [G]
+  void** ptr_d = nullptr;             // [G]
+  int64_t* stride_a = nullptr;        // [G]
+  int64_t* stride_b = nullptr;        // [G]
+  int64_t* stride_d = nullptr;        // [G]
+  const float** alpha_ptrs = nullptr; // [G] (FP8 only; nullptr otherwise)
+  void* cutlass_workspace = nullptr;  // CUTLASS's own workspace (tensormaps per SM)
+  size_t cutlass_workspace_bytes = 0;
+};
+
+// One entry point pair per kernel family (one family per .cu file). `config` is kLarge or
+// kSmall (families with a single config ignore it).
+#define JAXFUSE_GG_DECLARE_FAMILY(NAME)                                                    \
+  size_t NAME##_WorkspaceBytes(TileConfig config, int num_groups, int sm_count);          \
+  cudaError_t NAME##_Run(TileConfig config, const GemmArrays& arrays, int sm_count,        \
+                         cudaStream_t stream);
+
+// 16-bit families. Layout names: A/B majors in CUTLASS terms.
+JAXFUSE_GG_DECLARE_FAMILY(Bf16Fwd)    // A K-major (x), B N-major (w[g])
+JAXFUSE_GG_DECLARE_FAMILY(Bf16Dgrad)  // A K-major (dy), B K-major (w[g] read as [k, n])
+JAXFUSE_GG_DECLARE_FAMILY(Bf16Wgrad)  // A M-major (x^T), B N-major (dy)
+JAXFUSE_GG_DECLARE_FAMILY(F16Fwd)
+JAXFUSE_GG_DECLARE_FAMILY(F16Dgrad)
+JAXFUSE_GG_DECLARE_FAMILY(F16Wgrad)
+// FP8 families: A K-major, B K-major, bf16 output, per-group alpha.
+JAXFUSE_GG_DECLARE_FAMILY(Fp8E4m3E4m3)
+JAXFUSE_GG_DECLARE_FAMILY(Fp8E5m2E4m3)
+
+#undef JAXFUSE_GG_DECLARE_FAMILY
+
+}  // namespace jaxfuse::grouped_gemm::detail

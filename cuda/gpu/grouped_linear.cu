@@ -1,0 +1,154 @@
+// CUDA handler for the grouped GEMM forms (see jaxfuse/grouped_linear.h): decodes the FFI
+// buffers into a grouped_gemm::Problem and enqueues the CUTLASS SM90 kernels of
+// cuda/gpu/grouped_gemm/. Group offsets stay on the device; the setup kernel reads them
+// there. No host sync, no allocation (the workspace is an FFI result): command-buffer
+// compatible, and a CUDA-graph replay after the sizes change on the device is correct.
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "jaxfuse/ffi_common.h"
+#include "jaxfuse/grouped_gemm.h"
+#include "jaxfuse/grouped_linear.h"
+
+namespace jaxfuse {
+namespace {
+
+namespace gg = grouped_gemm;
+
+bool ToElementType(ffi::DataType type, gg::ElementType* element) {
+  switch (type) {
+    case ffi::DataType::BF16: *element = gg::ElementType::kBF16; return true;
+    case ffi::DataType::F16: *element = gg::ElementType::kF16; return true;
+    case ffi::DataType::F8E4M3FN: *element = gg::ElementType::kFloat8E4M3; return true;
+    case ffi::DataType::F8E5M2: *element = gg::ElementType::kFloat8E5M2; return true;
+    default: return false;
+  }
+}
+
+// Multiprocessor count per device, read once (a host attribute query, no sync).
+int SmCount(int device) {
+  static std::mutex mutex;
+  static std::unordered_map<int, int> counts;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = counts.find(device);
+  if (it != counts.end()) return it->second;
+  int count = 0;
+  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  counts.emplace(device, count);
+  return count;
+}
+
+ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
+               const ffi::AnyBuffer& b, const ffi::AnyBuffer& offsets,
+               const ffi::AnyBuffer* a_scale_inv, const ffi::AnyBuffer* b_scale_inv,
+               ffi::AnyBuffer out, ffi::AnyBuffer workspace, int32_t form) {
+  GroupedProblem shape;
+  const bool fp8 = a_scale_inv != nullptr;  // FP8 forward takes the weight K-major
+  if (auto error = ParseGroupedProblem(a, b, offsets, out, form, &shape, fp8 && form == 0);
+      error.failure()) {
+    return error;
+  }
+  gg::Problem problem{};
+  problem.form = static_cast<gg::Form>(form);
+  if (!ToElementType(a.element_type(), &problem.a_type) ||
+      !ToElementType(b.element_type(), &problem.b_type) ||
+      !ToElementType(out.element_type(), &problem.out_type)) {
+    return InvalidArgument("grouped GEMM on CUDA takes bfloat16, float16 or FP8 inputs, got ",
+                           DataTypeName(a.element_type()), " x ",
+                           DataTypeName(b.element_type()), " -> ",
+                           DataTypeName(out.element_type()));
+  }
+  problem.m = shape.m;
+  problem.k = shape.k;
+  problem.n = shape.n;
+  problem.num_groups = static_cast<int>(shape.groups);
+  problem.group_offsets = offsets.typed_data<int32_t>();
+  problem.a = a.untyped_data();
+  problem.b = b.untyped_data();
+  problem.out = out.untyped_data();
+  problem.a_scale_inv = a_scale_inv ? static_cast<const float*>(a_scale_inv->untyped_data()) : nullptr;
+  problem.b_scale_inv = b_scale_inv ? static_cast<const float*>(b_scale_inv->untyped_data()) : nullptr;
+  problem.workspace = workspace.untyped_data();
+  problem.workspace_bytes = workspace.size_bytes();
+  if (!gg::IsSupported(problem)) {
+    return InvalidArgument("grouped GEMM form ", form, " not supported for these dtypes/shapes "
+                           "(k, n must be multiples of 8 for 16-bit and 16 for FP8 inputs; "
+                           "FP8 wgrad is not available): m=", shape.m, " k=", shape.k,
+                           " n=", shape.n, " G=", shape.groups);
+  }
+  const int sm_count = SmCount(device);
+  const size_t needed = gg::WorkspaceBytes(problem, sm_count);
+  if (needed > problem.workspace_bytes) {
+    return Internal("grouped GEMM workspace too small: ", problem.workspace_bytes, " < ", needed,
+                    " bytes for ", sm_count, " SMs");
+  }
+  if (const cudaError_t status = gg::Run(problem, sm_count, stream); status != cudaSuccess) {
+    return Internal("grouped GEMM failed: ", cudaGetErrorString(status));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedGemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
+                           ffi::AnyBuffer b, ffi::AnyBuffer offsets,
+                           ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> workspace, int32_t form) {
+  return Run(stream, device, a, b, offsets, nullptr, nullptr, *out, *workspace, form);
+}
+
+ffi::Error GroupedGemmFp8Cuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
+                              ffi::AnyBuffer b, ffi::AnyBuffer offsets,
+                              ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
+                              ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> workspace, int32_t form) {
+  return Run(stream, device, a, b, offsets, &a_scale_inv, &b_scale_inv, *out, *workspace, form);
+}
+
+}  // namespace
+
+// Workspace the CUDA handler needs (for the Python wrapper, which sizes the scratch result).
+size_t GroupedGemmWorkspaceBytes(int32_t form, int32_t a_type, int32_t b_type, int64_t m,
+                                 int64_t k, int64_t n, int64_t groups, int sm_count) {
+  gg::Problem problem{};
+  problem.form = static_cast<gg::Form>(form);
+  problem.a_type = static_cast<gg::ElementType>(a_type);
+  problem.b_type = static_cast<gg::ElementType>(b_type);
+  problem.out_type = problem.a_type == gg::ElementType::kF16 ? gg::ElementType::kF16
+                                                             : gg::ElementType::kBF16;
+  problem.m = m;
+  problem.k = k;
+  problem.n = n;
+  problem.num_groups = static_cast<int>(groups);
+  return gg::WorkspaceBytes(problem, sm_count);
+}
+
+}  // namespace jaxfuse
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmCuda, jaxfuse::GroupedGemmCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // a: x [m, k] (fwd, wgrad) or dy [m, n] (dgrad)
+                                  .Arg<ffi::AnyBuffer>()  // b: w [G, k, n] (fwd, dgrad) or dy [m, n] (wgrad)
+                                  .Arg<ffi::AnyBuffer>()  // group_offsets: int32 [G + 1], on the device
+                                  .Ret<ffi::AnyBuffer>()  // out: y [m, n], dx [m, k] or dw [G, k, n]
+                                  .Ret<ffi::AnyBuffer>()  // workspace: uint8 scratch (setup arrays + CUTLASS)
+                                  .Attr<int32_t>("form"), // 0 forward, 1 dgrad, 2 wgrad
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8Cuda, jaxfuse::GroupedGemmFp8Cuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // a: FP8 x [m, k] (fwd) or dy [m, n] (dgrad)
+                                  .Arg<ffi::AnyBuffer>()  // b: FP8 w^T [G, n, k] (fwd) or w [G, k, n] (dgrad)
+                                  .Arg<ffi::AnyBuffer>()  // group_offsets: int32 [G + 1]
+                                  .Arg<ffi::AnyBuffer>()  // a_scale_inv: float32 [G]
+                                  .Arg<ffi::AnyBuffer>()  // b_scale_inv: float32 [G]
+                                  .Ret<ffi::AnyBuffer>()  // out: bf16 y [m, n] or dx [m, k]
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<int32_t>("form"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,82 @@
+// jaxfuse grouped GEMM: host-only interface to the CUTLASS SM90 grouped kernels.
+//
+// This header deliberately includes no CUTLASS/cute header, so the XLA FFI handler
+// that calls it compiles fast. The implementation lives in cuda/gpu/grouped_gemm/.
+//
+// Layouts (all row-major, dense). "Rows" are the row-ragged dimension split into groups
+// by `group_offsets`; rows past the last (clamped) offset are outputs of zeros.
+//   kForward  a = x [m, k],  b = w [G, k, n],  out = y [m, n]:   y[rows_g] = x[rows_g] @ w[g]
+//   kDgrad    a = dy [m, n], b = w [G, k, n],  out = dx [m, k]:  dx[rows_g] = dy[rows_g] @ w[g]^T
+//   kWgrad    a = x [m, k],  b = dy [m, n],    out = dw [G, k, n]: dw[g] = x[rows_g]^T @ dy[rows_g]
+//                                                                  (dw[g] = 0 for an empty group)
+// FP8 (both operands must be K-major for SM90 FP8 wgmma; output is bf16):
+//   kForward  a = x [m, k] e4m3, b = w TRANSPOSED [G, n, k] e4m3
+//   kDgrad    a = dy [m, n] e4m3|e5m2, b = w [G, k, n] e4m3
+//   kWgrad    not supported (IsSupported returns false).
+//   out = (a_scale_inv[g] * b_scale_inv[g]) * (a @ b) per group (a null scale pointer means 1).
+//
+// group_offsets: DEVICE int32 [G+1]; offsets[0] = 0, non-decreasing by contract. The kernels
+// never trust it: every offset is clamped to [0, m] and made non-decreasing (running max), so
+// negative sizes count as zero and sizes summing past m are cut at m. Rows outside
+// [offsets'[0], offsets'[G]) of y/dx are written as zeros.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace jaxfuse::grouped_gemm {
+
+enum class ElementType { kBF16, kF16, kFloat8E4M3, kFloat8E5M2 };
+enum class Form { kForward, kDgrad, kWgrad };
+
+// Optional tile-configuration override (for benchmarks/tests). kAuto picks with a host
+// heuristic from m, n, k, G and the form (never from device data).
+enum class TileConfig {
+  kAuto = 0,
+  kLarge = 1,  // 16-bit: cooperative 128x256x64 (cluster 1x2; wgrad 2x1);
+               // FP8: cooperative 128x128x128, cluster 1x2
+  kSmall = 2,  // 16-bit: ping-pong 128x128x64, cluster 1x1; FP8: ping-pong 64x128x128, 1x1
+               // (f16 has one config, the large one, for both)
+};
+
+struct Problem {
+  Form form;
+  ElementType a_type;     // bf16/f16, or an FP8 type (see above)
+  ElementType b_type;
+  ElementType out_type;   // bf16 or f16 (must equal a_type for 16-bit inputs; bf16 for FP8)
+  int64_t m;              // rows of the row-ragged operands (capacity)
+  int64_t k, n;
+  int num_groups;         // G >= 1
+  const int32_t* group_offsets;  // DEVICE [G+1]
+  const void* a;
+  const void* b;
+  void* out;              // DEVICE pointers
+  const float* a_scale_inv;  // FP8 only: DEVICE [G] (or nullptr = 1)
+  const float* b_scale_inv;  // FP8 only: DEVICE [G] (or nullptr = 1)
+  void* workspace;           // DEVICE scratch, >= WorkspaceBytes(problem, sm_count) bytes,
+  size_t workspace_bytes;    // 256-byte aligned (XLA buffers are)
+  TileConfig tile_config = TileConfig::kAuto;  // optional override
+};
+
+// Host-only arithmetic: depends on form, types, G, k, n (the tile choice) and sm_count only,
+// never on device data; callable without a GPU. Returns 0 for an unsupported problem.
+size_t WorkspaceBytes(const Problem& problem, int sm_count);
+
+// Enqueues everything on `stream`: no host sync, no allocation, no D2H copy, no reading of
+// device data on the host (CUDA-graph capturable; a replay after the offsets changed on the
+// device is correct). Returns the first error; cudaErrorInvalidValue for an unsupported
+// combination or a too-small workspace, with nothing launched.
+// `sm_count` is the device's multiprocessor count (the persistent grid size).
+cudaError_t Run(const Problem& problem, int sm_count, cudaStream_t stream);
+
+// Host check of types, shapes and alignment (k, n multiples of 8 for 16-bit types, of 16 for
+// FP8; 16-byte aligned a/b/out pointers; m, k, n < 2^31; G >= 1). Upstream raises on false.
+bool IsSupported(const Problem& problem);
+
+// The tile configuration the heuristic picks (kLarge or kSmall) from form, types, m, k, n, G
+// and sm_count (host values only). Run/WorkspaceBytes use it when tile_config == kAuto.
+TileConfig ChooseTileConfig(const Problem& problem, int sm_count);
+
+}  // namespace jaxfuse::grouped_gemm

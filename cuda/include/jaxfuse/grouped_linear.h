@@ -1,0 +1,89 @@
+// The grouped GEMM forms behind grouped_linear, as both backends see them (see
+// cuda/include/jaxfuse/grouped_gemm.h for the CUDA kernels' contract):
+//
+//   form 0, forward: out[m, n]    = per group g: a[rows_g, k] @ b[g]        (a = x, b = w [G, k, n])
+//   form 1, dgrad:   out[m, k]    = per group g: a[rows_g, n] @ b[g]^T      (a = dy, b = w [G, k, n])
+//   form 2, wgrad:   out[G, k, n] = per group g: a[rows_g, k]^T @ b[rows_g] (a = x, b = dy [m, n])
+//
+// rows_g = [offsets'[g], offsets'[g+1]) where offsets' clamps group_offsets into [0, m] and
+// makes them non-decreasing: negative sizes count as zero, sums past m are cut at m. Rows of
+// out outside every group are zero; dw of an empty group is zero.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "jaxfuse/ffi_common.h"
+
+namespace jaxfuse {
+
+enum class GroupedForm : int32_t { kForward = 0, kDgrad = 1, kWgrad = 2 };
+
+struct GroupedProblem {
+  GroupedForm form = GroupedForm::kForward;
+  int64_t m = 0, k = 0, n = 0;
+  int64_t groups = 0;
+};
+
+// Shapes by form; checks what the Python wrapper already checked, for direct callers.
+// `weight_transposed`: the forward weight comes as [G, n, k] (FP8 needs it K-major).
+inline ffi::Error ParseGroupedProblem(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+                                      const ffi::AnyBuffer& offsets, const ffi::AnyBuffer& out,
+                                      int32_t form, GroupedProblem* problem,
+                                      bool weight_transposed = false) {
+  const auto a_dims = a.dimensions(), b_dims = b.dimensions(), o_dims = offsets.dimensions();
+  const auto out_dims = out.dimensions();
+  if (form < 0 || form > 2) return InvalidArgument("grouped GEMM form must be 0, 1 or 2, got ", form);
+  problem->form = static_cast<GroupedForm>(form);
+  if (o_dims.size() != 1 || o_dims[0] < 2 || offsets.element_type() != ffi::DataType::S32) {
+    return InvalidArgument("group_offsets must be int32 [G + 1] with G >= 1, got ",
+                           DataTypeName(offsets.element_type()), ShapeString(o_dims));
+  }
+  problem->groups = o_dims[0] - 1;
+  if (a_dims.size() != 2) return InvalidArgument("grouped GEMM a must be rank 2, got ", ShapeString(a_dims));
+  problem->m = a_dims[0];
+  const int64_t g = problem->groups;
+  bool ok = true;
+  switch (problem->form) {
+    case GroupedForm::kForward:  // a [m, k], b [G, k, n] (or [G, n, k]), out [m, n]
+      problem->k = a_dims[1];
+      ok = b_dims.size() == 3 && b_dims[0] == g &&
+           b_dims[weight_transposed ? 2 : 1] == problem->k;
+      problem->n = ok ? b_dims[weight_transposed ? 1 : 2] : 0;
+      ok = ok && out_dims.size() == 2 && out_dims[0] == problem->m && out_dims[1] == problem->n;
+      break;
+    case GroupedForm::kDgrad:  // a [m, n], b [G, k, n], out [m, k]
+      problem->n = a_dims[1];
+      ok = b_dims.size() == 3 && b_dims[0] == g && b_dims[2] == problem->n;
+      problem->k = ok ? b_dims[1] : 0;
+      ok = ok && out_dims.size() == 2 && out_dims[0] == problem->m && out_dims[1] == problem->k;
+      break;
+    case GroupedForm::kWgrad:  // a [m, k], b [m, n], out [G, k, n]
+      problem->k = a_dims[1];
+      ok = b_dims.size() == 2 && b_dims[0] == problem->m;
+      problem->n = ok ? b_dims[1] : 0;
+      ok = ok && out_dims.size() == 3 && out_dims[0] == g && out_dims[1] == problem->k &&
+           out_dims[2] == problem->n;
+      break;
+  }
+  if (!ok) {
+    return InvalidArgument("grouped GEMM form ", form, ": inconsistent shapes a ",
+                           ShapeString(a_dims), ", b ", ShapeString(b_dims), ", out ",
+                           ShapeString(out_dims), " for G = ", g);
+  }
+  return ffi::Error::Success();
+}
+
+// offsets' of the contract above, on the host (CPU handler).
+inline std::vector<int64_t> ClampOffsets(const int32_t* offsets, int64_t groups, int64_t m) {
+  std::vector<int64_t> clamped(groups + 1);
+  int64_t running = 0;
+  for (int64_t g = 0; g <= groups; ++g) {
+    running = std::max(running, std::min<int64_t>(std::max<int64_t>(offsets[g], 0), m));
+    clamped[g] = running;
+  }
+  return clamped;
+}
+
+}  // namespace jaxfuse

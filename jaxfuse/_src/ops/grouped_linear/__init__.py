@@ -1,0 +1,1 @@
+"""grouped_linear: a grouped GEMM for mixture-of-experts layers, sizes kept on the device."""

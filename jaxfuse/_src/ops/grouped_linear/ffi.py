@@ -1,0 +1,78 @@
+"""ffi_call wrapper for the grouped GEMM handlers (cuda/cpu/grouped_linear.cc,
+cuda/gpu/grouped_linear.cu): forward, dgrad and wgrad forms of one target."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfuse._src import compat
+from jaxfuse._src import ffi as ffi_registry
+
+FORWARD, DGRAD, WGRAD = 0, 1, 2
+_TYPE_CODES = {jnp.dtype(jnp.bfloat16): 0, jnp.dtype(jnp.float16): 1,
+               jnp.dtype(jnp.float8_e4m3fn): 2, jnp.dtype(jnp.float8_e5m2): 3}
+_DEFAULT_SM_COUNT = 132  # H100/H200 SXM
+
+
+@functools.cache
+def _sm_count() -> int:
+  """Largest multiprocessor count among visible GPUs: the persistent grid's size."""
+  counts = [getattr(d, "core_count", 0) or 0 for d in jax.devices("gpu")] if \
+      compat.has_cuda_backend() else []
+  return max(counts, default=_DEFAULT_SM_COUNT) or _DEFAULT_SM_COUNT
+
+
+def _workspace_bytes(form, a, b, m, k, n, groups) -> int:
+  extension = ffi_registry.require_extension()
+  a_code = _TYPE_CODES.get(jnp.dtype(a.dtype))
+  b_code = _TYPE_CODES.get(jnp.dtype(b.dtype))
+  if a_code is None or b_code is None:
+    return 0  # the handler reports the unsupported dtype
+  return int(extension.grouped_gemm_workspace_bytes(form, a_code, b_code, m, k, n, groups,
+                                                    _sm_count()))
+
+
+def grouped_gemm(a: jax.Array, b: jax.Array, group_offsets: jax.Array, *, form: int,
+                 a_scale_inv=None, b_scale_inv=None, out_dtype=None) -> jax.Array:
+  """One grouped GEMM form (see cuda/include/jaxfuse/grouped_linear.h).
+
+  forward: a = x [m, k], b = w [G, k, n] -> [m, n]; dgrad: a = dy [m, n], b = w -> [m, k];
+  wgrad: a = x [m, k], b = dy [m, n] -> [G, k, n]. group_offsets: int32 [G + 1] on the
+  device. FP8 (a_scale_inv, b_scale_inv: float32 [G]) takes the forward weight as
+  [G, n, k] and returns bfloat16.
+  """
+  ffi_registry.ensure_registered()
+  groups = group_offsets.shape[0] - 1
+  fp8 = a_scale_inv is not None
+  m = a.shape[0]
+  if form == FORWARD:
+    k = a.shape[1]
+    n = b.shape[1] if fp8 else b.shape[2]
+    out_shape = (m, n)
+  elif form == DGRAD:
+    n, k = a.shape[1], b.shape[1]
+    out_shape = (m, k)
+  else:
+    k, n = a.shape[1], b.shape[1]
+    out_shape = (groups, k, n)
+  out_dtype = jnp.dtype(out_dtype or (jnp.bfloat16 if fp8 else a.dtype))
+  out_type = jax.ShapeDtypeStruct(out_shape, out_dtype)
+  target = "jaxfuse_grouped_gemm_fp8" if fp8 else "jaxfuse_grouped_gemm"
+  operands = (a, b, group_offsets) + ((a_scale_inv, b_scale_inv) if fp8 else ())
+  attrs = dict(form=np.int32(form))
+
+  def cpu(*args):
+    return jax.ffi.ffi_call(target, out_type, vmap_method="sequential")(*args, **attrs)
+
+  def cuda(*args):
+    workspace = jax.ShapeDtypeStruct((_workspace_bytes(form, a, b, m, k, n, groups),), jnp.uint8)
+    out, _ = jax.ffi.ffi_call(target, (out_type, workspace),
+                              vmap_method="sequential")(*args, **attrs)
+    return out
+
+  out = jax.lax.platform_dependent(*operands, cpu=cpu, cuda=cuda)
+  return compat.vary_like(out, *operands)

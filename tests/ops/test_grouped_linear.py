@@ -1,0 +1,263 @@
+"""grouped_linear: reference and FFI (CPU, CUDA) vs float64 numpy on hard group sizes,
+gradients, offsets reuse, vmap, shard_map, errors, CUDA graphs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jaxfuse
+from jaxfuse._src import compat
+from jaxfuse._src.ops.grouped_linear import reference
+from tests import helpers
+
+BACKENDS = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("gpu", id="gpu", marks=pytest.mark.gpu),
+]
+
+
+def sizes_cases(m: int) -> dict[str, list[int]]:
+  """Group sizes that exercise every trap, for m rows."""
+  rng = np.random.default_rng(m)
+  return {
+      "uniform": [m // 4] * 4,
+      "one_group": [m],
+      "empty_groups": [0, m // 2, 0, m - m // 2, 0],
+      "sum_less_than_rows": [m // 5, m // 7, m // 3],
+      "sum_more_than_rows": [m // 2, m // 2, m // 2],
+      "negative_sizes": [-5, m // 2, -1, m // 3],
+      "skewed": [m - 3, 1, 1, 1],
+      "many_groups": list(rng.multinomial(m, np.ones(128) / 128)),
+  }
+
+
+def numpy_grouped_linear(x, kernel, sizes):
+  x64, k64 = helpers.as_f64(x), helpers.as_f64(kernel)
+  m = x64.shape[0]
+  out = np.zeros((m, k64.shape[2]))
+  start = 0
+  for g, size in enumerate(sizes):
+    end = min(start + max(int(size), 0), m)
+    out[start:end] = x64[start:end] @ k64[g]
+    start = end
+  return out
+
+
+def numpy_grouped_grads(x, kernel, sizes, d_out):
+  x64, k64, d64 = helpers.as_f64(x), helpers.as_f64(kernel), helpers.as_f64(d_out)
+  m = x64.shape[0]
+  d_x, d_k = np.zeros_like(x64), np.zeros_like(k64)
+  start = 0
+  for g, size in enumerate(sizes):
+    end = min(start + max(int(size), 0), m)
+    d_x[start:end] = d64[start:end] @ k64[g].T
+    d_k[g] = x64[start:end].T @ d64[start:end]
+    start = end
+  return d_x, d_k
+
+
+def make_inputs(seed, m, k, n, groups, dtype):
+  rng = np.random.default_rng(seed)
+  x = helpers.random_array(rng, (m, k), dtype)
+  kernel = helpers.random_array(rng, (groups, k, n), dtype, scale=1 / np.sqrt(k))
+  return x, kernel
+
+
+def on(device_kind, *arrays):
+  device = jax.devices(device_kind)[0]
+  return [jax.device_put(a, device) for a in arrays]
+
+
+@pytest.mark.parametrize("case", list(sizes_cases(96)))
+def test_reference_matches_float64_numpy(case):
+  sizes = sizes_cases(96)[case]
+  x, kernel = make_inputs(0, 96, 24, 40, len(sizes), jnp.float32)
+  out = reference.grouped_linear(x, kernel, jnp.asarray(sizes, jnp.int32))
+  helpers.assert_close(out, numpy_grouped_linear(x, kernel, sizes), jnp.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("case", list(sizes_cases(96)))
+def test_ffi_matches_float64_numpy(backend, dtype, case):
+  m, k, n = (96, 24, 40) if backend == "cpu" else (1000, 264, 520)
+  sizes = sizes_cases(m)[case]
+  x, kernel = make_inputs(1, m, k, n, len(sizes), dtype)
+  x, kernel, group_sizes = on(backend, x, kernel, jnp.asarray(sizes, jnp.int32))
+  # Outputs are fresh (uninitialised on GPU) buffers: rows past the groups must be written as zeros.
+  out = jax.jit(lambda *a: jaxfuse.grouped_linear(*a, implementation="ffi"))(
+      x, kernel, group_sizes)
+  assert out.dtype == dtype and out.shape == (m, n)
+  expected = numpy_grouped_linear(x, kernel, sizes)
+  helpers.assert_close(out, expected, dtype, msg=case)
+  covered = min(sum(max(s, 0) for s in sizes), m)
+  assert not np.asarray(out[covered:], np.float32).any(), "rows past the groups must be zero"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["uniform", "empty_groups", "sum_less_than_rows",
+                                  "sum_more_than_rows", "many_groups"])
+def test_gradients_match_float64_numpy(backend, case):
+  dtype = jnp.bfloat16
+  m, k, n = (64, 16, 24) if backend == "cpu" else (768, 128, 256)
+  sizes = sizes_cases(m)[case]
+  x, kernel = make_inputs(2, m, k, n, len(sizes), dtype)
+  d_out = helpers.random_array(np.random.default_rng(3), (m, n), dtype)
+  x, kernel, d_out, group_sizes = on(backend, x, kernel, d_out,
+                                     jnp.asarray(sizes, jnp.int32))
+  _, vjp = jax.vjp(lambda x, w: jaxfuse.grouped_linear(x, w, group_sizes,
+                                                        implementation="ffi"), x, kernel)
+  d_x, d_kernel = jax.jit(vjp)(d_out)
+  want_x, want_kernel = numpy_grouped_grads(x, kernel, sizes, d_out)
+  helpers.assert_close(d_x, want_x, dtype, msg="dx")
+  helpers.assert_close(d_kernel, want_kernel, dtype, msg="dkernel")
+  for g, size in enumerate(sizes):  # empty groups: exactly zero, not garbage
+    start = min(sum(max(s, 0) for s in sizes[:g]), m)
+    if min(start + max(size, 0), m) == start:
+      assert not np.asarray(d_kernel[g], np.float32).any(), f"dkernel[{g}] of an empty group"
+
+
+def test_backward_reuses_the_forward_offsets():
+  x, kernel = make_inputs(4, 32, 16, 8, 4, jnp.bfloat16)
+  group_sizes = jnp.asarray([8, 0, 16, 8], jnp.int32)
+  loss = lambda x, w: jnp.sum(jaxfuse.grouped_linear(x, w, group_sizes,
+                                                     implementation="ffi").astype(jnp.float32))
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, kernel)
+  offsets_computations = helpers.count_primitives(
+      jaxpr, lambda e: e.primitive.name == "cumsum" or
+      helpers.ffi_target("jaxfuse_group_offsets")(e))
+  assert offsets_computations == 1
+  # forward, dgrad and wgrad: three grouped GEMMs per platform branch (cpu, cuda).
+  assert helpers.count_primitives(jaxpr, helpers.ffi_target("jaxfuse_grouped_gemm")) == 6
+
+
+def test_vmap():
+  x, kernel = make_inputs(5, 32, 16, 8, 3, jnp.bfloat16)
+  xs = jnp.stack([x, -x])
+  sizes = jnp.asarray([[10, 0, 22], [3, 3, 3]], jnp.int32)
+  out = jax.vmap(lambda x, s: jaxfuse.grouped_linear(x, kernel, s, implementation="ffi"))(
+      xs, sizes)
+  for b in range(2):
+    helpers.assert_close(out[b], numpy_grouped_linear(xs[b], kernel, np.asarray(sizes[b])),
+                         jnp.bfloat16)
+
+
+def test_shard_map_tokens_sharded_kernel_replicated():
+  mesh = Mesh(np.array(jax.devices("cpu")), ("data",))
+  devices = mesh.devices.size
+  m_local, k, n, groups = 16, 16, 8, 3
+  x, kernel = make_inputs(6, m_local * devices, k, n, groups, jnp.bfloat16)
+  rng = np.random.default_rng(7)
+  # Each device holds its own tokens, sorted by expert, with its own group sizes.
+  local_sizes = np.stack([rng.multinomial(m_local - 2, np.ones(groups) / groups)
+                          for _ in range(devices)]).astype(np.int32)
+
+  def layer(implementation):
+    def f(x, w, sizes):
+      return jaxfuse.grouped_linear(x, w, sizes[0], implementation=implementation)
+    return compat.shard_map(f, mesh=mesh, in_specs=(P("data"), P(), P("data")),
+                            out_specs=P("data"))
+
+  sizes = jnp.asarray(local_sizes)
+  out = jax.jit(layer("ffi"))(x, kernel, sizes)
+  expected = np.concatenate([
+      numpy_grouped_linear(x[d * m_local:(d + 1) * m_local], kernel, local_sizes[d])
+      for d in range(devices)])
+  helpers.assert_close(out, expected, jnp.bfloat16)
+  loss = lambda impl: lambda x, w: jnp.sum(jnp.sin(layer(impl)(x, w, sizes).astype(jnp.float32)))
+  got = jax.jit(jax.grad(loss("ffi"), argnums=(0, 1)))(x, kernel)
+  want = jax.grad(loss("xla"), argnums=(0, 1))(x, kernel)
+  for g, w in zip(got, want):
+    helpers.assert_close(g, helpers.as_f64(w), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("args, error, match", [
+    (((8, 16), (2, 8, 8), (2,), jnp.bfloat16), ValueError,
+     r"x's last dimension \(16\) must equal kernel.shape\[1\] \(8\)"),
+    (((8, 16), (2, 16, 8), (3,), jnp.bfloat16), ValueError,
+     r"group_sizes must have shape \(2,\)"),
+    (((8, 16), (16, 8), (2,), jnp.bfloat16), ValueError, r"kernel must have rank 3 \(\[G, K, N\]\)"),
+    (((8, 12), (2, 12, 8), (2,), jnp.bfloat16), ValueError,
+     r"K \(x.shape\[1\]\) to be a multiple of 8"),
+    (((8, 16), (2, 16, 6), (2,), jnp.bfloat16), ValueError,
+     r"N \(kernel.shape\[2\]\) to be a multiple of 8"),
+    (((8, 16), (2, 16, 8), (2,), jnp.float32), TypeError, r"take bfloat16 or float16 x"),
+])
+def test_errors_name_the_argument(args, error, match):
+  x_shape, k_shape, s_shape, dtype = args
+  with pytest.raises(error, match=match):
+    jaxfuse.grouped_linear(jnp.ones(x_shape, dtype), jnp.ones(k_shape, dtype),
+                           jnp.ones(s_shape, jnp.int32), implementation="ffi")
+
+
+def test_group_sizes_must_be_int32():
+  with pytest.raises(TypeError, match=r"group_sizes must be int32 \[G\], got float32"):
+    jaxfuse.grouped_linear(jnp.ones((8, 16), jnp.bfloat16), jnp.ones((2, 16, 8), jnp.bfloat16),
+                           jnp.ones((2,), jnp.float32))
+
+
+# --- GPU only ------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitize
+def test_hostile_group_sizes_stay_in_bounds():
+  """Run under compute-sanitizer (scripts/gpu_run.sh sanitize): no access out of bounds."""
+  m, k, n = 256, 64, 128
+  x, kernel = make_inputs(8, m, k, n, 4, jnp.bfloat16)
+  for sizes in ([2**30, 2**30, 5, 7], [-2**31, 300, -7, 2**31 - 1], [0, 0, 0, 0],
+                [m + 1, 0, 0, 0]):
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    out, vjp = jax.vjp(lambda x, w: jaxfuse.grouped_linear(x, w, group_sizes,
+                                                            implementation="ffi"), x, kernel)
+    d_x, d_kernel = vjp(jnp.ones_like(out))
+    helpers.assert_close(out, numpy_grouped_linear(x, kernel, sizes), jnp.bfloat16)
+    want_x, want_kernel = numpy_grouped_grads(x, kernel, sizes, np.ones((m, n)))
+    helpers.assert_close(d_x, want_x, jnp.bfloat16)
+    helpers.assert_close(d_kernel, want_kernel, jnp.bfloat16)
+
+
+_GRAPH_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxfuse
+    rng = np.random.default_rng(0)
+    m, k, n, g = 2048, 256, 512, 8
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, k, n)) / 16, jnp.bfloat16)
+    @jax.jit
+    def step(x, w, sizes):
+      out, vjp = jax.vjp(lambda x, w: jaxfuse.grouped_linear(x, w, sizes,
+                                                             implementation="ffi"), x, w)
+      return (out, *vjp(out))
+    results = []
+    # The same executable (and CUDA graph) replayed with group sizes changed on the device.
+    for sizes in ([256] * 8, [0, 1000, 0, 48, 500, 500, 0, 0], [2048, 0, 0, 0, 0, 0, 0, 0],
+                  [100] * 8):
+      results.append(np.concatenate([np.asarray(a, np.float32).ravel()
+                                     for a in step(x, w, jnp.asarray(sizes, jnp.int32))]))
+    np.save(sys.argv[1], np.stack(results))
+""")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_follow_device_side_sizes(tmp_path):
+  outputs = {}
+  for name, flags in (("plain", "--xla_gpu_enable_command_buffer="),
+                      ("graphs", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
+                                 "--xla_gpu_graph_min_graph_size=1")):
+    path = tmp_path / f"{name}.npy"
+    subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, str(path)],
+                   env=dict(os.environ, XLA_FLAGS=flags), check=True, timeout=300)
+    outputs[name] = np.load(path)
+  np.testing.assert_array_equal(outputs["plain"], outputs["graphs"])
+  assert not np.array_equal(outputs["graphs"][0], outputs["graphs"][1])

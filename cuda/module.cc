@@ -18,10 +18,28 @@ size_t LoadedVersion();
 
 namespace py = pybind11;
 
+// --- registry: group offsets, scaled activations, quantization (CPU and CUDA) ------
+#define JAXFUSE_CPU_HANDLERS_ISSUE3(X)                                              \
+  X("jaxfuse_group_offsets", JaxfuseGroupOffsetsCpu)                                \
+  X("jaxfuse_scaled_activation_fwd", JaxfuseScaledActivationFwdCpu)                 \
+  X("jaxfuse_scaled_activation_bwd", JaxfuseScaledActivationBwdCpu)                 \
+  X("jaxfuse_quantize", JaxfuseQuantizeCpu)                                         \
+  X("jaxfuse_scaled_activation_quantize", JaxfuseScaledActivationQuantizeCpu)       \
+  X("jaxfuse_scaled_dactivation_quantize", JaxfuseScaledDactivationQuantizeCpu)
+// Stateless CUDA handlers (execute stage only): (name, execute).
+#define JAXFUSE_CUDA_STATELESS_HANDLERS(X)                                          \
+  X("jaxfuse_group_offsets", JaxfuseGroupOffsetsCuda)                               \
+  X("jaxfuse_scaled_activation_fwd", JaxfuseScaledActivationFwdCuda)                \
+  X("jaxfuse_scaled_activation_bwd", JaxfuseScaledActivationBwdCuda)                \
+  X("jaxfuse_quantize", JaxfuseQuantizeCuda)                                        \
+  X("jaxfuse_scaled_activation_quantize", JaxfuseScaledActivationQuantizeCuda)      \
+  X("jaxfuse_scaled_dactivation_quantize", JaxfuseScaledDactivationQuantizeCuda)
+
 // --- registry: CPU handlers ---------------------------------------------------------
 #define JAXFUSE_CPU_HANDLERS(X)                        \
   X("jaxfuse_linear_scale_add", JaxfuseLinearScaleAddCpu) \
-  X("jaxfuse_scaled_matmul", JaxfuseScaledMatmulCpu)
+  X("jaxfuse_scaled_matmul", JaxfuseScaledMatmulCpu)     \
+  JAXFUSE_CPU_HANDLERS_ISSUE3(X)
 
 // --- registry: CUDA handlers (name, instantiate, initialize, execute) ---------------
 #define JAXFUSE_CUDA_HANDLERS(X)                                                   \
@@ -44,6 +62,8 @@ JAXFUSE_CPU_HANDLERS(JAXFUSE_DECLARE_CPU)
   XLA_FFI_DECLARE_HANDLER_SYMBOL(initialize);                       \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(execute);
 JAXFUSE_CUDA_HANDLERS(JAXFUSE_DECLARE_CUDA)
+#define JAXFUSE_DECLARE_CUDA_STATELESS(name, execute) XLA_FFI_DECLARE_HANDLER_SYMBOL(execute);
+JAXFUSE_CUDA_STATELESS_HANDLERS(JAXFUSE_DECLARE_CUDA_STATELESS)
 #define JAXFUSE_DECLARE_TYPE(name, type_id, type_info) \
   XLA_FFI_DECLARE_TYPE_ID_SYMBOL(type_id);             \
   XLA_FFI_DECLARE_TYPE_INFO_SYMBOL(type_info);
@@ -75,6 +95,8 @@ py::dict Handlers() {
     cuda[name] = stages;                                                    \
   }
   JAXFUSE_CUDA_HANDLERS(JAXFUSE_ADD_CUDA)
+#define JAXFUSE_ADD_CUDA_STATELESS(name, execute) cuda[name] = Capsule(execute);
+  JAXFUSE_CUDA_STATELESS_HANDLERS(JAXFUSE_ADD_CUDA_STATELESS)
   handlers["CUDA"] = cuda;
 #endif
   return handlers;

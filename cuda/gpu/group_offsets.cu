@@ -1,5 +1,5 @@
-// CUDA handler for group_offsets: one launch of one 1024-thread block; cub::BlockScan over
-// chunks of 1024 groups with a running carry (any G). Each output k gets
+// CUDA handler for group_offsets: one launch of one 512-thread block; cub::BlockScan (2
+// groups per thread) over chunks of 1024 groups with a running carry (any G). Each output k gets
 // min(prefix, row_capacity) * stride[k], as int32 or int64. No workspace, no host sync.
 #include <cuda_runtime.h>
 
@@ -11,7 +11,8 @@ namespace jaxfuse {
 namespace {
 
 constexpr int kMaxOutputs = 8;
-constexpr int kThreads = 1024;
+constexpr int kThreads = 512;
+constexpr int kItems = 2;  // 1024 groups per chunk
 
 struct OffsetOutputs {
   void* data[kMaxOutputs];
@@ -28,7 +29,9 @@ __global__ void __launch_bounds__(kThreads) GroupOffsetsKernel(const int32_t* si
   int64_t carry = 0;
   auto write = [&](int64_t index, int64_t rows) {
     if (row_capacity >= 0 && rows > row_capacity) rows = row_capacity;
-    for (int k = 0; k < outputs.count; ++k) {
+#pragma unroll
+    for (int k = 0; k < kMaxOutputs; ++k) {  // unrolled: the parameter is indexed statically
+      if (k >= outputs.count) break;
       const int64_t value = rows * outputs.stride[k];
       if (outputs.wide[k]) {
         static_cast<int64_t*>(outputs.data[k])[index] = value;
@@ -37,12 +40,20 @@ __global__ void __launch_bounds__(kThreads) GroupOffsetsKernel(const int32_t* si
       }
     }
   };
-  for (int64_t base = 0; base < groups; base += kThreads) {
-    const int64_t g = base + threadIdx.x;
-    const int32_t size = g < groups ? sizes[g] : 0;
-    int64_t exclusive, chunk_total;
-    Scan(storage).ExclusiveSum(static_cast<int64_t>(size > 0 ? size : 0), exclusive, chunk_total);
-    if (g < groups) write(g, carry + exclusive);
+  for (int64_t base = 0; base < groups; base += kThreads * kItems) {
+    const int64_t g0 = base + threadIdx.x * kItems;
+    int64_t items[kItems];
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int32_t size = g0 + i < groups ? sizes[g0 + i] : 0;
+      items[i] = size > 0 ? size : 0;  // negative sizes count as zero
+    }
+    int64_t chunk_total;
+    Scan(storage).ExclusiveSum(items, items, chunk_total);
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      if (g0 + i < groups) write(g0 + i, carry + items[i]);
+    }
     carry += chunk_total;
     __syncthreads();  // storage is reused by the next chunk
   }

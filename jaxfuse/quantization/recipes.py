@@ -13,6 +13,12 @@ FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 ROLES = ("forward", "gradient")
 
 
+def _check_block(block_size):
+  # The CUDA kernels reduce a block's amax across block/8 adjacent lanes of a warp.
+  if block_size not in (8, 16, 32, 64, 128, 256):
+    raise ValueError(f"block_size must be a power of two from 8 to 256, got {block_size}")
+
+
 def _check_format(name, value):
   if value not in FP8_DTYPES:
     raise ValueError(f"{name} must be one of {tuple(FP8_DTYPES)}, got {value!r}")
@@ -40,8 +46,7 @@ class Float8BlockScaling:
   def __post_init__(self):
     _check_format("forward_format", self.forward_format)
     _check_format("gradient_format", self.gradient_format)
-    if self.block_size <= 0 or self.block_size % 8:
-      raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
+    _check_block(self.block_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +59,7 @@ class MXFP8BlockScaling:
   def __post_init__(self):
     _check_format("forward_format", self.forward_format)
     _check_format("gradient_format", self.gradient_format)
-    if self.block_size <= 0 or self.block_size % 8:
-      raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
+    _check_block(self.block_size)
 
 
 Recipe = Union[Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling]

@@ -74,7 +74,8 @@ namespace {
 
 template <typename T>
 py::capsule Capsule(T* pointer) {
-  return py::capsule(reinterpret_cast<void*>(pointer));
+  // XLA only reads through these pointers; pybind11 capsules hold a void*.
+  return py::capsule(const_cast<void*>(reinterpret_cast<const void*>(pointer)));
 }
 
 // {"cpu": {name: capsule}, "CUDA": {name: {"instantiate": ..., "execute": ...}}}

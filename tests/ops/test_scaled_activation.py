@@ -272,3 +272,22 @@ def test_errors_name_the_argument():
     jaxfuse.scaled_activation(jnp.ones((4, 8), jnp.int32), s)
   with pytest.raises(TypeError, match="limit must be a static Python scalar"):
     jax.jit(lambda l: jaxfuse.scaled_activation(x, s, "clamped_swiglu", limit=l))(1.0)
+
+
+def test_shard_map_on_8_cpu_devices():
+  from jax.sharding import Mesh, PartitionSpec as P
+  from jaxfuse._src import compat
+  devices = jax.devices("cpu")
+  mesh = Mesh(np.array(devices), ("data",))
+  x, scales = make_inputs(9, (32,), 16, jnp.float32, "clamped_swiglu")
+
+  def total(implementation):
+    def f(x, s):
+      out = jaxfuse.scaled_activation(x, s, "clamped_swiglu", implementation=implementation)
+      return jax.lax.psum(jnp.sum(jnp.sin(out)), "data")
+    return compat.shard_map(f, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P())
+
+  grads = jax.jit(jax.grad(total("ffi"), argnums=(0, 1)))(x, scales)
+  expected = jax.grad(total("xla"), argnums=(0, 1))(x, scales)
+  for got, want in zip(grads, expected):
+    helpers.assert_close(got, helpers.as_f64(want), jnp.float32)

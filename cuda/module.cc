@@ -22,23 +22,41 @@ size_t GroupedGemmWorkspaceBytes(int32_t form, int32_t a_type, int32_t b_type, i
 
 namespace py = pybind11;
 
-// --- registry: CPU handlers ---------------------------------------------------------
-#define JAXFUSE_CPU_HANDLERS(X)                           \
-  X("jaxfuse_linear_scale_add", JaxfuseLinearScaleAddCpu) \
-  X("jaxfuse_scaled_matmul", JaxfuseScaledMatmulCpu)      \
-  X("jaxfuse_grouped_gemm", JaxfuseGroupedGemmCpu)
+// --- registry: CPU handlers (name, symbol) -----------------------------------------
+#define JAXFUSE_CPU_HANDLERS(X)                                                   \
+  X("jaxfuse_linear_scale_add", JaxfuseLinearScaleAddCpu)                         \
+  X("jaxfuse_scaled_matmul", JaxfuseScaledMatmulCpu)                              \
+  X("jaxfuse_linear_scale_add_fp8", JaxfuseLinearScaleAddFp8Cpu)                 \
+  X("jaxfuse_scaled_matmul_fp8", JaxfuseScaledMatmulFp8Cpu)                       \
+  X("jaxfuse_grouped_gemm", JaxfuseGroupedGemmCpu)                                \
+  X("jaxfuse_group_offsets", JaxfuseGroupOffsetsCpu)                              \
+  X("jaxfuse_scaled_activation_fwd", JaxfuseScaledActivationFwdCpu)               \
+  X("jaxfuse_scaled_activation_bwd", JaxfuseScaledActivationBwdCpu)               \
+  X("jaxfuse_quantize", JaxfuseQuantizeCpu)                                       \
+  X("jaxfuse_scaled_activation_quantize", JaxfuseScaledActivationQuantizeCpu)     \
+  X("jaxfuse_scaled_dactivation_quantize", JaxfuseScaledDactivationQuantizeCpu)
 
-// --- registry: CUDA handlers (name, instantiate, initialize, execute) ---------------
+// --- registry: stateful CUDA handlers (name, instantiate, initialize, execute) ------
 #define JAXFUSE_CUDA_HANDLERS(X)                                                   \
   X("jaxfuse_linear_scale_add", JaxfuseLinearScaleAddInstantiateCuda,              \
     JaxfuseMatmulInitializeCuda, JaxfuseLinearScaleAddCuda)                       \
   X("jaxfuse_scaled_matmul", JaxfuseScaledMatmulInstantiateCuda,                   \
-    JaxfuseMatmulInitializeCuda, JaxfuseScaledMatmulCuda)
+    JaxfuseMatmulInitializeCuda, JaxfuseScaledMatmulCuda)                          \
+  X("jaxfuse_linear_scale_add_fp8", JaxfuseLinearScaleAddFp8InstantiateCuda,       \
+    JaxfuseMatmulInitializeCuda, JaxfuseLinearScaleAddFp8Cuda)                     \
+  X("jaxfuse_scaled_matmul_fp8", JaxfuseScaledMatmulFp8InstantiateCuda,            \
+    JaxfuseMatmulInitializeCuda, JaxfuseScaledMatmulFp8Cuda)
 
 // --- registry: stateless CUDA handlers (name, execute) ------------------------------
-#define JAXFUSE_CUDA_STATELESS_HANDLERS(X)                 \
-  X("jaxfuse_grouped_gemm", JaxfuseGroupedGemmCuda)        \
-  X("jaxfuse_grouped_gemm_fp8", JaxfuseGroupedGemmFp8Cuda)
+#define JAXFUSE_CUDA_STATELESS_HANDLERS(X)                                          \
+  X("jaxfuse_grouped_gemm", JaxfuseGroupedGemmCuda)                                 \
+  X("jaxfuse_grouped_gemm_fp8", JaxfuseGroupedGemmFp8Cuda)                          \
+  X("jaxfuse_group_offsets", JaxfuseGroupOffsetsCuda)                               \
+  X("jaxfuse_scaled_activation_fwd", JaxfuseScaledActivationFwdCuda)                \
+  X("jaxfuse_scaled_activation_bwd", JaxfuseScaledActivationBwdCuda)                \
+  X("jaxfuse_quantize", JaxfuseQuantizeCuda)                                        \
+  X("jaxfuse_scaled_activation_quantize", JaxfuseScaledActivationQuantizeCuda)      \
+  X("jaxfuse_scaled_dactivation_quantize", JaxfuseScaledDactivationQuantizeCuda)
 
 // --- registry: CUDA state types (name, type id function, type info function) --------
 #define JAXFUSE_CUDA_TYPES(X) \
@@ -53,7 +71,8 @@ JAXFUSE_CPU_HANDLERS(JAXFUSE_DECLARE_CPU)
   XLA_FFI_DECLARE_HANDLER_SYMBOL(initialize);                       \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(execute);
 JAXFUSE_CUDA_HANDLERS(JAXFUSE_DECLARE_CUDA)
-JAXFUSE_CUDA_STATELESS_HANDLERS(JAXFUSE_DECLARE_CPU)
+#define JAXFUSE_DECLARE_CUDA_STATELESS(name, execute) XLA_FFI_DECLARE_HANDLER_SYMBOL(execute);
+JAXFUSE_CUDA_STATELESS_HANDLERS(JAXFUSE_DECLARE_CUDA_STATELESS)
 #define JAXFUSE_DECLARE_TYPE(name, type_id, type_info) \
   XLA_FFI_DECLARE_TYPE_ID_SYMBOL(type_id);             \
   XLA_FFI_DECLARE_TYPE_INFO_SYMBOL(type_info);
@@ -68,7 +87,7 @@ py::capsule Capsule(T* pointer) {
   return py::capsule(const_cast<void*>(reinterpret_cast<const void*>(pointer)));
 }
 
-// {"cpu": {name: capsule}, "CUDA": {name: {"instantiate": ..., "execute": ...}}}
+// {"cpu": {name: capsule}, "CUDA": {name: capsule or {"instantiate": ..., "execute": ...}}}
 py::dict Handlers() {
   py::dict cpu;
 #define JAXFUSE_ADD_CPU(name, symbol) cpu[name] = Capsule(symbol);

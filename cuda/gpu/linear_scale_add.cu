@@ -25,6 +25,8 @@ cudaDataType_t CudaType(ffi::DataType type) {
   switch (type) {
     case ffi::DataType::BF16: return CUDA_R_16BF;
     case ffi::DataType::F16: return CUDA_R_16F;
+    case ffi::DataType::F8E4M3FN: return CUDA_R_8F_E4M3;
+    case ffi::DataType::F8E5M2: return CUDA_R_8F_E5M2;
     default: return CUDA_R_32F;
   }
 }
@@ -54,15 +56,19 @@ struct MatmulState {
 
   MatmulProblem problem;
   bool accumulate = false;
+  bool fp8 = false;
+  bool fast_accumulation = false;  // FP8 only: TransformerEngine uses it for the forward GEMM
   size_t workspace_bytes = 0;
   const cublaslt::Api* api = nullptr;
-  cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t layout_a = nullptr;  // cuBLAS "A": our b
   cublasLtMatrixLayout_t layout_b = nullptr;  // cuBLAS "B": our a
   cublasLtMatrixLayout_t layout_c = nullptr;  // C and D
 
+  // One per device (and alignment): its own descriptor, since FP8 scale pointers are set
+  // on it at each execution and devices run on their own threads.
   struct Algorithm {
     cublasLtHandle_t handle;
+    cublasLtMatmulDesc_t desc;
     cublasLtMatmulAlgo_t algo;
   };
   using AlgorithmKey = std::tuple<int, uint32_t, uint32_t, uint32_t>;  // device, alignments
@@ -71,10 +77,10 @@ struct MatmulState {
 
   ~MatmulState() {
     if (!api) return;
+    for (auto& [key, algorithm] : algorithms) api->MatmulDescDestroy(algorithm.desc);
     if (layout_c) api->MatrixLayoutDestroy(layout_c);
     if (layout_b) api->MatrixLayoutDestroy(layout_b);
     if (layout_a) api->MatrixLayoutDestroy(layout_a);
-    if (desc) api->MatmulDescDestroy(desc);
   }
 
   bool Empty() const { return problem.p == 0 || problem.q == 0 || problem.r == 0; }
@@ -87,27 +93,37 @@ struct MatmulState {
     if (!api) return Internal(error);
     if (Empty()) return ffi::Error::Success();
     const int64_t p = problem.p, q = problem.q, r = problem.r;
-    const cudaDataType_t input = CudaType(problem.input_type);
+    const cudaDataType_t a_type = CudaType(problem.input_type);
+    const cudaDataType_t b_type = CudaType(problem.b_type);
     const cudaDataType_t output = CudaType(problem.output_type);
-    JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    // Stored shapes, column-major view: b is [R, Q] (or [Q, R]) row-major.
+    if (problem.transpose_b) {
+      JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatrixLayoutCreate(&layout_a, b_type, r, q, r));
+    } else {
+      JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatrixLayoutCreate(&layout_a, b_type, q, r, q));
+    }
+    if (problem.transpose_a) {
+      JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatrixLayoutCreate(&layout_b, a_type, p, r, p));
+    } else {
+      JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatrixLayoutCreate(&layout_b, a_type, r, p, r));
+    }
+    JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatrixLayoutCreate(&layout_c, output, q, p, q));
+    return ffi::Error::Success();
+  }
+
+  ffi::Error CreateDesc(cublasLtMatmulDesc_t* desc) const {
+    JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatmulDescCreate(desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t trans_a = problem.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     const cublasOperation_t trans_b = problem.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
     JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatmulDescSetAttribute(
-        desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
+        *desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
     JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatmulDescSetAttribute(
-        desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
-    // Stored shapes, column-major view: b is [R, Q] (or [Q, R]) row-major.
-    if (problem.transpose_b) {
-      JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatrixLayoutCreate(&layout_a, input, r, q, r));
-    } else {
-      JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatrixLayoutCreate(&layout_a, input, q, r, q));
+        *desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+    if (fp8) {
+      const int8_t fast = fast_accumulation ? 1 : 0;
+      JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatmulDescSetAttribute(
+          *desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
     }
-    if (problem.transpose_a) {
-      JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatrixLayoutCreate(&layout_b, input, p, r, p));
-    } else {
-      JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatrixLayoutCreate(&layout_b, input, r, p, r));
-    }
-    JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatrixLayoutCreate(&layout_c, output, q, p, q));
     return ffi::Error::Success();
   }
 
@@ -122,6 +138,7 @@ struct MatmulState {
     }
     Algorithm algorithm{};
     JAXFUSE_RETURN_IF_CUBLAS_ERROR(cublaslt::GetHandle(device, &algorithm.handle));
+    if (auto error = CreateDesc(&algorithm.desc); error.failure()) return error;
     cublasLtMatmulPreference_t preference = nullptr;
     JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatmulPreferenceCreate(&preference));
     auto set = [&](cublasLtMatmulPreferenceAttributes_t attribute, auto value) {
@@ -135,10 +152,11 @@ struct MatmulState {
     cublasLtMatmulHeuristicResult_t result{};
     int count = 0;
     const cublasStatus_t status = api->MatmulAlgoGetHeuristic(
-        algorithm.handle, desc, layout_a, layout_b, layout_c, layout_c, preference, 1,
+        algorithm.handle, algorithm.desc, layout_a, layout_b, layout_c, layout_c, preference, 1,
         &result, &count);
     api->MatmulPreferenceDestroy(preference);
     if (status != CUBLAS_STATUS_SUCCESS || count == 0) {
+      api->MatmulDescDestroy(algorithm.desc);
       return Internal("cuBLASLt found no algorithm for a [", problem.p, ", ", problem.q,
                       ", ", problem.r, "] product: ", cublaslt::StatusString(status));
     }
@@ -155,7 +173,8 @@ ffi::ErrorOr<std::unique_ptr<MatmulState>> MakeState(const ffi::AnyBuffer& a,
                                                      const ffi::AnyBuffer* c,
                                                      const ffi::AnyBuffer& out,
                                                      const ffi::AnyBuffer& workspace,
-                                                     bool transpose_a, bool transpose_b) {
+                                                     bool transpose_a, bool transpose_b,
+                                                     bool fast_accumulation = false) {
   auto state = std::make_unique<MatmulState>();
   // ffi::Unexpected: jaxlib 0.10's ErrorOr has no implicit conversion from Error.
   if (auto error = ParseMatmulProblem(a, b, c, out, transpose_a, transpose_b, &state->problem);
@@ -163,6 +182,8 @@ ffi::ErrorOr<std::unique_ptr<MatmulState>> MakeState(const ffi::AnyBuffer& a,
     return ffi::Unexpected<ffi::Error>(std::move(error));
   }
   state->accumulate = c != nullptr;
+  state->fp8 = IsFp8(state->problem.input_type);
+  state->fast_accumulation = fast_accumulation;
   state->workspace_bytes = workspace.size_bytes();
   if (auto error = state->BuildDescriptors(); error.failure()) {
     return ffi::Unexpected<ffi::Error>(std::move(error));
@@ -179,9 +200,12 @@ ffi::Error Initialize(int device, MatmulState* state) {
   return state->FindAlgorithm(device, aligned, aligned, aligned, &algorithm);
 }
 
+// a_scale_inv/b_scale_inv: FP8 only, float32 scalars on the device.
 ffi::Error Execute(cudaStream_t stream, int device, MatmulState* state,
                    const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi::AnyBuffer* c,
-                   ffi::AnyBuffer out, ffi::AnyBuffer workspace, float alpha) {
+                   ffi::AnyBuffer out, ffi::AnyBuffer workspace, float alpha,
+                   const ffi::AnyBuffer* a_scale_inv = nullptr,
+                   const ffi::AnyBuffer* b_scale_inv = nullptr) {
   const MatmulProblem& problem = state->problem;
   // XLA aliases c to out; copy if it ever did not, so the update stays correct.
   if (c != nullptr && c->untyped_data() != out.untyped_data() && out.size_bytes() > 0) {
@@ -203,10 +227,20 @@ ffi::Error Execute(cudaStream_t stream, int device, MatmulState* state,
       error.failure()) {
     return error;
   }
+  if (state->fp8) {
+    // Device pointers, so the scales computed by the quantization kernels are read by the
+    // GEMM without a host round trip. cuBLAS's A is our b.
+    const void* a_scale = b_scale_inv->untyped_data();
+    const void* b_scale = a_scale_inv->untyped_data();
+    JAXFUSE_RETURN_IF_CUBLAS_ERROR(state->api->MatmulDescSetAttribute(
+        algorithm->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof(a_scale)));
+    JAXFUSE_RETURN_IF_CUBLAS_ERROR(state->api->MatmulDescSetAttribute(
+        algorithm->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof(b_scale)));
+  }
   const float beta = c != nullptr ? 1.0f : 0.0f;
   void* d = out.untyped_data();
   JAXFUSE_RETURN_IF_CUBLAS_ERROR(state->api->Matmul(
-      algorithm->handle, state->desc, &alpha, b.untyped_data(), state->layout_a,
+      algorithm->handle, algorithm->desc, &alpha, b.untyped_data(), state->layout_a,
       a.untyped_data(), state->layout_b, &beta, d, state->layout_c, d, state->layout_c,
       &algorithm->algo, workspace.untyped_data(), workspace.size_bytes(), stream));
   return ffi::Error::Success();
@@ -241,6 +275,39 @@ ffi::Error ScaledMatmulExecute(cudaStream_t stream, int32_t device, MatmulState*
                                ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::AnyBuffer> workspace, float alpha, bool, bool) {
   return Execute(stream, device, state, a, b, nullptr, *out, *workspace, alpha);
+}
+
+// --- bindings: FP8 (a [P, R], b [Q, R], per-tensor scales on the device) -----------
+
+ffi::ErrorOr<std::unique_ptr<MatmulState>> LinearScaleAddFp8Instantiate(
+    ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c, ffi::AnyBuffer, ffi::AnyBuffer,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace, float,
+    bool fast_accumulation) {
+  return MakeState(a, b, &c, *out, *workspace, false, true, fast_accumulation);
+}
+
+ffi::Error LinearScaleAddFp8Execute(cudaStream_t stream, int32_t device, MatmulState* state,
+                                    ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c,
+                                    ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
+                                    ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::AnyBuffer> workspace, float alpha, bool) {
+  return Execute(stream, device, state, a, b, &c, *out, *workspace, alpha, &a_scale_inv,
+                 &b_scale_inv);
+}
+
+ffi::ErrorOr<std::unique_ptr<MatmulState>> ScaledMatmulFp8Instantiate(
+    ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer, ffi::AnyBuffer,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace, float,
+    bool fast_accumulation) {
+  return MakeState(a, b, nullptr, *out, *workspace, false, true, fast_accumulation);
+}
+
+ffi::Error ScaledMatmulFp8Execute(cudaStream_t stream, int32_t device, MatmulState* state,
+                                  ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv,
+                                  ffi::AnyBuffer b_scale_inv, ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::Result<ffi::AnyBuffer> workspace, float alpha, bool) {
+  return Execute(stream, device, state, a, b, nullptr, *out, *workspace, alpha, &a_scale_inv,
+                 &b_scale_inv);
 }
 
 ffi::Error MatmulInitialize(int32_t device, MatmulState* state) {
@@ -314,4 +381,60 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledMatmulCuda, jaxfuse::ScaledMatmulExec
                                   .Attr<float>("alpha")
                                   .Attr<bool>("transpose_a")
                                   .Attr<bool>("transpose_b"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseLinearScaleAddFp8InstantiateCuda,
+                              jaxfuse::LinearScaleAddFp8Instantiate,
+                              ffi::Ffi::BindInstantiate()
+                                  .Arg<ffi::AnyBuffer>()  // a
+                                  .Arg<ffi::AnyBuffer>()  // b
+                                  .Arg<ffi::AnyBuffer>()  // c
+                                  .Arg<ffi::AnyBuffer>()  // a_scale_inv
+                                  .Arg<ffi::AnyBuffer>()  // b_scale_inv
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<float>("alpha")
+                                  .Attr<bool>("fast_accumulation"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseLinearScaleAddFp8Cuda, jaxfuse::LinearScaleAddFp8Execute,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<MatmulState>>()
+                                  .Arg<ffi::AnyBuffer>()  // a: FP8 x [P, R]
+                                  .Arg<ffi::AnyBuffer>()  // b: FP8 kernel^T [Q, R]
+                                  .Arg<ffi::AnyBuffer>()  // c: residual [P, Q], aliased to out
+                                  .Arg<ffi::AnyBuffer>()  // a_scale_inv: float32 [] on the device
+                                  .Arg<ffi::AnyBuffer>()  // b_scale_inv: float32 []
+                                  .Ret<ffi::AnyBuffer>()  // out: c + alpha * sa * sb * a @ b^T
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<float>("alpha")
+                                  .Attr<bool>("fast_accumulation"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledMatmulFp8InstantiateCuda,
+                              jaxfuse::ScaledMatmulFp8Instantiate,
+                              ffi::Ffi::BindInstantiate()
+                                  .Arg<ffi::AnyBuffer>()  // a
+                                  .Arg<ffi::AnyBuffer>()  // b
+                                  .Arg<ffi::AnyBuffer>()  // a_scale_inv
+                                  .Arg<ffi::AnyBuffer>()  // b_scale_inv
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<float>("alpha")
+                                  .Attr<bool>("fast_accumulation"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledMatmulFp8Cuda, jaxfuse::ScaledMatmulFp8Execute,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<MatmulState>>()
+                                  .Arg<ffi::AnyBuffer>()  // a: FP8 [P, R]
+                                  .Arg<ffi::AnyBuffer>()  // b: FP8 [Q, R]
+                                  .Arg<ffi::AnyBuffer>()  // a_scale_inv: float32 []
+                                  .Arg<ffi::AnyBuffer>()  // b_scale_inv: float32 []
+                                  .Ret<ffi::AnyBuffer>()  // out: alpha * sa * sb * a @ b^T
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<float>("alpha")
+                                  .Attr<bool>("fast_accumulation"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -324,3 +324,84 @@ def test_identical_results_with_cuda_graphs_for_custom_calls(tmp_path):
                    check=True, timeout=300)
     outputs[name] = np.load(path)
   np.testing.assert_array_equal(outputs["plain"], outputs["graphs"])
+
+
+# --- FP8 (per-tensor current scaling) ------------------------------------------------
+
+FP8_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=False)
+
+
+def relative_error(actual, expected) -> float:
+  actual, expected = helpers.as_f64(actual), helpers.as_f64(expected)
+  return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("alpha", [1.0, -2.5])
+def test_fp8_forward_matches_the_fp8_reference(backend, alpha):
+  leading, k, n = ((32,), 48, 64) if backend == "cpu" else ((4, 256), 512, 768)
+  x, kernel, residual = on(backend, *make_inputs(20, leading, k, n, jnp.bfloat16))
+  out = jax.jit(lambda *a: jaxfuse.linear_scale_add(*a, alpha, recipe=FP8_RECIPE,
+                                                    implementation="ffi"))(x, kernel, residual)
+  expected = jaxfuse.linear_scale_add(x, kernel, residual, alpha, recipe=FP8_RECIPE,
+                                      implementation="xla")
+  # Same FP8 products; only the fp32 accumulation order and the final rounding differ.
+  helpers.assert_close(out, helpers.as_f64(expected), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_accuracy_against_the_bf16_op(backend):
+  """E4M3 keeps 3 mantissa bits (relative rounding <= 2^-4 per element); over a K-term
+  product of unit-variance data the errors average out to a few percent of the norm.
+  Gradients use E5M2 (2 bits, <= 2^-3) for dy."""
+  leading, k, n = ((64,), 128, 96) if backend == "cpu" else ((2048,), 1024, 1024)
+  x, kernel, residual = on(backend, *make_inputs(21, leading, k, n, jnp.bfloat16))
+  residual = residual * 0  # compare the products themselves, not the residual
+  fp8 = lambda *a: jaxfuse.linear_scale_add(*a, 1.0, recipe=FP8_RECIPE, implementation="ffi")
+  bf16 = lambda *a: jaxfuse.linear_scale_add(*a, 1.0, implementation="ffi")
+  assert relative_error(fp8(x, kernel, residual), bf16(x, kernel, residual)) < 0.05
+  d_out = helpers.random_array(np.random.default_rng(22), (*leading, n), jnp.bfloat16)
+  d_fp8 = jax.vjp(fp8, x, kernel, residual)[1](d_out)
+  d_bf16 = jax.vjp(bf16, x, kernel, residual)[1](d_out)
+  for name, got, want in zip(("dx", "dkernel", "dresidual"), d_fp8, d_bf16):
+    assert relative_error(got, want) < 0.1, name
+
+
+def test_fp8_runs_fp8_gemms_forward_and_backward():
+  x, kernel, residual = make_inputs(23, (32,), 32, 16, jnp.bfloat16)
+  loss = lambda x, k, r: jnp.sum(jaxfuse.linear_scale_add(
+      x, k, r, 0.5, recipe=FP8_RECIPE, implementation="ffi").astype(jnp.float32))
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, kernel, residual)
+  per_platform = lambda target: helpers.count_primitives(jaxpr, helpers.ffi_target(target)) // 2
+  assert per_platform("jaxfuse_linear_scale_add_fp8") == 1
+  assert per_platform("jaxfuse_scaled_matmul_fp8") == 2
+  assert per_platform("jaxfuse_scaled_matmul") == 0
+
+
+def test_fp8_donated_residual_is_updated_in_place():
+  x, kernel, residual = make_inputs(24, (64,), 32, 48, jnp.bfloat16)
+  step = jax.jit(lambda x, k, r: jaxfuse.linear_scale_add(x, k, r, 0.5, recipe=FP8_RECIPE,
+                                                          implementation="ffi"),
+                 donate_argnums=2)
+  compiled = step.lower(x, kernel, residual).compile().as_text()
+  custom_call = [l for l in compiled.splitlines() if "jaxfuse_linear_scale_add_fp8" in l]
+  assert custom_call and "output_to_operand_aliasing" in custom_call[0]
+  assert not [l for l in compiled.splitlines() if " copy(" in l and "f32" not in l.split("=")[0]
+              and "bf16[64,48]" in l]
+
+
+@pytest.mark.parametrize("recipe, shapes, match", [
+    (jaxfuse.quantization.Float8CurrentScaling(per_group=True), ((32, 32), (32, 32)),
+     r"supports recipe=Float8CurrentScaling\(per_group=False\)"),
+    (jaxfuse.quantization.Float8BlockScaling(), ((32, 32), (32, 32)),
+     r"supports recipe=Float8CurrentScaling\(per_group=False\)"),
+    (FP8_RECIPE, ((32, 24), (24, 32)), r"K \(x.shape\[-1\]\) to be a multiple of 16"),
+    (FP8_RECIPE, ((32, 32), (32, 40)), r"N \(kernel.shape\[1\]\) to be a multiple of 16"),
+    (FP8_RECIPE, ((30, 32), (32, 32)), r"row count of x .* multiple of 16, got 30"),
+])
+def test_fp8_errors(recipe, shapes, match):
+  x_shape, k_shape = shapes
+  x, kernel = jnp.ones(x_shape, jnp.bfloat16), jnp.ones(k_shape, jnp.bfloat16)
+  residual = jnp.ones((x_shape[0], k_shape[1]), jnp.bfloat16)
+  with pytest.raises(ValueError, match=match):
+    jaxfuse.linear_scale_add(x, kernel, residual, recipe=recipe, implementation="ffi")

@@ -6,6 +6,11 @@
 // with op(a) = a or a^T ([P, R]) and op(b) = b or b^T ([R, Q]); all buffers row-major.
 // The forward pass is (a = x, b = kernel, c = residual); dgrad is (a = dy, b = kernel^T);
 // wgrad is (a = x^T, b = dy): alpha rides in every GEMM, never in a separate pass.
+//
+// FP8 (Float8CurrentScaling per tensor): a and b are float8_e4m3fn or float8_e5m2 (not both
+// e5m2), given "NT" (op(a) = a, op(b) = b^T: both K-major, as Hopper's FP8 tensor cores
+// need), and the product is further scaled by the per-tensor dequantization factors
+// a_scale_inv * b_scale_inv, read on the device. out (and c) are bf16, f16 or f32.
 #pragma once
 
 #include <cstdint>
@@ -17,13 +22,18 @@ namespace jaxfuse {
 struct MatmulProblem {
   int64_t p = 0, q = 0, r = 0;  // out is [p, q]; r is the contracted size
   bool transpose_a = false, transpose_b = false;
-  ffi::DataType input_type = ffi::DataType::INVALID;   // a and b
+  ffi::DataType input_type = ffi::DataType::INVALID;   // a (and b, unless FP8)
+  ffi::DataType b_type = ffi::DataType::INVALID;
   ffi::DataType output_type = ffi::DataType::INVALID;  // out (and c)
 };
 
 inline bool IsFloatingInput(ffi::DataType type) {
   return type == ffi::DataType::F32 || type == ffi::DataType::BF16 ||
          type == ffi::DataType::F16;
+}
+
+inline bool IsFp8(ffi::DataType type) {
+  return type == ffi::DataType::F8E4M3FN || type == ffi::DataType::F8E5M2;
 }
 
 // Checks ranks, sizes and dtypes; `c` is null for the non-accumulating form. The Python
@@ -70,8 +80,26 @@ inline ffi::Error ParseMatmulProblem(const ffi::AnyBuffer& a, const ffi::AnyBuff
     }
   }
   problem->input_type = a.element_type();
+  problem->b_type = b.element_type();
   problem->output_type = out.element_type();
-  if (!IsFloatingInput(problem->input_type) || b.element_type() != problem->input_type) {
+  if (IsFp8(problem->input_type) || IsFp8(problem->b_type)) {
+    if (!IsFp8(problem->input_type) || !IsFp8(problem->b_type) ||
+        (problem->input_type == ffi::DataType::F8E5M2 && problem->b_type == ffi::DataType::F8E5M2)) {
+      return InvalidArgument("FP8 matmul inputs must both be FP8 and not both float8_e5m2, got ",
+                             DataTypeName(problem->input_type), " and ",
+                             DataTypeName(problem->b_type));
+    }
+    if (transpose_a || !transpose_b) {
+      return InvalidArgument("FP8 matmul operands must be K-major: a [P, R], b [Q, R] "
+                             "(transpose_a = false, transpose_b = true)");
+    }
+    if (!IsFloatingInput(problem->output_type)) {
+      return InvalidArgument("FP8 matmul output must be float32, bfloat16 or float16, got ",
+                             DataTypeName(problem->output_type));
+    }
+    return ffi::Error::Success();
+  }
+  if (!IsFloatingInput(problem->input_type) || problem->b_type != problem->input_type) {
     return InvalidArgument("matmul inputs must both be float32, bfloat16 or float16, got ",
                            DataTypeName(a.element_type()), " and ",
                            DataTypeName(b.element_type()));

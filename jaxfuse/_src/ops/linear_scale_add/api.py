@@ -37,8 +37,27 @@ def _validate(x, kernel, residual, alpha, recipe) -> float:
     raise ValueError(f"residual must have shape {expected_residual} (x's leading shape, "
                      f"kernel.shape[1]), got {residual.shape}")
   if recipe is not None:
-    raise NotImplementedError("linear_scale_add: FP8 recipes are not implemented yet")
+    _validate_fp8(x, kernel, recipe)
   return checks.static_float("alpha", alpha)
+
+
+# cuBLASLt's FP8 GEMMs need 16-byte (16-element) aligned leading dimensions; the backward
+# pass multiplies transposed copies, so the row count is a leading dimension too.
+_FP8_ALIGNMENT = 16
+
+
+def _validate_fp8(x, kernel, recipe) -> None:
+  from jaxfuse.quantization import Float8CurrentScaling  # pylint: disable=g-import-not-at-top
+  if not isinstance(recipe, Float8CurrentScaling) or recipe.per_group:
+    raise ValueError("linear_scale_add supports recipe=Float8CurrentScaling(per_group=False) "
+                     f"(per-tensor current scaling), got {recipe!r}")
+  k, n = kernel.shape
+  rows = math.prod(x.shape[:-1])
+  for name, size in (("K (x.shape[-1])", k), ("N (kernel.shape[1])", n),
+                     ("the row count of x (prod(x.shape[:-1]))", rows)):
+    if size % _FP8_ALIGNMENT:
+      raise ValueError(f"FP8 linear_scale_add needs {name} to be a multiple of "
+                       f"{_FP8_ALIGNMENT}, got {size}")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -71,6 +90,50 @@ def _backward(alpha, varying_axes, saved, d_out):
 _linear_scale_add_ffi.defvjp(_forward, _backward)
 
 
+# --- FP8 (per-tensor current scaling) ------------------------------------------------
+
+
+def _quantize(value, recipe, role):
+  from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
+  q = quantize_api.quantize(value, recipe, role=role, implementation="ffi")
+  return q.data, q.scale_inv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _linear_scale_add_fp8(x, kernel, residual, alpha, recipe, varying_axes):
+  out, _ = _fp8_forward(x, kernel, residual, alpha, recipe, varying_axes)
+  return out
+
+
+def _fp8_forward(x, kernel, residual, alpha, recipe, varying_axes):
+  del varying_axes
+  k = kernel.shape[0]
+  # E4M3 with one scale per tensor; the kernel goes in transposed ([N, K], K-major).
+  x_fp8, x_scale_inv = _quantize(x.reshape(-1, k), recipe, "forward")
+  kernel_t_fp8, kernel_scale_inv = _quantize(kernel.T, recipe, "forward")
+  out = ffi.linear_scale_add_fp8(x_fp8.reshape(x.shape), kernel_t_fp8, residual, x_scale_inv,
+                                 kernel_scale_inv, alpha=alpha, fast_accumulation=True)
+  saved = (x_fp8, x_scale_inv, kernel_t_fp8, kernel_scale_inv,
+           jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
+  return out, saved
+
+
+def _fp8_backward(alpha, recipe, varying_axes, saved, d_out):
+  x_fp8, x_scale_inv, kernel_t_fp8, kernel_scale_inv, x_like, kernel_like = saved
+  n, k = kernel_t_fp8.shape
+  # Gradients in E5M2; split (non-fast) accumulation in both backward GEMMs, as TE does.
+  dy_fp8, dy_scale_inv = _quantize(d_out.reshape(-1, n), recipe, "gradient")
+  d_x = ffi.scaled_matmul_fp8(dy_fp8, kernel_t_fp8.T, dy_scale_inv, kernel_scale_inv,
+                              alpha=alpha, out_dtype=x_like.dtype)
+  d_kernel = ffi.scaled_matmul_fp8(x_fp8.T, dy_fp8.T, x_scale_inv, dy_scale_inv,
+                                   alpha=alpha, out_dtype=kernel_like.dtype)
+  return tuple(compat.match_varying_axes(cotangent, axes) for cotangent, axes in
+               zip((d_x.reshape(*d_out.shape[:-1], k), d_kernel, d_out), varying_axes))
+
+
+_linear_scale_add_fp8.defvjp(_fp8_forward, _fp8_backward)
+
+
 def linear_scale_add(x: jax.Array, kernel: jax.Array, residual: jax.Array,
                      alpha: float = 1.0, *, recipe=None,
                      implementation: str | None = None) -> jax.Array:
@@ -86,7 +149,13 @@ def linear_scale_add(x: jax.Array, kernel: jax.Array, residual: jax.Array,
     kernel: [K, N], the same dtype as x (Flax layout: [in_features, out_features]).
     residual: [..., N] with x's leading shape; x's dtype or float32.
     alpha: a static real scalar (0 and negative values are fine).
-    recipe: reserved for FP8 recipes (not implemented yet: must be None).
+    recipe: None (bf16/f16/f32 GEMM) or
+      ``jaxfuse.quantization.Float8CurrentScaling(per_group=False)``: x and kernel are
+      quantized to E4M3 with one current scale per tensor, the GEMM runs on the FP8 tensor
+      cores (cuBLASLt, scale pointers on the device, fast accumulation) and accumulates
+      into the residual in place; the backward GEMMs run in FP8 too, with E5M2 gradients.
+      K, N and the row count must be multiples of 16. Expected accuracy against the bf16
+      op: about 2-4% relative (Frobenius) error for unit-variance data.
     implementation: None, "ffi" or "xla"; see ``jaxfuse`` module docs.
 
   Returns:
@@ -101,9 +170,13 @@ def linear_scale_add(x: jax.Array, kernel: jax.Array, residual: jax.Array,
   """
   alpha = _validate(x, kernel, residual, alpha, recipe)
   if implementation_lib.resolve(implementation) == "xla":
+    if recipe is not None:
+      return reference.linear_scale_add_fp8(x, kernel, residual, alpha, recipe)
     return reference.linear_scale_add(x, kernel, residual, alpha)
   # shard_map's varying-axes types of the operands, for the backward pass (static).
   varying_axes = tuple(compat.varying_axes(a) for a in (x, kernel, residual))
+  if recipe is not None:
+    return _linear_scale_add_fp8(x, kernel, residual, alpha, recipe, varying_axes)
   return _linear_scale_add_ffi(x, kernel, residual, alpha, varying_axes)
 
 

@@ -81,3 +81,29 @@ def scaled_matmul(a: jax.Array, b: jax.Array, *, alpha: float, transpose_a: bool
                                   out_dtype)
   return _call("jaxfuse_scaled_matmul", (a, b), out_type, aliases={},
                attrs=_attrs(alpha, transpose_a, transpose_b))
+
+
+def _fp8_attrs(alpha: float, fast_accumulation: bool) -> dict:
+  return dict(alpha=np.float32(alpha), fast_accumulation=bool(fast_accumulation))
+
+
+def linear_scale_add_fp8(a: jax.Array, b: jax.Array, c: jax.Array, a_scale_inv: jax.Array,
+                         b_scale_inv: jax.Array, *, alpha: float,
+                         fast_accumulation: bool) -> jax.Array:
+  """c + alpha * (a_scale_inv * b_scale_inv) * a @ b^T, written into c's buffer.
+
+  a: FP8 [..., R]; b: FP8 [Q, R] (K-major, as Hopper's FP8 tensor cores need); scales:
+  float32 [1] on the device; c: [..., Q] bf16/f16/f32, aliased to the result.
+  """
+  out_type = jax.ShapeDtypeStruct(c.shape, c.dtype)
+  return _call("jaxfuse_linear_scale_add_fp8", (a, b, c, a_scale_inv, b_scale_inv), out_type,
+               aliases={2: 0}, attrs=_fp8_attrs(alpha, fast_accumulation))
+
+
+def scaled_matmul_fp8(a: jax.Array, b: jax.Array, a_scale_inv: jax.Array,
+                      b_scale_inv: jax.Array, *, alpha: float, out_dtype,
+                      fast_accumulation: bool = False) -> jax.Array:
+  """alpha * (a_scale_inv * b_scale_inv) * a @ b^T in out_dtype; a [..., R], b [Q, R] FP8."""
+  out_type = jax.ShapeDtypeStruct((*a.shape[:-1], b.shape[0]), jnp.dtype(out_dtype))
+  return _call("jaxfuse_scaled_matmul_fp8", (a, b, a_scale_inv, b_scale_inv), out_type,
+               aliases={}, attrs=_fp8_attrs(alpha, fast_accumulation))

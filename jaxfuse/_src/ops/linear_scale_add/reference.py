@@ -14,3 +14,27 @@ def linear_scale_add(x: jax.Array, kernel: jax.Array, residual: jax.Array,
   """
   product = jnp.matmul(x, kernel, preferred_element_type=jnp.float32)
   return (residual.astype(jnp.float32) + alpha * product).astype(residual.dtype)
+
+
+def linear_scale_add_fp8(x: jax.Array, kernel: jax.Array, residual: jax.Array, alpha: float,
+                         recipe) -> jax.Array:
+  """The FP8 forward as the kernels compute it: per-tensor E4M3 quantization of x and
+  kernel, exact products of the FP8 values accumulated in fp32, scaled by the two inverse
+  scales, added to the residual and rounded once.
+
+  Gradients pass straight through the quantization (d(dequantized x)/dx = 1), so the
+  reference stays differentiable; the FFI backward quantizes the gradients instead.
+  """
+  from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
+
+  def straight_through(value):
+    q = quantize_api.quantize(value, recipe, role="forward", implementation="xla")
+    dequantized = q.data.astype(jnp.float32) * q.scale_inv[0]
+    return value.astype(jnp.float32) + jax.lax.stop_gradient(
+        dequantized - value.astype(jnp.float32))
+
+  k = kernel.shape[0]
+  product = jnp.matmul(straight_through(x.reshape(-1, k)), straight_through(kernel),
+                       preferred_element_type=jnp.float32)
+  out = residual.astype(jnp.float32) + alpha * product.reshape(*x.shape[:-1], -1)
+  return out.astype(residual.dtype)

@@ -21,7 +21,11 @@ namespace py = pybind11;
 // --- registry: CPU handlers ---------------------------------------------------------
 #define JAXFUSE_CPU_HANDLERS(X)                        \
   X("jaxfuse_linear_scale_add", JaxfuseLinearScaleAddCpu) \
-  X("jaxfuse_scaled_matmul", JaxfuseScaledMatmulCpu)
+  X("jaxfuse_scaled_matmul", JaxfuseScaledMatmulCpu)     \
+  X("jaxfuse_rms_norm_fwd", JaxfuseRmsNormFwdCpu)        \
+  X("jaxfuse_add_rms_norm_fwd", JaxfuseAddRmsNormFwdCpu) \
+  X("jaxfuse_rms_norm_bwd", JaxfuseRmsNormBwdCpu)        \
+  X("jaxfuse_add_rms_norm_bwd", JaxfuseAddRmsNormBwdCpu)
 
 // --- registry: CUDA handlers (name, instantiate, initialize, execute) ---------------
 #define JAXFUSE_CUDA_HANDLERS(X)                                                   \
@@ -29,6 +33,13 @@ namespace py = pybind11;
     JaxfuseMatmulInitializeCuda, JaxfuseLinearScaleAddCuda)                       \
   X("jaxfuse_scaled_matmul", JaxfuseScaledMatmulInstantiateCuda,                   \
     JaxfuseMatmulInitializeCuda, JaxfuseScaledMatmulCuda)
+
+// --- registry: stateless CUDA handlers (name, execute) ------------------------------
+#define JAXFUSE_CUDA_SIMPLE_HANDLERS(X)                      \
+  X("jaxfuse_rms_norm_fwd", JaxfuseRmsNormFwdCuda)           \
+  X("jaxfuse_add_rms_norm_fwd", JaxfuseAddRmsNormFwdCuda)    \
+  X("jaxfuse_rms_norm_bwd", JaxfuseRmsNormBwdCuda)           \
+  X("jaxfuse_add_rms_norm_bwd", JaxfuseAddRmsNormBwdCuda)
 
 // --- registry: CUDA state types (name, type id function, type info function) --------
 #define JAXFUSE_CUDA_TYPES(X) \
@@ -44,6 +55,8 @@ JAXFUSE_CPU_HANDLERS(JAXFUSE_DECLARE_CPU)
   XLA_FFI_DECLARE_HANDLER_SYMBOL(initialize);                       \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(execute);
 JAXFUSE_CUDA_HANDLERS(JAXFUSE_DECLARE_CUDA)
+#define JAXFUSE_DECLARE_CUDA_SIMPLE(name, execute) XLA_FFI_DECLARE_HANDLER_SYMBOL(execute);
+JAXFUSE_CUDA_SIMPLE_HANDLERS(JAXFUSE_DECLARE_CUDA_SIMPLE)
 #define JAXFUSE_DECLARE_TYPE(name, type_id, type_info) \
   XLA_FFI_DECLARE_TYPE_ID_SYMBOL(type_id);             \
   XLA_FFI_DECLARE_TYPE_INFO_SYMBOL(type_info);
@@ -75,6 +88,8 @@ py::dict Handlers() {
     cuda[name] = stages;                                                    \
   }
   JAXFUSE_CUDA_HANDLERS(JAXFUSE_ADD_CUDA)
+#define JAXFUSE_ADD_CUDA_SIMPLE(name, execute) cuda[name] = Capsule(execute);
+  JAXFUSE_CUDA_SIMPLE_HANDLERS(JAXFUSE_ADD_CUDA_SIMPLE)
   handlers["CUDA"] = cuda;
 #endif
   return handlers;

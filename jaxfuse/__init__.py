@@ -9,6 +9,8 @@ variable overrides that default for the whole process.
 
 from jaxfuse._src.ffi import build_info as _build_info
 from jaxfuse._src.ops.linear_scale_add.api import linear_scale_add
+from jaxfuse._src.ops.rms_norm.api import add_rms_norm
+from jaxfuse._src.ops.rms_norm.api import rms_norm
 
 __version__ = "0.1.0"
 
@@ -24,4 +26,4 @@ def build_info() -> dict:
   return dict(_build_info())
 
 
-__all__ = ["build_info", "linear_scale_add"]
+__all__ = ["add_rms_norm", "build_info", "linear_scale_add", "rms_norm"]

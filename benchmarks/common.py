@@ -1,0 +1,95 @@
+"""Timing and result-writing helpers shared by the benchmark scripts.
+
+Times are medians of many calls after warm-up, each call synchronised with
+``jax.block_until_ready`` (the METHOD: device work is asynchronous). Inputs are rotated
+across calls where one set would sit in the 50 MB L2, and donated buffers are fresh per
+call. Results land in ``benchmarks/results/<name>_<date>_<commit>.json`` with the commit,
+date, device and software versions, so every figure is traceable to the code that made it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def time_fn(fn: Callable, args_per_call: Sequence[tuple], *, warmup: int = 3) -> dict:
+  """Median/min wall time in ms of ``fn(*args)``, cycling through ``args_per_call``.
+
+  Each argument tuple is used once per call in order; pass several tuples to rotate inputs
+  (or fresh donated buffers: a donated tuple cannot be reused, so give one per call).
+  """
+  calls = list(args_per_call)
+  for args in calls[:warmup]:
+    jax.block_until_ready(fn(*args))
+  times = []
+  for args in calls[warmup:]:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - start) * 1e3)
+  return {"median_ms": statistics.median(times), "min_ms": min(times), "calls": len(times)}
+
+
+def copy_bandwidth_tbps(num_bytes: int = 4 << 30, iters: int = 20) -> float:
+  """Device copy bandwidth (bytes read + written per second) through XLA, in TB/s."""
+  n = num_bytes // 4
+  source = jnp.arange(n, dtype=jnp.float32)
+  copy = jax.jit(lambda x: x * 1.0 + 0.0)  # not folded away: a real read and write
+  stats = time_fn(copy, [(source,)] * (iters + 3))
+  return 2 * n * 4 / (stats["median_ms"] * 1e-3) / 1e12
+
+
+def git_commit() -> str:
+  try:
+    return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                   cwd=pathlib.Path(__file__).parent,
+                                   stderr=subprocess.DEVNULL).strip()
+  except (OSError, subprocess.CalledProcessError):
+    return os.environ.get("JAXFUSE_COMMIT", "unknown")
+
+
+def environment() -> dict[str, Any]:
+  import jaxfuse
+  device = jax.devices()[0]
+  return {
+      "commit": git_commit(),
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "device": device.device_kind,
+      "platform": device.platform,
+      "jax": jax.__version__,
+      "jaxfuse_build": {k: v for k, v in jaxfuse.build_info().items()},
+  }
+
+
+def write_results(name: str, rows: list[dict], **extra) -> pathlib.Path:
+  env = environment()
+  RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+  day = env["date"][:10]
+  path = RESULTS_DIR / f"{name}_{day}_{env['commit'][:8]}.json"
+  path.write_text(json.dumps({**env, **extra, "rows": rows}, indent=1, default=str) + "\n")
+  print(f"wrote {path}")
+  return path
+
+
+def print_table(rows: list[dict], columns: Sequence[str]) -> None:
+  widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+  print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+  for row in rows:
+    print("  ".join(_fmt(row.get(c)).rjust(w) for c, w in zip(columns, widths)))
+
+
+def _fmt(value) -> str:
+  if isinstance(value, float):
+    return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+  return str(value)

@@ -67,7 +67,8 @@ namespace {
 
 template <typename T>
 py::capsule Capsule(T* pointer) {
-  return py::capsule(reinterpret_cast<void*>(pointer));
+  // const_cast: the type-info getters return const pointers; capsules hold void*.
+  return py::capsule(const_cast<void*>(reinterpret_cast<const void*>(pointer)));
 }
 
 // {"cpu": {name: capsule}, "CUDA": {name: {"instantiate": ..., "execute": ...}}}

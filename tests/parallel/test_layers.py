@@ -293,6 +293,12 @@ def test_inference_variant_matches_training_variant():
     infer = sharded_forward(inference_case, tp)(*case.args)
     for a, b in zip(_as_tuple(train), _as_tuple(infer)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The inference variant runs the forward kernels without the custom_vjp: on the "ffi"
+  # path it cannot be differentiated (the training variant can: see the tests above).
+  case = make_case("norm_column", tp)
+  inference_case = dataclasses.replace(case, fn=_with_inference(case.fn))
+  with pytest.raises(ValueError, match="cannot be differentiated"):
+    sharded_vjp(inference_case, tp)(case.args, random_cotangents(case, tp))
 
 
 def _with_inference(fn):

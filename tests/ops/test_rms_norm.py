@@ -243,6 +243,34 @@ def test_donated_residual_is_updated_in_place(backend, leading):
   helpers.assert_close(out, numpy_rms_norm(expected_residual, gamma), jnp.bfloat16)
 
 
+def test_training_forward_does_not_alias_a_live_residual():
+  # An earlier norm saves the residual for its backward pass; an aliased add_rms_norm
+  # output would force XLA to copy it. The differentiated forward writes a fresh buffer.
+  x, residual, gamma = make_inputs(15, (32,), 64, jnp.float32)
+  kernel = helpers.random_array(np.random.default_rng(16), (64, 64), jnp.float32, 0.1)
+
+  def loss(x, r, g, w):
+    h = jaxfuse.rms_norm(r, g, implementation="ffi")
+    out, new_residual = jaxfuse.add_rms_norm(jnp.tanh(h @ w) + x, r, g, implementation="ffi")
+    return jnp.sum(out * out) + jnp.sum(new_residual)
+
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(
+      x, residual, gamma, kernel).compile().as_text()
+  copies = [line for line in compiled.splitlines() if " copy(" in line or "copy-start" in line]
+  assert not copies, "\n".join(copies)
+  got = jax.grad(loss, argnums=(0, 1, 2, 3))(x, residual, gamma, kernel)
+  want = jax.grad(lambda x, r, g, w: _xla_loss(x, r, g, w), argnums=(0, 1, 2, 3))(
+      x, residual, gamma, kernel)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def _xla_loss(x, r, g, w):
+  h = jaxfuse.rms_norm(r, g, implementation="xla")
+  out, new_residual = jaxfuse.add_rms_norm(jnp.tanh(h @ w) + x, r, g, implementation="xla")
+  return jnp.sum(out * out) + jnp.sum(new_residual)
+
+
 # --- vmap and shard_map ------------------------------------------------------------
 
 

@@ -116,8 +116,13 @@ def _add_rms_norm_ffi(x, residual, gamma, eps, zero_centered_gamma, varying_axes
 
 def _add_rms_norm_forward(x, residual, gamma, eps, zero_centered_gamma, varying_axes):
   del varying_axes
+  # Under differentiation the residual is usually still live (an earlier norm saved it
+  # for its backward pass), and an aliased output would make XLA copy it first. Writing
+  # the new residual to a fresh buffer costs nothing extra; XLA can still reuse a
+  # donated residual's buffer for it. The primal (not differentiated) path aliases.
   out, new_residual, rsigma = ffi.add_rms_norm_fwd(x, residual, gamma, eps=eps,
-                                                   zero_centered_gamma=zero_centered_gamma)
+                                                   zero_centered_gamma=zero_centered_gamma,
+                                                   alias=False)
   return (out, new_residual), (new_residual, gamma, rsigma)
 
 

@@ -66,13 +66,14 @@ def rms_norm_fwd(x, gamma, *, eps, zero_centered_gamma):
                attrs=_fwd_attrs(eps, zero_centered_gamma))
 
 
-def add_rms_norm_fwd(x, residual, gamma, *, eps, zero_centered_gamma):
-  """-> (out, new_residual (residual's buffer), rsigma)."""
+def add_rms_norm_fwd(x, residual, gamma, *, eps, zero_centered_gamma, alias=True):
+  """-> (out, new_residual, rsigma); new_residual is written into residual's buffer when
+  `alias` (XLA copies the residual first if it is still live after the call)."""
   out_types = (jax.ShapeDtypeStruct(x.shape, x.dtype),
                jax.ShapeDtypeStruct(residual.shape, residual.dtype),
                jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32))
   return _call("jaxfuse_add_rms_norm_fwd", (x, residual, gamma), out_types,
-               aliases={1: 1}, attrs=_fwd_attrs(eps, zero_centered_gamma))
+               aliases={1: 1} if alias else {}, attrs=_fwd_attrs(eps, zero_centered_gamma))
 
 
 def _bwd_types(s, gamma):

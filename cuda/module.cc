@@ -34,7 +34,11 @@ namespace py = pybind11;
   X("jaxfuse_scaled_activation_bwd", JaxfuseScaledActivationBwdCpu)               \
   X("jaxfuse_quantize", JaxfuseQuantizeCpu)                                       \
   X("jaxfuse_scaled_activation_quantize", JaxfuseScaledActivationQuantizeCpu)     \
-  X("jaxfuse_scaled_dactivation_quantize", JaxfuseScaledDactivationQuantizeCpu)
+  X("jaxfuse_scaled_dactivation_quantize", JaxfuseScaledDactivationQuantizeCpu)   \
+  X("jaxfuse_rms_norm_fwd", JaxfuseRmsNormFwdCpu)                                 \
+  X("jaxfuse_add_rms_norm_fwd", JaxfuseAddRmsNormFwdCpu)                          \
+  X("jaxfuse_rms_norm_bwd", JaxfuseRmsNormBwdCpu)                                 \
+  X("jaxfuse_add_rms_norm_bwd", JaxfuseAddRmsNormBwdCpu)
 
 // --- registry: stateful CUDA handlers (name, instantiate, initialize, execute) ------
 #define JAXFUSE_CUDA_HANDLERS(X)                                                   \
@@ -56,7 +60,11 @@ namespace py = pybind11;
   X("jaxfuse_scaled_activation_bwd", JaxfuseScaledActivationBwdCuda)                \
   X("jaxfuse_quantize", JaxfuseQuantizeCuda)                                        \
   X("jaxfuse_scaled_activation_quantize", JaxfuseScaledActivationQuantizeCuda)      \
-  X("jaxfuse_scaled_dactivation_quantize", JaxfuseScaledDactivationQuantizeCuda)
+  X("jaxfuse_scaled_dactivation_quantize", JaxfuseScaledDactivationQuantizeCuda)    \
+  X("jaxfuse_rms_norm_fwd", JaxfuseRmsNormFwdCuda)                                  \
+  X("jaxfuse_add_rms_norm_fwd", JaxfuseAddRmsNormFwdCuda)                           \
+  X("jaxfuse_rms_norm_bwd", JaxfuseRmsNormBwdCuda)                                  \
+  X("jaxfuse_add_rms_norm_bwd", JaxfuseAddRmsNormBwdCuda)
 
 // --- registry: CUDA state types (name, type id function, type info function) --------
 #define JAXFUSE_CUDA_TYPES(X) \

@@ -16,6 +16,8 @@ from jaxfuse._src.ops.quantize.api import dequantize
 from jaxfuse._src.ops.quantize.api import quantize
 from jaxfuse._src.ops.quantize.api import scaled_activation_quantize
 from jaxfuse._src.ops.quantize.api import scaled_dactivation_quantize
+from jaxfuse._src.ops.rms_norm.api import add_rms_norm
+from jaxfuse._src.ops.rms_norm.api import rms_norm
 from jaxfuse._src.ops.scaled_activation.api import scaled_activation
 
 __version__ = "0.1.0"
@@ -32,6 +34,6 @@ def build_info() -> dict:
   return dict(_build_info())
 
 
-__all__ = ["build_info", "dequantize", "group_offsets", "grouped_linear", "linear_scale_add",
-           "quantization", "quantize", "scaled_activation", "scaled_activation_quantize",
-           "scaled_dactivation_quantize"]
+__all__ = ["add_rms_norm", "build_info", "dequantize", "group_offsets", "grouped_linear",
+           "linear_scale_add", "quantization", "quantize", "rms_norm", "scaled_activation",
+           "scaled_activation_quantize", "scaled_dactivation_quantize"]

@@ -9,6 +9,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse._src.ops.linear_scale_add.api import linear_scale_add
+from jaxfuse._src.ops.rms_norm.api import add_rms_norm
+from jaxfuse._src.ops.rms_norm.api import rms_norm
+from jaxfuse.parallel import block as parallel_block
+from jaxfuse.parallel import layers as parallel_layers
 
 Initializer = Callable[..., jax.Array]
 default_kernel_init = nn.initializers.lecun_normal()
@@ -43,3 +47,118 @@ class LinearScaleAdd(nn.Module):
     x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
     return linear_scale_add(x, kernel, residual, self.alpha,
                             implementation=self.implementation)
+
+
+def _gamma_for(x, gamma):
+  """gamma as the op accepts it: x's dtype or float32."""
+  if gamma.dtype not in (x.dtype, jnp.dtype(jnp.float32)):
+    gamma = gamma.astype(jnp.float32)
+  return gamma
+
+
+class RMSNorm(nn.Module):
+  """RMSNorm over the last axis (``jaxfuse.rms_norm``); with a residual, the fused
+  residual add + RMSNorm (``jaxfuse.add_rms_norm``).
+
+  Called as ``module(x)`` -> normalized, or ``module(x, residual)`` ->
+  (normalized, x + residual). The parameter is ``scale`` [H] (ones, or zeros when
+  ``zero_centered_gamma``, whose scale is 1 + gamma).
+
+  Attributes:
+    epsilon: added to the mean square.
+    zero_centered_gamma: scale by (1 + scale).
+    param_dtype: dtype of the scale (kept as is when float32 or x's dtype).
+    implementation: None, "ffi" or "xla".
+  """
+
+  epsilon: float = 1e-6
+  zero_centered_gamma: bool = False
+  param_dtype: Any = jnp.float32
+  implementation: str | None = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array, residual: jax.Array | None = None):
+    init = nn.initializers.zeros if self.zero_centered_gamma else nn.initializers.ones
+    gamma = _gamma_for(x, self.param("scale", init, (jnp.shape(x)[-1],), self.param_dtype))
+    if residual is None:
+      return rms_norm(x, gamma, self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
+                      implementation=self.implementation)
+    return add_rms_norm(x, residual, gamma, self.epsilon,
+                        zero_centered_gamma=self.zero_centered_gamma,
+                        implementation=self.implementation)
+
+
+class TensorParallelTransformerBlock(nn.Module):
+  """A Megatron-style tensor-parallel pre-norm transformer block; runs inside
+  ``jax.shard_map`` over ``axis_name`` on per-device parameter shards.
+
+  Attention: RMSNorm on the sequence shard, column-parallel QKV (whole heads per
+  device), causal softmax attention, row-parallel out-projection; MLP: column-parallel
+  up/gate with SwiGLU, row-parallel down. See ``jaxfuse.parallel.block`` for the
+  parameter layout and ``jaxfuse.parallel.block.param_specs`` for the PartitionSpecs of
+  the global parameters.
+
+  ``init`` inside shard_map creates this device's shards (local shapes; kernels drawn
+  with the key folded with the device's axis index, so shards differ). Call with
+  x [S/tp, B, H] (sequence_parallel=True) or the replicated x [S, B, H] (False, for
+  decode-sized batches; all-reduce instead of reduce-scatter).
+
+  Attributes:
+    num_heads: attention heads in total (divisible by tp).
+    head_dim: per-head size.
+    mlp_dim: MLP hidden size in total (divisible by tp).
+    axis_name: the tensor-parallel mesh axis.
+    epsilon: RMSNorm epsilon.
+    sequence_parallel: see above.
+    inference: forward kernels only (see ``jaxfuse.parallel.layers``).
+    dtype: compute dtype (default: x's dtype); kernels are cast to it.
+    param_dtype: parameter dtype.
+    kernel_init: initializer of the kernel shards (default normal(0.02), Megatron's).
+    implementation: None, "ffi" or "xla" for the norms.
+  """
+
+  num_heads: int
+  head_dim: int
+  mlp_dim: int
+  axis_name: str = "tp"
+  epsilon: float = 1e-6
+  sequence_parallel: bool = True
+  inference: bool = False
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Initializer = nn.initializers.normal(0.02)
+  implementation: str | None = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    tp = parallel_layers.tensor_parallel_size(self.axis_name)
+    parallel_block.check_divisible(self.num_heads, self.mlp_dim, tp)
+    hidden = jnp.shape(x)[-1]
+    shapes = parallel_block.global_param_shapes(hidden, self.num_heads, self.head_dim,
+                                                self.mlp_dim)
+    specs = parallel_block.param_specs(self.axis_name)
+    axis_name, kernel_init = self.axis_name, self.kernel_init
+
+    def shard_init(key, shape, dtype):
+      return kernel_init(jax.random.fold_in(key, jax.lax.axis_index(axis_name)), shape, dtype)
+
+    params = {}
+    for name in parallel_block.PARAM_NAMES:
+      shape = _local_shape(shapes[name], specs[name], tp)
+      if name.endswith("_norm"):
+        params[name] = self.param(name, nn.initializers.ones, shape, self.param_dtype)
+      else:
+        params[name] = self.param(name, shard_init, shape, self.param_dtype)
+    dtype = self.dtype or x.dtype
+    x = x.astype(dtype)
+    params = {name: (_gamma_for(x, value) if name.endswith("_norm") else value.astype(dtype))
+              for name, value in params.items()}
+    return parallel_block.transformer_block(
+        params, x, axis_name=self.axis_name, head_dim=self.head_dim, eps=self.epsilon,
+        sequence_parallel=self.sequence_parallel, inference=self.inference,
+        implementation=self.implementation)
+
+
+def _local_shape(shape, spec, tp):
+  return tuple(size // tp if axis is not None else size
+               for size, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))))

@@ -8,7 +8,14 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
+from jaxfuse._src import compat
 from jaxfuse._src.ops.linear_scale_add.api import linear_scale_add
+from jaxfuse._src.ops.rms_norm.api import add_rms_norm
+from jaxfuse._src.ops.rms_norm.api import rms_norm
+from jaxfuse.parallel import block as parallel_block
+from jaxfuse.parallel import layers as parallel_layers
 
 Initializer = Callable[..., jax.Array]
 default_kernel_init = nnx.initializers.lecun_normal()
@@ -46,3 +53,132 @@ class LinearScaleAdd(nnx.Module):
     x, kernel = nnx.nn.dtypes.promote_dtype((x, self.kernel.value), dtype=self.dtype)
     return linear_scale_add(x, kernel, residual, self.alpha,
                             implementation=self.implementation)
+
+
+def _gamma_for(x, gamma):
+  """gamma as the op accepts it: x's dtype or float32."""
+  if gamma.dtype not in (x.dtype, jnp.dtype(jnp.float32)):
+    gamma = gamma.astype(jnp.float32)
+  return gamma
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm over the last axis (``jaxfuse.rms_norm``); ``module(x, residual)`` runs the
+  fused residual add + RMSNorm and returns (normalized, x + residual).
+
+  Args:
+    num_features: H.
+    epsilon: added to the mean square.
+    zero_centered_gamma: the scale is 1 + scale (initialized to zeros).
+    param_dtype: dtype of ``scale``.
+    implementation: None, "ffi" or "xla".
+    rngs: unused (for signature symmetry with Flax's RMSNorm).
+  """
+
+  def __init__(self, num_features: int, *, epsilon: float = 1e-6,
+               zero_centered_gamma: bool = False, param_dtype: Any = jnp.float32,
+               implementation: str | None = None, rngs: nnx.Rngs | None = None):
+    del rngs
+    self.num_features = num_features
+    self.epsilon = epsilon
+    self.zero_centered_gamma = zero_centered_gamma
+    self.implementation = implementation
+    init = jnp.zeros if zero_centered_gamma else jnp.ones
+    self.scale = nnx.Param(init((num_features,), param_dtype))
+
+  def __call__(self, x: jax.Array, residual: jax.Array | None = None):
+    gamma = _gamma_for(x, self.scale[...])
+    if residual is None:
+      return rms_norm(x, gamma, self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
+                      implementation=self.implementation)
+    return add_rms_norm(x, residual, gamma, self.epsilon,
+                        zero_centered_gamma=self.zero_centered_gamma,
+                        implementation=self.implementation)
+
+
+class TensorParallelTransformerBlock(nnx.Module):
+  """A Megatron-style tensor-parallel pre-norm transformer block (see
+  ``jaxfuse.flax.linen.TensorParallelTransformerBlock`` and ``jaxfuse.parallel.block``).
+
+  The module is built outside shard_map with the *global* parameters; run it with
+  ``apply_sharded(model, x, mesh=mesh)``, which splits the module, shards its state with
+  ``state_specs`` (column-parallel kernels by columns, row-parallel by rows, norms
+  replicated) and calls the module inside ``jax.shard_map`` on each device's shards.
+  Calling the module directly inside your own shard_map on a module merged from sharded
+  state works the same way.
+
+  Args:
+    hidden: H.
+    num_heads, head_dim, mlp_dim: attention heads and MLP size in total (heads and
+      mlp_dim divisible by tp).
+    axis_name: the tensor-parallel mesh axis.
+    epsilon, sequence_parallel, inference, dtype, implementation: as in the linen block.
+    param_dtype: parameter dtype.
+    kernel_init: initializer of the global kernels (default normal(0.02)).
+    rngs: NNX random streams (``params``).
+  """
+
+  def __init__(self, hidden: int, num_heads: int, head_dim: int, mlp_dim: int, *,
+               axis_name: str = "tp", epsilon: float = 1e-6, sequence_parallel: bool = True,
+               inference: bool = False, dtype: Any = None, param_dtype: Any = jnp.float32,
+               kernel_init: Initializer = nnx.initializers.normal(0.02),
+               implementation: str | None = None, rngs: nnx.Rngs):
+    self.num_heads = num_heads
+    self.head_dim = head_dim
+    self.mlp_dim = mlp_dim
+    self.axis_name = axis_name
+    self.epsilon = epsilon
+    self.sequence_parallel = sequence_parallel
+    self.inference = inference
+    self.dtype = dtype
+    self.implementation = implementation
+    shapes = parallel_block.global_param_shapes(hidden, num_heads, head_dim, mlp_dim)
+    for name in parallel_block.PARAM_NAMES:
+      if name.endswith("_norm"):
+        value = jnp.ones(shapes[name], param_dtype)
+      else:
+        value = kernel_init(rngs.params(), shapes[name], param_dtype)
+      setattr(self, name, nnx.Param(value))
+
+  def state_specs(self, state):
+    """PartitionSpecs for ``state`` (from ``nnx.split(self)``), by parameter name."""
+    specs = parallel_block.param_specs(self.axis_name)
+
+    def spec(path, _):
+      names = [str(getattr(key, "key", getattr(key, "name", ""))) for key in path]
+      for name in names:
+        if name in specs:
+          return specs[name]
+      return P()
+
+    return jax.tree_util.tree_map_with_path(spec, state)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    tp = parallel_layers.tensor_parallel_size(self.axis_name)
+    parallel_block.check_divisible(self.num_heads, self.mlp_dim, tp)
+    dtype = self.dtype or x.dtype
+    x = x.astype(dtype)
+    params = {}
+    for name in parallel_block.PARAM_NAMES:
+      value = getattr(self, name)[...]
+      params[name] = _gamma_for(x, value) if name.endswith("_norm") else value.astype(dtype)
+    return parallel_block.transformer_block(
+        params, x, axis_name=self.axis_name, head_dim=self.head_dim, eps=self.epsilon,
+        sequence_parallel=self.sequence_parallel, inference=self.inference,
+        implementation=self.implementation)
+
+
+def apply_sharded(model: TensorParallelTransformerBlock, x: jax.Array, *, mesh) -> jax.Array:
+  """Runs ``model(x)`` inside ``jax.shard_map`` over ``model.axis_name`` of ``mesh``.
+
+  x is the global activation [S, B, H]: sharded along the sequence with
+  sequence_parallel, replicated otherwise; the result has the same layout.
+  """
+  graphdef, state = nnx.split(model)
+  x_spec = P(model.axis_name) if model.sequence_parallel else P()
+
+  def body(state, x):
+    return nnx.merge(graphdef, state)(x)
+
+  return compat.shard_map(body, mesh=mesh, in_specs=(model.state_specs(state), x_spec),
+                          out_specs=x_spec)(state, x)

@@ -1,0 +1,118 @@
+"""rms_norm and add_rms_norm (bf16) vs XLA's fusion of the jnp reference, as bandwidth.
+
+For each shape: forward and forward + backward of RMSNorm and of residual add + RMSNorm,
+jaxfuse's custom calls against XLA's own fusion of ``jaxfuse._src.ops.rms_norm.reference``
+in the same run, reported in TB/s of the fewest bytes each pass must move (forward: read x
+(and the residual), write out (and the new residual); backward: read dy, the saved input
+(and dz), write dx; gamma and rsigma ignored) and as a fraction of the device copy
+bandwidth measured at the start of the same run. Goal: >= 85% of copy for the forward at
+65536 x 8192 (XLA: 62% for add + RMSNorm on the H200).
+
+Residuals are donated and fresh for every call (the in-place update); inputs rotate
+across several sets where one set would sit in the 50 MB L2.
+
+    python benchmarks/bench_rms_norm.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import jax
+import jax.numpy as jnp
+
+import jaxfuse
+from benchmarks import common
+from jaxfuse._src.ops.rms_norm import api as rms_api
+
+SHAPES = [(65536, 8192), (16384, 8192), (16384, 4096), (8192, 16384), (4096, 1024)]
+L2_BYTES = 50 << 20
+EPS = 1e-6
+
+
+def make_step(implementation: str, add: bool, backward: bool):
+  if add:
+    def forward(x, residual, gamma):
+      out, new_residual = jaxfuse.add_rms_norm(x, residual, gamma, EPS,
+                                               implementation=implementation)
+      return new_residual, out  # the new residual first: it takes the donated buffer
+  else:
+    def forward(x, gamma):
+      return jaxfuse.rms_norm(x, gamma, EPS, implementation=implementation)
+
+  if not backward:
+    return jax.jit(forward, donate_argnums=1 if add else ())
+
+  if add:
+    def step(x, residual, gamma, dy, dz):
+      outs, vjp = jax.vjp(forward, x, residual, gamma)
+      return outs, vjp((dz, dy))
+    return jax.jit(step, donate_argnums=1)
+
+  def step(x, gamma, dy):
+    out, vjp = jax.vjp(forward, x, gamma)
+    return out, vjp(dy)
+  return jax.jit(step)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--quick", action="store_true", help="two small shapes, few calls")
+  args = parser.parse_args()
+  shapes = SHAPES[-2:] if args.quick else SHAPES
+  calls = 8 if args.quick else 33  # 3 warm-up + 30 timed
+  copy_tbps = common.copy_bandwidth_tbps()
+  print(f"device copy bandwidth: {copy_tbps:.3f} TB/s", flush=True)
+  dtype = jnp.bfloat16
+  rows = []
+  for tokens, hidden in shapes:
+    shape = (tokens, hidden)
+    nbytes = tokens * hidden * jnp.dtype(dtype).itemsize
+    sets = max(1, math.ceil(4 * L2_BYTES / nbytes))
+    keys = jax.random.split(jax.random.key(tokens + hidden), 3 * sets + 1)
+    xs = [jax.random.normal(keys[i], shape, dtype) for i in range(sets)]
+    dys = [jax.random.normal(keys[sets + i], shape, dtype) for i in range(sets)]
+    dzs = [jax.random.normal(keys[2 * sets + i], shape, dtype) for i in range(sets)]
+    gamma = 1.0 + 0.1 * jax.random.normal(keys[-1], (hidden,), jnp.float32)
+    for add in (False, True):
+      for backward in (False, True):
+        row = {"op": "add_rms_norm" if add else "rms_norm", "tokens": tokens,
+               "hidden": hidden, "pass": "fwd+bwd" if backward else "fwd"}
+        moved = rms_api.bytes_moved(shape, dtype, add=add)
+        if backward:
+          moved += rms_api.bytes_moved(shape, dtype, add=add, backward=True)
+        row["bytes"] = moved
+        for implementation, label in (("ffi", "jaxfuse"), ("xla", "xla")):
+          step = make_step(implementation, add, backward)
+          arg_tuples = []
+          for i in range(calls):
+            j = i % sets
+            if add:
+              residual = jax.random.normal(jax.random.key(1000 + i), shape, dtype)  # donated
+              arg_tuples.append((xs[j], residual, gamma, dys[j], dzs[j]) if backward
+                                else (xs[j], residual, gamma))
+            else:
+              arg_tuples.append((xs[j], gamma, dys[j]) if backward else (xs[j], gamma))
+          jax.block_until_ready(arg_tuples)
+          stats = common.time_fn(step, arg_tuples)
+          del arg_tuples
+          tbps = moved / (stats["median_ms"] * 1e-3) / 1e12
+          row[f"{label}_ms"] = stats["median_ms"]
+          row[f"{label}_tbps"] = tbps
+          row[f"{label}_of_copy"] = tbps / copy_tbps
+        row["speedup_vs_xla"] = row["xla_ms"] / row["jaxfuse_ms"]
+        rows.append(row)
+        print(row, flush=True)
+    del xs, dys, dzs
+  common.print_table(rows, ["op", "tokens", "hidden", "pass", "jaxfuse_ms", "xla_ms",
+                            "jaxfuse_tbps", "xla_tbps", "jaxfuse_of_copy", "xla_of_copy",
+                            "speedup_vs_xla"])
+  common.write_results("rms_norm", rows, dtype="bfloat16", gamma_dtype="float32",
+                       copy_tbps=copy_tbps,
+                       baseline="XLA fusion of the jnp reference (jaxfuse implementation='xla'), "
+                                "same run")
+
+
+if __name__ == "__main__":
+  main()

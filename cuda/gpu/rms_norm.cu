@@ -1,0 +1,636 @@
+// CUDA handlers for RMSNorm and residual-add + RMSNorm (math in jaxfuse/rms_norm.h).
+//
+// Fast path (H a multiple of 16 bytes' worth of elements, 16-byte aligned buffers):
+// `tpr` threads per row, each holding kVecs 16-byte vectors of the row in registers
+// between the reduction and the write, so every byte is read once and written once.
+// Rows of fewer than 32 vectors share a warp (tpr = 1..32, a power of two); wider rows
+// use a multiple of 32 threads and a warp-shuffle + shared-memory block reduction.
+// Threads of a row read consecutive 16-byte vectors (coalesced).
+//
+// Backward: a persistent grid of `slots` rows (blocks x rows per block) walks the rows
+// with a fixed stride; each slot accumulates its dgamma partial sum in registers and
+// writes it to a float32 [slots, H] scratch result, which a second kernel sums over
+// slots in a fixed order: deterministic, no atomics.
+//
+// Generic path (odd H, misaligned buffers, H beyond the register-resident capacity):
+// scalar loads, two passes over the row (the second pass mostly hits L2), the backward's
+// dgamma partials accumulated in the scratch row the slot owns.
+//
+// Nothing syncs with the host or allocates: command-buffer (CUDA graph) compatible.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "jaxfuse/ffi_common.h"
+#include "jaxfuse/rms_norm.h"
+
+namespace jaxfuse {
+namespace {
+
+constexpr int kFwdMaxThreads = 512;
+constexpr int kBwdMaxThreads = 256;
+constexpr int kTargetThreadsPerRow = 128;
+constexpr int kBlockThreads = 256;  // threads per block when rows share a block
+constexpr int kGenericThreads = 256;
+
+// --- conversions ------------------------------------------------------------------
+
+__device__ __forceinline__ float ToF(float v) { return v; }
+__device__ __forceinline__ float ToF(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToF(__half v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T FromF(float v);
+template <> __device__ __forceinline__ float FromF<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half FromF<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+// Rounds to T and back: the value as stored.
+template <typename T> __device__ __forceinline__ float Rounded(float v) {
+  return ToF(FromF<T>(v));
+}
+
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kElems = 16 / sizeof(T);
+  T v[kElems];
+};
+
+template <typename T>
+__device__ __forceinline__ Pack<T> LoadPack(const T* base, int64_t index) {
+  return *reinterpret_cast<const Pack<T>*>(base + index);
+}
+
+template <typename T>
+__device__ __forceinline__ void StorePack(T* base, int64_t index, const Pack<T>& pack) {
+  *reinterpret_cast<Pack<T>*>(base + index) = pack;
+}
+
+// kN scales (gamma or 1 + gamma) from column `col`, with 16-byte loads.
+template <typename G, int kN>
+__device__ __forceinline__ void LoadScales(const G* gamma, int64_t col, bool zero_centered,
+                                           float (&scale)[kN]) {
+  constexpr int kPer = Pack<G>::kElems;
+  static_assert(kN % kPer == 0, "gamma vectors must tile the x vector");
+#pragma unroll
+  for (int i = 0; i < kN; i += kPer) {
+    const Pack<G> pack = LoadPack(gamma, col + i);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) scale[i + k] = RmsNormScale(ToF(pack.v[k]), zero_centered);
+  }
+}
+
+// Sum over the `tpr` threads of a row (threadIdx.x in [0, tpr), row threadIdx.y). tpr is
+// a power of two <= 32 or a multiple of 32. Every thread of the block must call it.
+// The result is the same on every thread of the row (fixed summation order).
+__device__ __forceinline__ float RowSum(float value, int tpr) {
+  const int width = tpr < 32 ? tpr : 32;
+  for (int offset = width / 2; offset > 0; offset /= 2) {
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
+  }
+  if (tpr <= 32) return value;
+  __shared__ float partial[32];
+  const int warps = tpr / 32;
+  const int base = threadIdx.y * warps;
+  if (threadIdx.x % 32 == 0) partial[base + threadIdx.x / 32] = value;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < warps; ++w) total += partial[base + w];
+  __syncthreads();  // partial is reused by the next call
+  return total;
+}
+
+// --- forward, register resident -------------------------------------------------------
+
+template <typename T, typename G, int kVecs, bool kAdd>
+__global__ void __launch_bounds__(kFwdMaxThreads)
+RmsNormFwdKernel(const T* __restrict__ x, const T* residual, const G* __restrict__ gamma,
+                 T* __restrict__ out, T* new_residual, float* __restrict__ rsigma,
+                 int64_t rows, int64_t cols, float eps, bool zero_centered) {
+  constexpr int kElems = Pack<T>::kElems;
+  const int tpr = blockDim.x;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool valid_row = row < rows;
+  const int64_t base = row * cols;
+  Pack<T> s[kVecs];
+  float sum = 0.0f;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
+    if (valid_row && col < cols) {
+      s[v] = LoadPack(x, base + col);
+      if constexpr (kAdd) {
+        const Pack<T> r = LoadPack(residual, base + col);
+#pragma unroll
+        for (int k = 0; k < kElems; ++k) s[v].v[k] = FromF<T>(ToF(s[v].v[k]) + ToF(r.v[k]));
+        StorePack(new_residual, base + col, s[v]);
+      }
+#pragma unroll
+      for (int k = 0; k < kElems; ++k) {
+        const float f = ToF(s[v].v[k]);
+        sum += f * f;
+      }
+    }
+  }
+  sum = RowSum(sum, tpr);
+  if (!valid_row) return;  // after the last block-wide reduction
+  const float rs = RmsNormRsigma(sum, cols, eps);
+  if (threadIdx.x == 0) rsigma[row] = rs;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
+    if (col < cols) {
+      float scale[kElems];
+      LoadScales(gamma, col, zero_centered, scale);
+      Pack<T> o;
+#pragma unroll
+      for (int k = 0; k < kElems; ++k) {
+        o.v[k] = FromF<T>(RmsNormApply(ToF(s[v].v[k]), rs, scale[k]));
+      }
+      StorePack(out, base + col, o);
+    }
+  }
+}
+
+// --- backward, register resident ------------------------------------------------------
+
+template <typename T, typename G, int kVecs, bool kAdd>
+__global__ void __launch_bounds__(kBwdMaxThreads)
+RmsNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz, const T* __restrict__ s,
+                 const G* __restrict__ gamma, const float* __restrict__ rsigma,
+                 T* __restrict__ dx, float* __restrict__ partials, int64_t slots_used,
+                 int64_t rows, int64_t cols, bool zero_centered) {
+  constexpr int kElems = Pack<T>::kElems;
+  const int tpr = blockDim.x;
+  const int64_t slot = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  const float inv_cols = 1.0f / static_cast<float>(cols);
+  float acc[kVecs][kElems];
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v)
+#pragma unroll
+    for (int k = 0; k < kElems; ++k) acc[v][k] = 0.0f;
+
+  // Every thread of the block runs the same number of iterations (block-wide reductions).
+  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * blockDim.y;
+  for (int64_t row0 = first_row; row0 < rows; row0 += stride) {
+    const int64_t row = row0 + threadIdx.y;
+    const bool valid_row = row < rows;
+    const int64_t base = row * cols;
+    const float rs = valid_row ? rsigma[row] : 0.0f;
+    Pack<T> g[kVecs], x[kVecs];
+    float dot = 0.0f;
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
+      if (valid_row && col < cols) {
+        g[v] = LoadPack(dy, base + col);
+        x[v] = LoadPack(s, base + col);
+        float scale[kElems];
+        LoadScales(gamma, col, zero_centered, scale);
+#pragma unroll
+        for (int k = 0; k < kElems; ++k) {
+          const float gy = ToF(g[v].v[k]);
+          const float xhat = ToF(x[v].v[k]) * rs;
+          dot += gy * scale[k] * xhat;
+          acc[v][k] += gy * xhat;
+        }
+      }
+    }
+    dot = RowSum(dot, tpr);
+    const float m = dot * inv_cols;
+    if (!valid_row) continue;
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
+      if (col < cols) {
+        float scale[kElems];
+        LoadScales(gamma, col, zero_centered, scale);
+        Pack<T> extra;
+        if constexpr (kAdd) extra = LoadPack(dz, base + col);
+        Pack<T> o;
+#pragma unroll
+        for (int k = 0; k < kElems; ++k) {
+          float value = RmsNormInputGrad(ToF(g[v].v[k]), ToF(x[v].v[k]), rs, scale[k], m);
+          if constexpr (kAdd) value += ToF(extra.v[k]);
+          o.v[k] = FromF<T>(value);
+        }
+        StorePack(dx, base + col, o);
+      }
+    }
+  }
+  if (slot >= slots_used) return;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
+    if (col < cols) {
+#pragma unroll
+      for (int k = 0; k < kElems; k += 4) {
+        *reinterpret_cast<float4*>(partials + slot * cols + col + k) =
+            make_float4(acc[v][k], acc[v][k + 1], acc[v][k + 2], acc[v][k + 3]);
+      }
+    }
+  }
+}
+
+// --- generic (scalar, two passes) ---------------------------------------------------------
+
+template <typename T, typename G, bool kAdd>
+__global__ void __launch_bounds__(kGenericThreads)
+RmsNormFwdGenericKernel(const T* x, const T* residual, const G* gamma, T* out, T* new_residual,
+                        float* rsigma, int64_t rows, int64_t cols, float eps,
+                        bool zero_centered) {
+  const int64_t row = blockIdx.x;
+  const int64_t base = row * cols;
+  float sum = 0.0f;
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    float value = ToF(x[base + j]);
+    if constexpr (kAdd) {
+      const T stored = FromF<T>(value + ToF(residual[base + j]));
+      new_residual[base + j] = stored;
+      value = ToF(stored);
+    }
+    sum += value * value;
+  }
+  sum = RowSum(sum, blockDim.x);
+  const float rs = RmsNormRsigma(sum, cols, eps);
+  if (threadIdx.x == 0) rsigma[row] = rs;
+  const T* source = kAdd ? new_residual : x;  // this thread wrote its own elements above
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    const float scale = RmsNormScale(ToF(gamma[j]), zero_centered);
+    out[base + j] = FromF<T>(RmsNormApply(ToF(source[base + j]), rs, scale));
+  }
+}
+
+template <typename T, typename G, bool kAdd>
+__global__ void __launch_bounds__(kGenericThreads)
+RmsNormBwdGenericKernel(const T* dy, const T* dz, const T* s, const G* gamma,
+                        const float* rsigma, T* dx, float* partials, int64_t rows,
+                        int64_t cols, bool zero_centered) {
+  float* partial = partials + static_cast<int64_t>(blockIdx.x) * cols;  // this slot's row
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) partial[j] = 0.0f;
+  const float inv_cols = 1.0f / static_cast<float>(cols);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t base = row * cols;
+    const float rs = rsigma[row];
+    float dot = 0.0f;
+    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+      const float gy = ToF(dy[base + j]);
+      const float xhat = ToF(s[base + j]) * rs;
+      dot += gy * RmsNormScale(ToF(gamma[j]), zero_centered) * xhat;
+      partial[j] += gy * xhat;  // only this thread touches column j of this slot
+    }
+    const float m = RowSum(dot, blockDim.x) * inv_cols;
+    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+      const float scale = RmsNormScale(ToF(gamma[j]), zero_centered);
+      float value = RmsNormInputGrad(ToF(dy[base + j]), ToF(s[base + j]), rs, scale, m);
+      if constexpr (kAdd) value += ToF(dz[base + j]);
+      dx[base + j] = FromF<T>(value);
+    }
+  }
+}
+
+// dgamma[j] = sum over the first `count` partial rows, in a fixed order.
+constexpr int kReduceCols = 32, kReduceRows = 16;
+
+template <typename G>
+__global__ void __launch_bounds__(kReduceCols * kReduceRows)
+DgammaReduceKernel(const float* __restrict__ partials, int64_t count, int64_t cols,
+                   G* __restrict__ dgamma) {
+  __shared__ float sums[kReduceRows][kReduceCols + 1];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kReduceCols + threadIdx.x;
+  float acc = 0.0f;
+  if (col < cols) {
+    for (int64_t p = threadIdx.y; p < count; p += kReduceRows) acc += partials[p * cols + col];
+  }
+  sums[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float total = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kReduceRows; ++i) total += sums[i][threadIdx.x];
+    dgamma[col] = FromF<G>(total);
+  }
+}
+
+// --- launch configuration -----------------------------------------------------------------
+
+struct Config {
+  int vecs = 0;  // 16-byte vectors per thread: 1, 2, 4 or 8
+  int tpr = 0;   // threads per row
+  int rpb = 0;   // rows per block
+};
+
+// The register-resident configuration for rows of `cols` elements, or false when the
+// generic kernel must run.
+bool ChooseConfig(int64_t cols, int elems, int max_threads, Config* config) {
+  if (cols % elems != 0) return false;
+  const int64_t vectors = cols / elems;
+  for (int vecs : {1, 2, 4, 8}) {
+    const int64_t needed = (vectors + vecs - 1) / vecs;
+    if (needed > kTargetThreadsPerRow && vecs < 8) continue;
+    int64_t tpr = 1;
+    if (needed <= 32) {
+      while (tpr < needed) tpr *= 2;
+    } else {
+      tpr = (needed + 31) / 32 * 32;
+    }
+    if (tpr > max_threads) return false;
+    config->vecs = vecs;
+    config->tpr = static_cast<int>(tpr);
+    config->rpb = std::max(1, kBlockThreads / config->tpr);
+    return true;
+  }
+  return false;
+}
+
+bool Aligned16(const void* pointer) {
+  return reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
+}
+
+ffi::Error LaunchError(const char* what) {
+  const cudaError_t status = cudaGetLastError();
+  if (status == cudaSuccess) return ffi::Error::Success();
+  return Internal(what, " launch failed: ", cudaGetErrorString(status));
+}
+
+struct FwdArgs {
+  const void* x;
+  const void* residual;  // null: plain RMSNorm
+  const void* gamma;
+  void* out;
+  void* new_residual;
+  float* rsigma;
+  int64_t rows, cols;
+  float eps;
+  bool zero_centered;
+};
+
+template <typename T, typename G, bool kAdd>
+ffi::Error LaunchFwd(cudaStream_t stream, const FwdArgs& a) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* r = static_cast<const T*>(a.residual);
+  const G* g = static_cast<const G*>(a.gamma);
+  T* out = static_cast<T*>(a.out);
+  T* nr = static_cast<T*>(a.new_residual);
+  Config c;
+  const bool aligned = Aligned16(a.x) && Aligned16(a.gamma) && Aligned16(a.out) &&
+                       (!kAdd || (Aligned16(a.residual) && Aligned16(a.new_residual)));
+  if (aligned && ChooseConfig(a.cols, Pack<T>::kElems, kFwdMaxThreads, &c)) {
+    const dim3 block(c.tpr, c.rpb);
+    const int64_t blocks = (a.rows + c.rpb - 1) / c.rpb;
+    switch (c.vecs) {
+#define JAXFUSE_CASE(V)                                                                    \
+  case V:                                                                                  \
+    RmsNormFwdKernel<T, G, V, kAdd><<<blocks, block, 0, stream>>>(                         \
+        x, r, g, out, nr, a.rsigma, a.rows, a.cols, a.eps, a.zero_centered);               \
+    break;
+      JAXFUSE_CASE(1) JAXFUSE_CASE(2) JAXFUSE_CASE(4) JAXFUSE_CASE(8)
+#undef JAXFUSE_CASE
+    }
+  } else {
+    RmsNormFwdGenericKernel<T, G, kAdd><<<a.rows, kGenericThreads, 0, stream>>>(
+        x, r, g, out, nr, a.rsigma, a.rows, a.cols, a.eps, a.zero_centered);
+  }
+  return LaunchError("rms_norm forward");
+}
+
+struct BwdArgs {
+  const void* dy;
+  const void* dz;  // null: plain RMSNorm
+  const void* s;
+  const void* gamma;
+  const float* rsigma;
+  void* dx;
+  void* dgamma;
+  float* partials;
+  int64_t max_slots;  // rows of the partials scratch
+  int64_t rows, cols;
+  bool zero_centered;
+};
+
+template <typename T, typename G, bool kAdd>
+ffi::Error LaunchBwd(cudaStream_t stream, const BwdArgs& a) {
+  const T* dy = static_cast<const T*>(a.dy);
+  const T* dz = static_cast<const T*>(a.dz);
+  const T* s = static_cast<const T*>(a.s);
+  const G* g = static_cast<const G*>(a.gamma);
+  T* dx = static_cast<T*>(a.dx);
+  int64_t slots_used = 0;
+  if (a.rows > 0) {
+    Config c;
+    const bool aligned = Aligned16(a.dy) && Aligned16(a.s) && Aligned16(a.gamma) &&
+                         Aligned16(a.dx) && Aligned16(a.partials) &&
+                         (!kAdd || Aligned16(a.dz));
+    if (aligned && ChooseConfig(a.cols, Pack<T>::kElems, kBwdMaxThreads, &c)) {
+      const dim3 block(c.tpr, c.rpb);
+      const int64_t wanted = (a.rows + c.rpb - 1) / c.rpb;
+      const int64_t blocks = std::max<int64_t>(1, std::min(wanted, a.max_slots / c.rpb));
+      slots_used = std::min(blocks * c.rpb, a.max_slots);
+      switch (c.vecs) {
+#define JAXFUSE_CASE(V)                                                                    \
+  case V:                                                                                  \
+    RmsNormBwdKernel<T, G, V, kAdd><<<blocks, block, 0, stream>>>(                         \
+        dy, dz, s, g, a.rsigma, dx, a.partials, slots_used, a.rows, a.cols,                \
+        a.zero_centered);                                                                  \
+    break;
+        JAXFUSE_CASE(1) JAXFUSE_CASE(2) JAXFUSE_CASE(4) JAXFUSE_CASE(8)
+#undef JAXFUSE_CASE
+      }
+    } else {
+      const int64_t blocks = std::min(a.rows, a.max_slots);
+      slots_used = blocks;
+      RmsNormBwdGenericKernel<T, G, kAdd><<<blocks, kGenericThreads, 0, stream>>>(
+          dy, dz, s, g, a.rsigma, dx, a.partials, a.rows, a.cols, a.zero_centered);
+    }
+    if (auto error = LaunchError("rms_norm backward"); error.failure()) return error;
+  }
+  const dim3 block(kReduceCols, kReduceRows);
+  const int64_t blocks = (a.cols + kReduceCols - 1) / kReduceCols;
+  DgammaReduceKernel<G><<<blocks, block, 0, stream>>>(a.partials, slots_used, a.cols,
+                                                      static_cast<G*>(a.dgamma));
+  return LaunchError("rms_norm dgamma reduction");
+}
+
+// Calls F<T, G>::Run(args...) for the problem's dtypes.
+template <template <typename, typename> class F, typename... Args>
+ffi::Error Dispatch(const RmsNormProblem& p, Args&&... args) {
+  const bool g32 = p.gamma_type == ffi::DataType::F32;
+  switch (p.x_type) {
+    case ffi::DataType::F32: return F<float, float>::Run(args...);
+    case ffi::DataType::BF16:
+      return g32 ? F<__nv_bfloat16, float>::Run(args...)
+                 : F<__nv_bfloat16, __nv_bfloat16>::Run(args...);
+    case ffi::DataType::F16:
+      return g32 ? F<__half, float>::Run(args...) : F<__half, __half>::Run(args...);
+    default: return InvalidArgument("rms_norm: unsupported dtype");
+  }
+}
+
+template <typename T, typename G>
+struct FwdRunner {
+  static ffi::Error Run(cudaStream_t stream, const FwdArgs& a) {
+    return a.residual ? LaunchFwd<T, G, true>(stream, a) : LaunchFwd<T, G, false>(stream, a);
+  }
+};
+
+template <typename T, typename G>
+struct BwdRunner {
+  static ffi::Error Run(cudaStream_t stream, const BwdArgs& a) {
+    return a.dz ? LaunchBwd<T, G, true>(stream, a) : LaunchBwd<T, G, false>(stream, a);
+  }
+};
+
+ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer x, const ffi::AnyBuffer* residual,
+                   ffi::AnyBuffer gamma, ffi::AnyBuffer* out, ffi::AnyBuffer* new_residual,
+                   ffi::AnyBuffer* rsigma, float eps, bool zero_centered) {
+  RmsNormProblem p;
+  ffi::Error error = residual != nullptr
+      ? ParseRmsNormProblem(x, gamma, *rsigma, {residual, out, new_residual}, &p)
+      : ParseRmsNormProblem(x, gamma, *rsigma, {out}, &p);
+  if (error.failure()) return error;
+  if (p.rows == 0) return ffi::Error::Success();
+  if (p.cols > static_cast<int64_t>(INT32_MAX) || p.rows > static_cast<int64_t>(INT32_MAX)) {
+    return InvalidArgument("rms_norm: rows and H must each be < 2^31");
+  }
+  FwdArgs a{x.untyped_data(),
+            residual ? residual->untyped_data() : nullptr,
+            gamma.untyped_data(),
+            out->untyped_data(),
+            new_residual ? new_residual->untyped_data() : nullptr,
+            static_cast<float*>(rsigma->untyped_data()),
+            p.rows, p.cols, eps, zero_centered};
+  return Dispatch<FwdRunner>(p, stream, a);
+}
+
+ffi::Error Backward(cudaStream_t stream, ffi::AnyBuffer dy, const ffi::AnyBuffer* dz,
+                    ffi::AnyBuffer s, ffi::AnyBuffer gamma, ffi::AnyBuffer rsigma,
+                    ffi::AnyBuffer* dx, ffi::AnyBuffer* dgamma, ffi::AnyBuffer* workspace,
+                    bool zero_centered) {
+  RmsNormProblem p;
+  ffi::Error error = dz != nullptr
+      ? ParseRmsNormProblem(s, gamma, rsigma, {&dy, dz, dx}, &p)
+      : ParseRmsNormProblem(s, gamma, rsigma, {&dy, dx}, &p);
+  if (error.failure()) return error;
+  if (dgamma->element_count() != static_cast<size_t>(p.cols) ||
+      dgamma->element_type() != p.gamma_type) {
+    return InvalidArgument("rms_norm backward: dgamma must be like gamma, got ",
+                           ShapeString(dgamma->dimensions()));
+  }
+  const auto w_dims = workspace->dimensions();
+  if (workspace->element_type() != ffi::DataType::F32 || w_dims.size() != 2 ||
+      w_dims[1] != p.cols || w_dims[0] < 1) {
+    return InvalidArgument("rms_norm backward: the scratch must be float32 [slots, ",
+                           p.cols, "], got ", ShapeString(w_dims));
+  }
+  if (p.cols > static_cast<int64_t>(INT32_MAX) || p.rows > static_cast<int64_t>(INT32_MAX)) {
+    return InvalidArgument("rms_norm: rows and H must each be < 2^31");
+  }
+  BwdArgs a{dy.untyped_data(),
+            dz ? dz->untyped_data() : nullptr,
+            s.untyped_data(),
+            gamma.untyped_data(),
+            static_cast<const float*>(rsigma.untyped_data()),
+            dx->untyped_data(),
+            dgamma->untyped_data(),
+            static_cast<float*>(workspace->untyped_data()),
+            w_dims[0], p.rows, p.cols, zero_centered};
+  return Dispatch<BwdRunner>(p, stream, a);
+}
+
+ffi::Error RmsNormFwdCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
+                              ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> rsigma, float eps,
+                              bool zero_centered_gamma) {
+  return Forward(stream, x, nullptr, gamma, &*out, nullptr, &*rsigma, eps,
+                 zero_centered_gamma);
+}
+
+ffi::Error AddRmsNormFwdCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                                 ffi::AnyBuffer gamma, ffi::Result<ffi::AnyBuffer> out,
+                                 ffi::Result<ffi::AnyBuffer> new_residual,
+                                 ffi::Result<ffi::AnyBuffer> rsigma, float eps,
+                                 bool zero_centered_gamma) {
+  return Forward(stream, x, &residual, gamma, &*out, &*new_residual, &*rsigma, eps,
+                 zero_centered_gamma);
+}
+
+ffi::Error RmsNormBwdCudaImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer s,
+                              ffi::AnyBuffer gamma, ffi::AnyBuffer rsigma,
+                              ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
+                              ffi::Result<ffi::AnyBuffer> workspace, bool zero_centered_gamma) {
+  return Backward(stream, dy, nullptr, s, gamma, rsigma, &*dx, &*dgamma, &*workspace,
+                  zero_centered_gamma);
+}
+
+ffi::Error AddRmsNormBwdCudaImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer dz,
+                                 ffi::AnyBuffer s, ffi::AnyBuffer gamma, ffi::AnyBuffer rsigma,
+                                 ffi::Result<ffi::AnyBuffer> dx,
+                                 ffi::Result<ffi::AnyBuffer> dgamma,
+                                 ffi::Result<ffi::AnyBuffer> workspace,
+                                 bool zero_centered_gamma) {
+  return Backward(stream, dy, &dz, s, gamma, rsigma, &*dx, &*dgamma, &*workspace,
+                  zero_centered_gamma);
+}
+
+}  // namespace
+}  // namespace jaxfuse
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseRmsNormFwdCuda, jaxfuse::RmsNormFwdCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // x [..., H]
+                                  .Arg<ffi::AnyBuffer>()  // gamma [H]
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // rsigma [...], float32
+                                  .Attr<float>("eps")
+                                  .Attr<bool>("zero_centered_gamma"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseAddRmsNormFwdCuda, jaxfuse::AddRmsNormFwdCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // x [..., H]
+                                  .Arg<ffi::AnyBuffer>()  // residual, aliased to new_residual
+                                  .Arg<ffi::AnyBuffer>()  // gamma [H]
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // new_residual
+                                  .Ret<ffi::AnyBuffer>()  // rsigma
+                                  .Attr<float>("eps")
+                                  .Attr<bool>("zero_centered_gamma"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseRmsNormBwdCuda, jaxfuse::RmsNormBwdCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // dy
+                                  .Arg<ffi::AnyBuffer>()  // x (normalized input)
+                                  .Arg<ffi::AnyBuffer>()  // gamma
+                                  .Arg<ffi::AnyBuffer>()  // rsigma
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Ret<ffi::AnyBuffer>()  // dgamma
+                                  .Ret<ffi::AnyBuffer>()  // workspace: float32 [slots, H]
+                                  .Attr<bool>("zero_centered_gamma"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseAddRmsNormBwdCuda, jaxfuse::AddRmsNormBwdCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // dy
+                                  .Arg<ffi::AnyBuffer>()  // dz (gradient of new_residual)
+                                  .Arg<ffi::AnyBuffer>()  // s = new_residual
+                                  .Arg<ffi::AnyBuffer>()  // gamma
+                                  .Arg<ffi::AnyBuffer>()  // rsigma
+                                  .Ret<ffi::AnyBuffer>()  // ds (= dx = dresidual)
+                                  .Ret<ffi::AnyBuffer>()  // dgamma
+                                  .Ret<ffi::AnyBuffer>()  // workspace: float32 [slots, H]
+                                  .Attr<bool>("zero_centered_gamma"),
+                              {ffi::Traits::kCmdBufferCompatible});

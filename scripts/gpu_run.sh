@@ -49,15 +49,18 @@ for stage in "${stages[@]}"; do
       $PY -c "import jaxfuse, json; print(json.dumps(jaxfuse.build_info()))" | tee -a "$OUT/summary.txt"
       ;;
     test)
-      log "pytest -m gpu"
-      $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs tests 2>&1 | tee "$OUT/logs/gpu_tests.log" | tail -40
+      # GPU_TESTS narrows the run (e.g. "tests/ops/test_quantize.py"); default: all tests.
+      log "pytest -m gpu ${GPU_TESTS:-tests}"
+      $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/logs/gpu_tests.log" | tail -40
       [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; log "GPU TESTS FAILED"; }
       ;;
     bench)
-      for script in benchmarks/bench_*.py; do
+      # BENCHMARKS narrows the set (e.g. "bench_grouped_mlp"); default: every bench_*.py.
+      for script in ${BENCHMARKS:-benchmarks/bench_*.py}; do
+        [[ "$script" == */* ]] || script="benchmarks/$script.py"
         name=$(basename "$script" .py)
         log "benchmark $name"
-        timeout 300 $PY -m "benchmarks.$name" 2>&1 | tee "$OUT/logs/$name.log" | tail -25
+        timeout ${BENCH_TIMEOUT:-300} $PY -m "benchmarks.$name" 2>&1 | tee "$OUT/logs/$name.log" | tail -25
         [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; log "BENCHMARK $name FAILED"; }
       done
       ;;

@@ -80,11 +80,18 @@ def test_fp8_rounding_matches_ml_dtypes_bit_for_bit(backend, fmt):
 
 
 def quantize_both(backend, x, recipe, **kw):
-  x, = on(backend, x)
-  kw = {k: (on(backend, v)[0] if isinstance(v, jax.Array) else v) for k, v in kw.items()}
-  q_ffi = jax.jit(lambda x: jaxfuse.quantize(x, recipe, implementation="ffi", **kw))(x)
-  q_ref = jaxfuse.quantize(x, recipe, implementation="xla", **kw)
-  return q_ffi, q_ref
+  """The handler on `backend` and the reference on the CPU.
+
+  The reference is evaluated where its arithmetic is IEEE-exact: XLA's GPU lowering may
+  round fp8_max / amax differently in the last bit, which moves scale_inv by an ulp.
+  """
+  kw_backend = {k: (on(backend, v)[0] if isinstance(v, jax.Array) else v) for k, v in kw.items()}
+  q_ffi = jax.jit(lambda x: jaxfuse.quantize(x, recipe, implementation="ffi", **kw_backend))(
+      on(backend, x)[0])
+  kw_cpu = {k: (on("cpu", v)[0] if isinstance(v, jax.Array) else v) for k, v in kw.items()}
+  with jax.default_device(jax.devices("cpu")[0]):
+    q_ref = jaxfuse.quantize(on("cpu", x)[0], recipe, implementation="xla", **kw_cpu)
+  return jax.device_get(q_ffi), jax.device_get(q_ref)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -193,8 +193,13 @@ def loss(activation, implementation):
   return f
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("implementation", ["ffi", "xla"])
+# The reference ("xla") is checked on the CPU, where XLA's arithmetic is the spec's; on the
+# GPU, XLA's own lowering of sigmoid/exp at reduced precision is not what this tests.
+@pytest.mark.parametrize("backend, implementation", [
+    pytest.param("cpu", "ffi", id="ffi-cpu"),
+    pytest.param("cpu", "xla", id="xla-cpu"),
+    pytest.param("gpu", "ffi", id="ffi-gpu", marks=pytest.mark.gpu),
+])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gradients_match_float64(backend, implementation, activation, dtype):

@@ -22,11 +22,34 @@ size_t GroupedGemmWorkspaceBytes(int32_t form, int32_t a_type, int32_t b_type, i
 
 namespace py = pybind11;
 
+// --- registry: group offsets, scaled activations, quantization (CPU and CUDA) ------
+#define JAXFUSE_CPU_HANDLERS_ISSUE3(X)                                              \
+  X("jaxfuse_group_offsets", JaxfuseGroupOffsetsCpu)                                \
+  X("jaxfuse_scaled_activation_fwd", JaxfuseScaledActivationFwdCpu)                 \
+  X("jaxfuse_scaled_activation_bwd", JaxfuseScaledActivationBwdCpu)                 \
+  X("jaxfuse_quantize", JaxfuseQuantizeCpu)                                         \
+  X("jaxfuse_scaled_activation_quantize", JaxfuseScaledActivationQuantizeCpu)       \
+  X("jaxfuse_scaled_dactivation_quantize", JaxfuseScaledDactivationQuantizeCpu)
+// Stateless CUDA handlers (execute stage only): (name, execute).
+#define JAXFUSE_CUDA_STATELESS_HANDLERS_ISSUE3(X)                                   \
+  X("jaxfuse_group_offsets", JaxfuseGroupOffsetsCuda)                               \
+  X("jaxfuse_scaled_activation_fwd", JaxfuseScaledActivationFwdCuda)                \
+  X("jaxfuse_scaled_activation_bwd", JaxfuseScaledActivationBwdCuda)                \
+  X("jaxfuse_quantize", JaxfuseQuantizeCuda)                                        \
+  X("jaxfuse_scaled_activation_quantize", JaxfuseScaledActivationQuantizeCuda)      \
+  X("jaxfuse_scaled_dactivation_quantize", JaxfuseScaledDactivationQuantizeCuda)
+
+// --- registry: MoE token permutation (CPU and CUDA) ---------------------------------
+#define JAXFUSE_CPU_HANDLERS_ISSUE5(X)
+#define JAXFUSE_CUDA_STATELESS_HANDLERS_ISSUE5(X)
+
 // --- registry: CPU handlers ---------------------------------------------------------
 #define JAXFUSE_CPU_HANDLERS(X)                           \
   X("jaxfuse_linear_scale_add", JaxfuseLinearScaleAddCpu) \
   X("jaxfuse_scaled_matmul", JaxfuseScaledMatmulCpu)      \
-  X("jaxfuse_grouped_gemm", JaxfuseGroupedGemmCpu)
+  X("jaxfuse_grouped_gemm", JaxfuseGroupedGemmCpu)        \
+  JAXFUSE_CPU_HANDLERS_ISSUE3(X)                          \
+  JAXFUSE_CPU_HANDLERS_ISSUE5(X)
 
 // --- registry: CUDA handlers (name, instantiate, initialize, execute) ---------------
 #define JAXFUSE_CUDA_HANDLERS(X)                                                   \
@@ -38,7 +61,9 @@ namespace py = pybind11;
 // --- registry: stateless CUDA handlers (name, execute) ------------------------------
 #define JAXFUSE_CUDA_STATELESS_HANDLERS(X)                 \
   X("jaxfuse_grouped_gemm", JaxfuseGroupedGemmCuda)        \
-  X("jaxfuse_grouped_gemm_fp8", JaxfuseGroupedGemmFp8Cuda)
+  X("jaxfuse_grouped_gemm_fp8", JaxfuseGroupedGemmFp8Cuda) \
+  JAXFUSE_CUDA_STATELESS_HANDLERS_ISSUE3(X)                \
+  JAXFUSE_CUDA_STATELESS_HANDLERS_ISSUE5(X)
 
 // --- registry: CUDA state types (name, type id function, type info function) --------
 #define JAXFUSE_CUDA_TYPES(X) \
@@ -53,7 +78,8 @@ JAXFUSE_CPU_HANDLERS(JAXFUSE_DECLARE_CPU)
   XLA_FFI_DECLARE_HANDLER_SYMBOL(initialize);                       \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(execute);
 JAXFUSE_CUDA_HANDLERS(JAXFUSE_DECLARE_CUDA)
-JAXFUSE_CUDA_STATELESS_HANDLERS(JAXFUSE_DECLARE_CPU)
+#define JAXFUSE_DECLARE_CUDA_STATELESS(name, execute) XLA_FFI_DECLARE_HANDLER_SYMBOL(execute);
+JAXFUSE_CUDA_STATELESS_HANDLERS(JAXFUSE_DECLARE_CUDA_STATELESS)
 #define JAXFUSE_DECLARE_TYPE(name, type_id, type_info) \
   XLA_FFI_DECLARE_TYPE_ID_SYMBOL(type_id);             \
   XLA_FFI_DECLARE_TYPE_INFO_SYMBOL(type_info);

@@ -10,6 +10,13 @@ variable overrides that default for the whole process.
 from jaxfuse._src.ffi import build_info as _build_info
 from jaxfuse._src.ops.grouped_linear.api import grouped_linear
 from jaxfuse._src.ops.linear_scale_add.api import linear_scale_add
+from jaxfuse._src.ops.group_offsets.api import group_offsets
+from jaxfuse._src.ops.scaled_activation.api import scaled_activation
+from jaxfuse._src.ops.quantize.api import dequantize
+from jaxfuse._src.ops.quantize.api import quantize
+from jaxfuse._src.ops.quantize.api import scaled_activation_quantize
+from jaxfuse._src.ops.quantize.api import scaled_dactivation_quantize
+from jaxfuse import quantization
 
 __version__ = "0.1.0"
 
@@ -25,4 +32,6 @@ def build_info() -> dict:
   return dict(_build_info())
 
 
-__all__ = ["build_info", "grouped_linear", "linear_scale_add"]
+__all__ = ["build_info", "grouped_linear", "linear_scale_add", "group_offsets",
+           "scaled_activation", "quantize", "dequantize", "scaled_activation_quantize", "scaled_dactivation_quantize",
+           "quantization"]

@@ -1,0 +1,202 @@
+// CPU handlers for FP8 quantization and the fused scaled activation + quantization (forward
+// and backward). Reference loops: values are computed in fp32 into a temporary, then
+// quantized by QuantizeCpu (jaxfuse/quantize.h) with the FP8 rounding of jaxfuse/fp8.h.
+#include <vector>
+
+#include "jaxfuse/activation.h"
+#include "jaxfuse/ffi_common.h"
+#include "jaxfuse/fp8.h"
+#include "jaxfuse/quantize.h"
+#include "jaxfuse/scaled_activation.h"
+
+namespace jaxfuse {
+namespace {
+
+ffi::Error QuantizeCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer offsets,
+                           ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scale_inv,
+                           ffi::Result<ffi::AnyBuffer> amax, int32_t mode, int32_t block) {
+  const auto dims = x.dimensions();
+  if (dims.size() == 0 || !IsFloatType(x.element_type())) {
+    return InvalidArgument("quantize: x must be a float32/bfloat16/float16 array, got ",
+                           DataTypeName(x.element_type()), " ", ShapeString(dims));
+  }
+  QuantizeProblem problem;
+  problem.cols = dims.back();
+  if (mode == static_cast<int32_t>(ScalingMode::kBlock2D)) {
+    if (dims.size() < 2) return InvalidArgument("2-D block scaling needs x of rank >= 2");
+    problem.rows = dims[dims.size() - 2];
+    problem.batch = LeadingProduct(dims) / (problem.rows ? problem.rows : 1);
+    if (problem.rows == 0) problem.batch = 0;
+  } else {
+    problem.rows = LeadingProduct(dims);
+  }
+  if (auto error = CheckQuantizeOutputs(problem, offsets, *data, *scale_inv, *amax, mode, block);
+      error.failure()) {
+    return error;
+  }
+  if (data->element_count() != x.element_count()) return InvalidArgument("data must have x's shape");
+  const std::vector<float> values = ToFloatVector(x);
+  QuantizeCpu(problem, values.data(), static_cast<const int32_t*>(offsets.untyped_data()),
+              static_cast<uint8_t*>(data->untyped_data()), scale_inv->untyped_data(),
+              static_cast<float*>(amax->untyped_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error ActivationQuantizeCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scales,
+                                     ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> data,
+                                     ffi::Result<ffi::AnyBuffer> scale_inv,
+                                     ffi::Result<ffi::AnyBuffer> amax, int32_t activation,
+                                     float limit, float alpha, float linear_offset, int32_t mode,
+                                     int32_t block) {
+  ActivationProblem act;
+  if (auto error = ParseActivationProblem(x, scales, activation, limit, alpha, linear_offset, &act);
+      error.failure()) {
+    return error;
+  }
+  QuantizeProblem problem;
+  problem.rows = act.rows;
+  problem.cols = act.out_cols;
+  if (mode == static_cast<int32_t>(ScalingMode::kBlock2D)) {
+    return InvalidArgument("2-D block scaling is for weights, not activations");
+  }
+  if (auto error = CheckQuantizeOutputs(problem, offsets, *data, *scale_inv, *amax, mode, block);
+      error.failure()) {
+    return error;
+  }
+  if (data->element_count() != static_cast<size_t>(act.rows * act.out_cols)) {
+    return InvalidArgument("data must be [rows, F]");
+  }
+  const int64_t f = act.out_cols, w = act.in_cols;
+  const bool glu = IsGlu(act.params.kind);
+  std::vector<float> values(act.rows * f);
+  for (int64_t r = 0; r < act.rows; ++r) {
+    const float scale = LoadAsFloat(scales.untyped_data(), scales.element_type(), r);
+    for (int64_t j = 0; j < f; ++j) {
+      const float a = LoadAsFloat(x.untyped_data(), x.element_type(), r * w + j);
+      const float b = glu ? LoadAsFloat(x.untyped_data(), x.element_type(), r * w + f + j) : 0.0f;
+      values[r * f + j] = ActivationForward(act.params, a, b) * scale;
+    }
+  }
+  QuantizeCpu(problem, values.data(), static_cast<const int32_t*>(offsets.untyped_data()),
+              static_cast<uint8_t*>(data->untyped_data()), scale_inv->untyped_data(),
+              static_cast<float*>(amax->untyped_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error DactivationQuantizeCpuImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer scales,
+                                      ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> data,
+                                      ffi::Result<ffi::AnyBuffer> scale_inv,
+                                      ffi::Result<ffi::AnyBuffer> dx,
+                                      ffi::Result<ffi::AnyBuffer> dscales,
+                                      ffi::Result<ffi::AnyBuffer> amax, int32_t activation,
+                                      float limit, float alpha, float linear_offset, int32_t mode,
+                                      int32_t block) {
+  ActivationProblem act;
+  if (auto error = ParseActivationProblem(x, scales, activation, limit, alpha, linear_offset, &act);
+      error.failure()) {
+    return error;
+  }
+  if (auto error = CheckActivationOutput(act, dy, x.element_type(), act.out_cols, "dy");
+      error.failure()) {
+    return error;
+  }
+  const bool write_dx = dx->element_count() != 0;
+  if (write_dx) {
+    if (auto error = CheckActivationOutput(act, *dx, x.element_type(), act.in_cols, "dx");
+        error.failure()) {
+      return error;
+    }
+  }
+  if (dscales->element_type() != ffi::DataType::F32 ||
+      dscales->element_count() != static_cast<size_t>(act.rows)) {
+    return InvalidArgument("dscales must be float32 with ", act.rows, " elements");
+  }
+  if (mode == static_cast<int32_t>(ScalingMode::kBlock2D)) {
+    return InvalidArgument("2-D block scaling is for weights, not activation gradients");
+  }
+  QuantizeProblem problem;
+  problem.rows = act.rows;
+  problem.cols = act.in_cols;
+  if (auto error = CheckQuantizeOutputs(problem, offsets, *data, *scale_inv, *amax, mode, block);
+      error.failure()) {
+    return error;
+  }
+  const int64_t f = act.out_cols, w = act.in_cols;
+  const bool glu = IsGlu(act.params.kind);
+  std::vector<float> values(act.rows * w);
+  float* ds = static_cast<float*>(dscales->untyped_data());
+  for (int64_t r = 0; r < act.rows; ++r) {
+    const float scale = LoadAsFloat(scales.untyped_data(), scales.element_type(), r);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < f; ++j) {
+      const float a = LoadAsFloat(x.untyped_data(), x.element_type(), r * w + j);
+      const float b = glu ? LoadAsFloat(x.untyped_data(), x.element_type(), r * w + f + j) : 0.0f;
+      const float g = LoadAsFloat(dy.untyped_data(), dy.element_type(), r * f + j);
+      const ActivationGrad grad = ActivationBackward(act.params, a, b);
+      sum += g * grad.value;
+      const float gs = g * scale;
+      values[r * w + j] = gs * grad.da;
+      if (glu) values[r * w + f + j] = gs * grad.db;
+    }
+    ds[r] = sum;
+  }
+  if (write_dx) {
+    for (int64_t i = 0; i < act.rows * w; ++i) {
+      StoreFromFloat(dx->untyped_data(), dx->element_type(), i, values[i]);
+    }
+  }
+  QuantizeCpu(problem, values.data(), static_cast<const int32_t*>(offsets.untyped_data()),
+              static_cast<uint8_t*>(data->untyped_data()), scale_inv->untyped_data(),
+              static_cast<float*>(amax->untyped_data()));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxfuse
+
+namespace xffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeCpu, jaxfuse::QuantizeCpuImpl,
+                              xffi::Ffi::Bind()
+                                  .Arg<xffi::AnyBuffer>()  // x [..., K]
+                                  .Arg<xffi::AnyBuffer>()  // group offsets int32 [G + 1]
+                                  .Ret<xffi::AnyBuffer>()  // data fp8, x's shape
+                                  .Ret<xffi::AnyBuffer>()  // scale_inv
+                                  .Ret<xffi::AnyBuffer>()  // amax float32 [G] (scratch)
+                                  .Attr<int32_t>("mode")
+                                  .Attr<int32_t>("block"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledActivationQuantizeCpu,
+                              jaxfuse::ActivationQuantizeCpuImpl,
+                              xffi::Ffi::Bind()
+                                  .Arg<xffi::AnyBuffer>()  // x [R, W]
+                                  .Arg<xffi::AnyBuffer>()  // scales [R]
+                                  .Arg<xffi::AnyBuffer>()  // group offsets int32 [G + 1]
+                                  .Ret<xffi::AnyBuffer>()  // data fp8 [R, F]
+                                  .Ret<xffi::AnyBuffer>()  // scale_inv
+                                  .Ret<xffi::AnyBuffer>()  // amax float32 [G] (scratch)
+                                  .Attr<int32_t>("activation")
+                                  .Attr<float>("limit")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("linear_offset")
+                                  .Attr<int32_t>("mode")
+                                  .Attr<int32_t>("block"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledDactivationQuantizeCpu,
+                              jaxfuse::DactivationQuantizeCpuImpl,
+                              xffi::Ffi::Bind()
+                                  .Arg<xffi::AnyBuffer>()  // dy [R, F]
+                                  .Arg<xffi::AnyBuffer>()  // x [R, W]
+                                  .Arg<xffi::AnyBuffer>()  // scales [R]
+                                  .Arg<xffi::AnyBuffer>()  // group offsets int32 [G + 1]
+                                  .Ret<xffi::AnyBuffer>()  // data fp8 [R, W]
+                                  .Ret<xffi::AnyBuffer>()  // scale_inv
+                                  .Ret<xffi::AnyBuffer>()  // dx [R, W] in x's dtype, or [0]
+                                  .Ret<xffi::AnyBuffer>()  // dscales float32 [R]
+                                  .Ret<xffi::AnyBuffer>()  // amax float32 [G] (scratch)
+                                  .Attr<int32_t>("activation")
+                                  .Attr<float>("limit")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("linear_offset")
+                                  .Attr<int32_t>("mode")
+                                  .Attr<int32_t>("block"));

@@ -1,0 +1,354 @@
+// CUDA handlers for FP8 quantization and its fusion with the scaled activations.
+//
+// Current scaling (per group / per tensor), in one launch chain with no host sync:
+//   1. cudaMemsetAsync(amax, 0)
+//   2. RowKernel<kAmax>: per row, the block's amax of the values (activation recomputed
+//      from x, never written), atomicMax on the float bits into amax[group of row]
+//      (groups located by a binary search over the device offsets; rows past the last
+//      offset belong to no group); the fused backward also writes dscales (and dx when
+//      asked) in this pass
+//   3. CurrentScaleInvKernel: scale_inv[g] = 1 / (fp8_max / amax[g])
+//   4. RowKernel<kCurrent>: recomputes the values and writes FP8 with its group's scale;
+//      rows past the last offset are written as zeros.
+// Block scaling (1 x 128) and MXFP8 (1 x 32, E8M0): one pass, RowKernel<kBlock> (amax of a
+// block by warp shuffles across the block/8 lanes that hold it).
+// 2-D block scaling (weights, 128 x 128): one CUDA block per tile, two reads of the tile
+// (the second from L1/L2).
+#include <cuda_runtime.h>
+
+#include "jaxfuse/ffi_common.h"
+#include "jaxfuse/fp8.h"
+#include "jaxfuse/quantize.h"
+#include "jaxfuse/scaled_activation.h"
+#include "rowwise.cuh"
+
+namespace jaxfuse {
+namespace {
+
+using gpu::PointerAligned16;
+using gpu::SinkArgs;
+using gpu::SinkKind;
+
+bool ValidLaneBlock(int64_t block) {
+  return block >= 8 && block <= 256 && (block & (block - 1)) == 0;
+}
+
+// Runs the quantization chain of `problem` for producer p (units per row: units).
+template <class P, typename T>
+ffi::Error LaunchRows(cudaStream_t stream, const P& p, SinkArgs<T> s, int64_t units,
+                      const QuantizeProblem& problem) {
+  const int grid = gpu::GridFor(s.rows);
+  const int threads = gpu::ThreadsFor(units);
+  if (problem.mode == ScalingMode::kCurrent) {
+    if (problem.num_groups > 0 &&
+        cudaMemsetAsync(s.amax, 0, problem.num_groups * sizeof(float), stream) != cudaSuccess) {
+      return Internal("zeroing the amax scratch failed");
+    }
+    if (s.rows > 0) {
+      gpu::RowKernel<P, SinkKind::kAmax, T><<<grid, threads, 0, stream>>>(p, s);
+    }
+    if (problem.num_groups > 0) {
+      const int scale_threads = 256;
+      const int scale_blocks = static_cast<int>(std::min<int64_t>((problem.num_groups + 255) / 256, 1024));
+      gpu::CurrentScaleInvKernel<<<scale_blocks, scale_threads, 0, stream>>>(
+          s.amax, static_cast<float*>(s.scale_inv), problem.num_groups, problem.format);
+    }
+    SinkArgs<T> second = s;
+    second.out = nullptr;   // dx (if any) and dscales were written by pass 1
+    second.side = nullptr;
+    if (s.rows > 0) {
+      gpu::RowKernel<P, SinkKind::kCurrent, T><<<grid, threads, 0, stream>>>(p, second);
+    }
+    return gpu::LaunchError("current-scaling quantization kernels");
+  }
+  if (!ValidLaneBlock(problem.block)) {
+    return InvalidArgument("the CUDA kernels support block sizes 8, 16, 32, 64, 128 and 256, got ",
+                           problem.block);
+  }
+  if (cudaMemsetAsync(s.amax, 0, sizeof(float), stream) != cudaSuccess) {
+    return Internal("zeroing the amax scratch failed");
+  }
+  s.mx = problem.mode == ScalingMode::kMxfp8;
+  if (s.rows > 0) gpu::RowKernel<P, SinkKind::kBlock, T><<<grid, threads, 0, stream>>>(p, s);
+  return gpu::LaunchError("block quantization kernel");
+}
+
+template <typename T>
+SinkArgs<T> MakeSink(const QuantizeProblem& problem, ffi::AnyBuffer offsets, ffi::AnyBuffer& data,
+                     ffi::AnyBuffer& scale_inv, ffi::AnyBuffer& amax) {
+  SinkArgs<T> s;
+  s.data = static_cast<uint8_t*>(data.untyped_data());
+  s.data_vector = problem.cols % 8 == 0 && PointerAligned16(s.data);
+  s.scale_inv = scale_inv.untyped_data();
+  s.amax = static_cast<float*>(amax.untyped_data());
+  s.offsets = static_cast<const int32_t*>(offsets.untyped_data());
+  s.num_groups = problem.num_groups;
+  s.rows = problem.batch * problem.rows;
+  s.cols = problem.cols;
+  s.block = static_cast<int>(problem.block);
+  s.format = problem.format;
+  return s;
+}
+
+// --- 2-D blocks (weights) ---------------------------------------------------------------
+
+template <typename T>
+__global__ void __launch_bounds__(256) Block2DKernel(const T* x, uint8_t* data, float* scale_inv,
+                                                     int64_t rows, int64_t cols, int block,
+                                                     int64_t row_blocks, int64_t col_blocks,
+                                                     Fp8Format format, bool vector) {
+  const int64_t tile = blockIdx.x;
+  const int64_t cb = tile % col_blocks;
+  const int64_t rb = (tile / col_blocks) % row_blocks;
+  const int64_t b = tile / (col_blocks * row_blocks);
+  const int64_t r0 = rb * block, c0 = cb * block;
+  const int64_t tile_rows = min(static_cast<int64_t>(block), rows - r0);
+  const int64_t tile_cols = min(static_cast<int64_t>(block), cols - c0);
+  const int64_t units_per_row = (tile_cols + 7) / 8;
+  const int64_t units = tile_rows * units_per_row;
+  const T* base = x + (b * rows + r0) * cols + c0;
+  uint8_t* out = data + (b * rows + r0) * cols + c0;
+  float amax = 0.0f;
+  for (int64_t i = threadIdx.x; i < units; i += blockDim.x) {
+    const int64_t r = i / units_per_row, u = i % units_per_row;
+    const int64_t left = tile_cols - u * 8;
+    float v[8];
+    gpu::Load8(base + r * cols + u * 8, vector, left >= 8 ? 8 : static_cast<int>(left), v);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) amax = fmaxf(amax, AbsForAmax(v[k]));
+  }
+  const float reduced = gpu::BlockReduceMaxSum(amax, 0.0f).x;
+  __shared__ float shared_scale;
+  if (threadIdx.x == 0) {
+    const float scale = ScaleFromAmax(reduced, Fp8Max(format));
+    shared_scale = scale;
+    scale_inv[tile] = 1.0f / scale;
+  }
+  __syncthreads();
+  const float scale = shared_scale;
+  for (int64_t i = threadIdx.x; i < units; i += blockDim.x) {
+    const int64_t r = i / units_per_row, u = i % units_per_row;
+    const int64_t left = tile_cols - u * 8;
+    const int valid = left >= 8 ? 8 : static_cast<int>(left);
+    float v[8];
+    gpu::Load8(base + r * cols + u * 8, vector, valid, v);
+    gpu::StoreFp8x8(out + r * cols + u * 8, vector, valid, v, scale, format);
+  }
+}
+
+// --- handlers ----------------------------------------------------------------------------
+
+ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer offsets,
+                        ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scale_inv,
+                        ffi::Result<ffi::AnyBuffer> amax, int32_t mode, int32_t block) {
+  const auto dims = x.dimensions();
+  if (dims.size() == 0 || !IsFloatType(x.element_type())) {
+    return InvalidArgument("quantize: x must be a float32/bfloat16/float16 array, got ",
+                           DataTypeName(x.element_type()), " ", ShapeString(dims));
+  }
+  QuantizeProblem problem;
+  problem.cols = dims.back();
+  const bool two_d = mode == static_cast<int32_t>(ScalingMode::kBlock2D);
+  if (two_d) {
+    if (dims.size() < 2) return InvalidArgument("2-D block scaling needs x of rank >= 2");
+    problem.rows = dims[dims.size() - 2];
+    problem.batch = problem.rows ? LeadingProduct(dims) / problem.rows : 0;
+  } else {
+    problem.rows = LeadingProduct(dims);
+  }
+  if (auto error = CheckQuantizeOutputs(problem, offsets, *data, *scale_inv, *amax, mode, block);
+      error.failure()) {
+    return error;
+  }
+  if (data->element_count() != x.element_count()) return InvalidArgument("data must have x's shape");
+  return gpu::DispatchFloat(x.element_type(), [&](auto zero) -> ffi::Error {
+    using T = decltype(zero);
+    const T* px = static_cast<const T*>(x.untyped_data());
+    if (two_d) {
+      if (cudaMemsetAsync(amax->untyped_data(), 0, sizeof(float), stream) != cudaSuccess) {
+        return Internal("zeroing the amax scratch failed");
+      }
+      const int64_t row_blocks = CeilDiv(problem.rows, block), col_blocks = CeilDiv(problem.cols, block);
+      const int64_t tiles = problem.batch * row_blocks * col_blocks;
+      if (tiles == 0) return ffi::Error::Success();
+      const bool vector = problem.cols % 8 == 0 && PointerAligned16(px) &&
+                          PointerAligned16(data->untyped_data());
+      Block2DKernel<T><<<static_cast<unsigned>(tiles), 256, 0, stream>>>(
+          px, static_cast<uint8_t*>(data->untyped_data()),
+          static_cast<float*>(scale_inv->untyped_data()), problem.rows, problem.cols, block,
+          row_blocks, col_blocks, problem.format, vector);
+      return gpu::LaunchError("2-D block quantization kernel");
+    }
+    gpu::LoadProducer<T> p;
+    p.x = px;
+    p.cols = problem.cols;
+    p.vector = problem.cols % 8 == 0 && PointerAligned16(px);
+    SinkArgs<T> s = MakeSink<T>(problem, offsets, *data, *scale_inv, *amax);
+    return LaunchRows(stream, p, s, CeilDiv(problem.cols, 8), problem);
+  });
+}
+
+ffi::Error ActivationQuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scales,
+                                  ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> data,
+                                  ffi::Result<ffi::AnyBuffer> scale_inv,
+                                  ffi::Result<ffi::AnyBuffer> amax, int32_t activation,
+                                  float limit, float alpha, float linear_offset, int32_t mode,
+                                  int32_t block) {
+  ActivationProblem act;
+  if (auto error = ParseActivationProblem(x, scales, activation, limit, alpha, linear_offset, &act);
+      error.failure()) {
+    return error;
+  }
+  if (mode == static_cast<int32_t>(ScalingMode::kBlock2D)) {
+    return InvalidArgument("2-D block scaling is for weights, not activations");
+  }
+  QuantizeProblem problem;
+  problem.rows = act.rows;
+  problem.cols = act.out_cols;
+  if (auto error = CheckQuantizeOutputs(problem, offsets, *data, *scale_inv, *amax, mode, block);
+      error.failure()) {
+    return error;
+  }
+  if (data->element_count() != static_cast<size_t>(act.rows * act.out_cols)) {
+    return InvalidArgument("data must be [rows, F]");
+  }
+  return gpu::DispatchFloat(x.element_type(), [&](auto zero) -> ffi::Error {
+    using T = decltype(zero);
+    gpu::ActProducer<T> p;
+    p.x = static_cast<const T*>(x.untyped_data());
+    p.scales = scales.untyped_data();
+    p.scales_f32 = scales.element_type() == ffi::DataType::F32;
+    p.params = act.params;
+    p.f = act.out_cols;
+    p.w = act.in_cols;
+    p.vector = act.out_cols % 8 == 0 && PointerAligned16(p.x);
+    SinkArgs<T> s = MakeSink<T>(problem, offsets, *data, *scale_inv, *amax);
+    return LaunchRows(stream, p, s, CeilDiv(act.out_cols, 8), problem);
+  });
+}
+
+ffi::Error DactivationQuantizeCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                                   ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
+                                   ffi::Result<ffi::AnyBuffer> data,
+                                   ffi::Result<ffi::AnyBuffer> scale_inv,
+                                   ffi::Result<ffi::AnyBuffer> dx,
+                                   ffi::Result<ffi::AnyBuffer> dscales,
+                                   ffi::Result<ffi::AnyBuffer> amax, int32_t activation,
+                                   float limit, float alpha, float linear_offset, int32_t mode,
+                                   int32_t block) {
+  ActivationProblem act;
+  if (auto error = ParseActivationProblem(x, scales, activation, limit, alpha, linear_offset, &act);
+      error.failure()) {
+    return error;
+  }
+  if (auto error = CheckActivationOutput(act, dy, x.element_type(), act.out_cols, "dy");
+      error.failure()) {
+    return error;
+  }
+  const bool write_dx = dx->element_count() != 0;
+  if (write_dx) {
+    if (auto error = CheckActivationOutput(act, *dx, x.element_type(), act.in_cols, "dx");
+        error.failure()) {
+      return error;
+    }
+  }
+  if (dscales->element_type() != ffi::DataType::F32 ||
+      dscales->element_count() != static_cast<size_t>(act.rows)) {
+    return InvalidArgument("dscales must be float32 with ", act.rows, " elements");
+  }
+  if (mode == static_cast<int32_t>(ScalingMode::kBlock2D)) {
+    return InvalidArgument("2-D block scaling is for weights, not activation gradients");
+  }
+  QuantizeProblem problem;
+  problem.rows = act.rows;
+  problem.cols = act.in_cols;
+  if (auto error = CheckQuantizeOutputs(problem, offsets, *data, *scale_inv, *amax, mode, block);
+      error.failure()) {
+    return error;
+  }
+  if (act.rows > 0 && act.out_cols == 0 &&
+      cudaMemsetAsync(dscales->untyped_data(), 0, dscales->size_bytes(), stream) != cudaSuccess) {
+    return Internal("zeroing dscales failed");
+  }
+  return gpu::DispatchFloat(x.element_type(), [&](auto zero) -> ffi::Error {
+    using T = decltype(zero);
+    SinkArgs<T> s = MakeSink<T>(problem, offsets, *data, *scale_inv, *amax);
+    s.side = act.out_cols > 0 ? static_cast<float*>(dscales->untyped_data()) : nullptr;
+    if (write_dx) {
+      s.out = static_cast<T*>(dx->untyped_data());
+      s.out_vector = act.out_cols % 8 == 0 && PointerAligned16(s.out);
+    }
+    const T* px = static_cast<const T*>(x.untyped_data());
+    const T* pdy = static_cast<const T*>(dy.untyped_data());
+    const bool vector = act.out_cols % 8 == 0 && PointerAligned16(px) && PointerAligned16(pdy);
+    const bool pair = problem.mode == ScalingMode::kCurrent ||
+                      !IsGlu(act.params.kind) || act.out_cols % problem.block == 0;
+    if (pair) {  // dx halves at columns j and F + j from one read of a, b, dy
+      gpu::DActPairProducer<T> p{pdy, px, scales.untyped_data(),
+                                 scales.element_type() == ffi::DataType::F32, act.params,
+                                 act.out_cols, act.in_cols, vector};
+      return LaunchRows(stream, p, s, CeilDiv(act.out_cols, 8), problem);
+    }
+    // Blocks straddle the two halves of dx: walk dx's columns in order instead.
+    gpu::DActFlatProducer<T> p{pdy, px, scales.untyped_data(),
+                               scales.element_type() == ffi::DataType::F32, act.params,
+                               act.out_cols, act.in_cols, vector};
+    return LaunchRows(stream, p, s, CeilDiv(act.in_cols, 8), problem);
+  });
+}
+
+}  // namespace
+}  // namespace jaxfuse
+
+namespace xffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeCuda, jaxfuse::QuantizeCuda,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::AnyBuffer>()  // x [..., K]
+                                  .Arg<xffi::AnyBuffer>()  // group offsets int32 [G + 1]
+                                  .Ret<xffi::AnyBuffer>()  // data fp8
+                                  .Ret<xffi::AnyBuffer>()  // scale_inv
+                                  .Ret<xffi::AnyBuffer>()  // amax float32 (scratch)
+                                  .Attr<int32_t>("mode")
+                                  .Attr<int32_t>("block"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledActivationQuantizeCuda,
+                              jaxfuse::ActivationQuantizeCuda,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::AnyBuffer>()  // x [R, W]
+                                  .Arg<xffi::AnyBuffer>()  // scales [R]
+                                  .Arg<xffi::AnyBuffer>()  // group offsets int32 [G + 1]
+                                  .Ret<xffi::AnyBuffer>()  // data fp8 [R, F]
+                                  .Ret<xffi::AnyBuffer>()  // scale_inv
+                                  .Ret<xffi::AnyBuffer>()  // amax float32 (scratch)
+                                  .Attr<int32_t>("activation")
+                                  .Attr<float>("limit")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("linear_offset")
+                                  .Attr<int32_t>("mode")
+                                  .Attr<int32_t>("block"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledDactivationQuantizeCuda,
+                              jaxfuse::DactivationQuantizeCuda,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::AnyBuffer>()  // dy [R, F]
+                                  .Arg<xffi::AnyBuffer>()  // x [R, W]
+                                  .Arg<xffi::AnyBuffer>()  // scales [R]
+                                  .Arg<xffi::AnyBuffer>()  // group offsets int32 [G + 1]
+                                  .Ret<xffi::AnyBuffer>()  // data fp8 [R, W]
+                                  .Ret<xffi::AnyBuffer>()  // scale_inv
+                                  .Ret<xffi::AnyBuffer>()  // dx [R, W] or [0]
+                                  .Ret<xffi::AnyBuffer>()  // dscales float32 [R]
+                                  .Ret<xffi::AnyBuffer>()  // amax float32 (scratch)
+                                  .Attr<int32_t>("activation")
+                                  .Attr<float>("limit")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("linear_offset")
+                                  .Attr<int32_t>("mode")
+                                  .Attr<int32_t>("block"),
+                              {xffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,464 @@
+// Row-wise memory-bound kernel machinery shared by scaled_activation.cu and quantize.cu.
+//
+// One CUDA block walks a row at a time (grid-stride over rows); its threads walk the row
+// in "units" of 8 consecutive output columns, so every global access is 16 bytes for
+// 16-bit types (two for fp32, 8 bytes of FP8) whenever rows are 16-byte aligned, with a
+// scalar path for unaligned shapes and the ragged tail. A Producer computes the fp32
+// values of one unit (loading x, dy, scales); a Sink consumes them (stores in x's dtype,
+// reduces amax, quantizes). Block scaling with block = 8 * L reduces amax over L adjacent
+// lanes with warp shuffles, so a 1 x 128 or 1 x 32 block is quantized in one pass.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "jaxfuse/activation.h"
+#include "jaxfuse/fp8.h"
+#include "jaxfuse/quantize.h"
+
+namespace jaxfuse {
+namespace gpu {
+
+constexpr int kUnit = 8;
+
+__device__ __forceinline__ float LoadOne(const float* p) { return __ldg(p); }
+__device__ __forceinline__ float LoadOne(const __nv_bfloat16* p) { return __bfloat162float(p[0]); }
+__device__ __forceinline__ float LoadOne(const __half* p) { return __half2float(p[0]); }
+
+__device__ __forceinline__ void StoreOne(float* p, float v) { *p = v; }
+__device__ __forceinline__ void StoreOne(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void StoreOne(__half* p, float v) { *p = __float2half_rn(v); }
+
+// Loads up to 8 elements starting at p (valid of them; the rest read as 0).
+template <typename T>
+__device__ __forceinline__ void Load8(const T* p, bool vector, int valid, float (&v)[8]) {
+  if (vector && valid == 8) {
+    if constexpr (sizeof(T) == 4) {
+      const float4 lo = __ldg(reinterpret_cast<const float4*>(p));
+      const float4 hi = __ldg(reinterpret_cast<const float4*>(p) + 1);
+      v[0] = lo.x; v[1] = lo.y; v[2] = lo.z; v[3] = lo.w;
+      v[4] = hi.x; v[5] = hi.y; v[6] = hi.z; v[7] = hi.w;
+    } else {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = LoadOne(e + i);
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = i < valid ? LoadOne(p + i) : 0.0f;
+}
+
+template <typename T>
+__device__ __forceinline__ void Store8(T* p, bool vector, int valid, const float (&v)[8]) {
+  if (vector && valid == 8) {
+    if constexpr (sizeof(T) == 4) {
+      reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+      reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+      uint4 raw;
+      T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) StoreOne(e + i, v[i]);
+      *reinterpret_cast<uint4*>(p) = raw;
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if (i < valid) StoreOne(p + i, v[i]);
+  }
+}
+
+// float pair -> two FP8 bytes with hardware round-to-nearest-even, satfinite, NaN kept:
+// the same bits as FloatToFp8 (jaxfuse/fp8.h).
+__device__ __forceinline__ uint16_t Fp8x2(float a, float b, Fp8Format format) {
+  const float2 pair = make_float2(a, b);
+  return format == Fp8Format::kE4M3
+             ? static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3))
+             : static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E5M2));
+}
+
+// Writes 8 values (times scale) as FP8 at p (valid of them).
+__device__ __forceinline__ void StoreFp8x8(uint8_t* p, bool vector, int valid, const float (&v)[8],
+                                           float scale, Fp8Format format) {
+  uint16_t pairs[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pairs[i] = Fp8x2(v[2 * i] * scale, v[2 * i + 1] * scale, format);
+  if (vector && valid == 8) {
+    const uint2 packed = make_uint2(pairs[0] | (static_cast<uint32_t>(pairs[1]) << 16),
+                                    pairs[2] | (static_cast<uint32_t>(pairs[3]) << 16));
+    *reinterpret_cast<uint2*>(p) = packed;
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if (i < valid) p[i] = static_cast<uint8_t>(pairs[i / 2] >> (8 * (i % 2)));
+  }
+}
+
+__device__ __forceinline__ bool Aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+template <typename T>
+__device__ __forceinline__ float LoadScale(const void* scales, bool scales_f32, int64_t row) {
+  return scales_f32 ? __ldg(static_cast<const float*>(scales) + row)
+                    : LoadOne(static_cast<const T*>(scales) + row);
+}
+
+// --- producers ------------------------------------------------------------------------
+// Compute(row, unit, v, side) fills v[chunk][0..8) for output columns Col(chunk, unit) and
+// adds a row-reduction term to side (dscales). Valid(chunk, unit) elements of 8 are real.
+
+// Plain values: x [rows, cols].
+template <typename T>
+struct LoadProducer {
+  static constexpr int kChunks = 1;
+  static constexpr bool kSide = false;
+  const T* x;
+  int64_t cols;
+  bool vector;  // cols % 8 == 0 and x 16-byte aligned
+  __device__ int64_t Units() const { return (cols + kUnit - 1) / kUnit; }
+  __device__ int64_t Col(int, int64_t u) const { return u * kUnit; }
+  __device__ int Valid(int, int64_t u) const {
+    const int64_t left = cols - u * kUnit;
+    return left >= kUnit ? kUnit : static_cast<int>(left);
+  }
+  __device__ void Compute(int64_t row, int64_t u, float (&v)[1][8], float&) const {
+    Load8(x + row * cols + u * kUnit, vector, Valid(0, u), v[0]);
+  }
+};
+
+// act(x) * scale: x [rows, W], output [rows, F].
+template <typename T>
+struct ActProducer {
+  static constexpr int kChunks = 1;
+  static constexpr bool kSide = false;
+  const T* x;
+  const void* scales;
+  bool scales_f32;
+  ActivationParams params;
+  int64_t f, w;
+  bool vector;  // f % 8 == 0 and x aligned
+  __device__ int64_t Units() const { return (f + kUnit - 1) / kUnit; }
+  __device__ int64_t Col(int, int64_t u) const { return u * kUnit; }
+  __device__ int Valid(int, int64_t u) const {
+    const int64_t left = f - u * kUnit;
+    return left >= kUnit ? kUnit : static_cast<int>(left);
+  }
+  __device__ void Compute(int64_t row, int64_t u, float (&v)[1][8], float&) const {
+    const int valid = Valid(0, u);
+    const T* base = x + row * w + u * kUnit;
+    float a[8], b[8];
+    Load8(base, vector, valid, a);
+    if (IsGlu(params.kind)) {
+      Load8(base + f, vector, valid, b);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) b[i] = 0.0f;
+    }
+    const float scale = LoadScale<T>(scales, scales_f32, row);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[0][i] = ActivationForward(params, a[i], b[i]) * scale;
+  }
+};
+
+// Backward: dx = dy * scale * act'(x) over [rows, W]; side = sum dy * act (dscales).
+// Pair form: unit u yields da at columns 8u.. and (GLU) db at F + 8u..
+template <typename T>
+struct DActPairProducer {
+  static constexpr int kChunks = 2;
+  static constexpr bool kSide = true;
+  const T* dy;
+  const T* x;
+  const void* scales;
+  bool scales_f32;
+  ActivationParams params;
+  int64_t f, w;
+  bool vector;
+  __device__ int64_t Units() const { return (f + kUnit - 1) / kUnit; }
+  __device__ int64_t Col(int chunk, int64_t u) const { return chunk * f + u * kUnit; }
+  __device__ int Valid(int chunk, int64_t u) const {
+    if (chunk == 1 && !IsGlu(params.kind)) return 0;
+    const int64_t left = f - u * kUnit;
+    return left >= kUnit ? kUnit : static_cast<int>(left);
+  }
+  __device__ void Compute(int64_t row, int64_t u, float (&v)[2][8], float& side) const {
+    const int valid = Valid(0, u);
+    const T* base = x + row * w + u * kUnit;
+    float a[8], b[8], g[8];
+    Load8(base, vector, valid, a);
+    Load8(dy + row * f + u * kUnit, vector, valid, g);
+    const bool glu = IsGlu(params.kind);
+    if (glu) {
+      Load8(base + f, vector, valid, b);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) b[i] = 0.0f;
+    }
+    const float scale = LoadScale<T>(scales, scales_f32, row);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const ActivationGrad grad = ActivationBackward(params, a[i], b[i]);
+      if (i < valid) side += g[i] * grad.value;
+      const float gs = g[i] * scale;
+      v[0][i] = gs * grad.da;
+      v[1][i] = glu ? gs * grad.db : 0.0f;
+    }
+  }
+};
+
+// Flat form of the backward for block scaling when F is not a multiple of the block:
+// unit u covers dx columns 8u.. of W, element by element (GLU halves handled per element).
+template <typename T>
+struct DActFlatProducer {
+  static constexpr int kChunks = 1;
+  static constexpr bool kSide = true;
+  const T* dy;
+  const T* x;
+  const void* scales;
+  bool scales_f32;
+  ActivationParams params;
+  int64_t f, w;
+  bool vector;  // f % 8 == 0 and aligned: a unit lies in one half
+  __device__ int64_t Units() const { return (w + kUnit - 1) / kUnit; }
+  __device__ int64_t Col(int, int64_t u) const { return u * kUnit; }
+  __device__ int Valid(int, int64_t u) const {
+    const int64_t left = w - u * kUnit;
+    return left >= kUnit ? kUnit : static_cast<int>(left);
+  }
+  __device__ void Compute(int64_t row, int64_t u, float (&v)[1][8], float& side) const {
+    const float scale = LoadScale<T>(scales, scales_f32, row);
+    const bool glu = IsGlu(params.kind);
+    const int valid = Valid(0, u);
+    const int64_t c0 = u * kUnit;
+    if (vector && valid == 8) {
+      const bool second = c0 >= f;
+      const int64_t j0 = second ? c0 - f : c0;
+      float a[8], b[8], g[8];
+      Load8(x + row * w + j0, true, 8, a);
+      Load8(dy + row * f + j0, true, 8, g);
+      if (glu) {
+        Load8(x + row * w + f + j0, true, 8, b);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) b[i] = 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const ActivationGrad grad = ActivationBackward(params, a[i], b[i]);
+        if (!second) side += g[i] * grad.value;
+        v[0][i] = g[i] * scale * (second ? grad.db : grad.da);
+      }
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[0][i] = 0.0f;
+      if (i >= valid) continue;
+      const int64_t c = c0 + i;
+      const bool second = c >= f;
+      const int64_t j = second ? c - f : c;
+      const float a = LoadOne(x + row * w + j);
+      const float b = glu ? LoadOne(x + row * w + f + j) : 0.0f;
+      const float g = LoadOne(dy + row * f + j);
+      const ActivationGrad grad = ActivationBackward(params, a, b);
+      if (!second) side += g * grad.value;
+      v[0][i] = g * scale * (second ? grad.db : grad.da);
+    }
+  }
+};
+
+// --- block reduction ------------------------------------------------------------------
+
+__device__ __forceinline__ float2 BlockReduceMaxSum(float m, float s) {
+  __shared__ float2 partial[32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    s += __shfl_xor_sync(0xffffffffu, s, offset);
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) partial[warp] = make_float2(m, s);
+  __syncthreads();
+  float2 result = make_float2(0.0f, 0.0f);
+  if (warp == 0) {
+    const int warps = (blockDim.x + 31) / 32;
+    float2 mine = lane < warps ? partial[lane] : make_float2(0.0f, 0.0f);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      mine.x = fmaxf(mine.x, __shfl_xor_sync(0xffffffffu, mine.x, offset));
+      mine.y += __shfl_xor_sync(0xffffffffu, mine.y, offset);
+    }
+    result = mine;
+  }
+  __syncthreads();  // partial is reused by the next row
+  return result;    // valid in thread 0
+}
+
+// Non-negative floats order like their bit patterns, so atomicMax on the bits is a float
+// max (amax starts at +0 and NaN never reaches it: AbsForAmax drops NaN).
+__device__ __forceinline__ void AtomicMaxNonNegative(float* address, float value) {
+  atomicMax(reinterpret_cast<unsigned int*>(address), __float_as_uint(value));
+}
+
+// --- sinks ----------------------------------------------------------------------------
+
+enum class SinkKind { kStore, kAmax, kCurrent, kBlock };
+
+// Output pointers and the quantization parameters of a launch.
+template <typename T>
+struct SinkArgs {
+  T* out = nullptr;             // unquantized output [rows, cols] (kStore, or extra dx)
+  bool out_vector = false;
+  uint8_t* data = nullptr;      // FP8 [rows, cols]
+  bool data_vector = false;
+  void* scale_inv = nullptr;    // float [G] / float or uint8 [rows, cols / block]
+  float* amax = nullptr;        // float [G]
+  float* side = nullptr;        // float [rows] (dscales)
+  const int32_t* offsets = nullptr;
+  int64_t num_groups = 0, rows = 0, cols = 0;
+  int block = 0;                // block scaling: elements per block (multiple of 8)
+  bool mx = false;
+  Fp8Format format = Fp8Format::kE4M3;
+};
+
+template <class P, SinkKind kKind, typename T>
+__global__ void __launch_bounds__(256) RowKernel(P p, SinkArgs<T> s) {
+  const int64_t units = p.Units();
+  const int lanes = s.block / kUnit;  // block scaling: lanes per block (power of two)
+  const float fp8_max = Fp8Max(s.format);
+  for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
+    float row_scale = 1.0f;
+    bool row_valid = true;
+    if constexpr (kKind == SinkKind::kCurrent) {
+      const int64_t g = GroupOfRow(s.offsets, s.num_groups, row, s.rows);
+      row_valid = g < s.num_groups;
+      if (row_valid) row_scale = ScaleFromAmax(s.amax[g], fp8_max);
+    }
+    float amax = 0.0f, side = 0.0f;
+    for (int64_t base = 0; base < units; base += blockDim.x) {
+      const int64_t u = base + threadIdx.x;
+      const bool active = u < units;
+      float v[P::kChunks][8];
+      if (active) {
+        p.Compute(row, u, v, side);
+      } else {
+#pragma unroll
+        for (int c = 0; c < P::kChunks; ++c)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) v[c][i] = 0.0f;
+      }
+#pragma unroll
+      for (int c = 0; c < P::kChunks; ++c) {
+        const int valid = active ? p.Valid(c, u) : 0;
+        const int64_t col = p.Col(c, u);
+        if constexpr (kKind == SinkKind::kStore) {
+          if (valid > 0) Store8(s.out + row * s.cols + col, s.out_vector, valid, v[c]);
+        } else {
+          if (s.out != nullptr && valid > 0) {
+            Store8(s.out + row * s.cols + col, s.out_vector, valid, v[c]);
+          }
+          if constexpr (kKind == SinkKind::kAmax) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) amax = fmaxf(amax, AbsForAmax(v[c][i]));
+          } else if constexpr (kKind == SinkKind::kCurrent) {
+            if (valid > 0) {
+              if (row_valid) {
+                StoreFp8x8(s.data + row * s.cols + col, s.data_vector, valid, v[c], row_scale,
+                           s.format);
+              } else {
+                const float zeros[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                StoreFp8x8(s.data + row * s.cols + col, s.data_vector, valid, zeros, 1.0f,
+                           s.format);
+              }
+            }
+          } else {  // kBlock: lanes adjacent threads share one block of block elements
+            float local = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) local = fmaxf(local, AbsForAmax(v[c][i]));
+            for (int offset = lanes / 2; offset > 0; offset /= 2) {
+              local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, offset));
+            }
+            float scale;
+            const int64_t blocks_per_row = (s.cols + s.block - 1) / s.block;
+            const int64_t block_index = row * blocks_per_row + col / s.block;
+            const bool leader = valid > 0 && (col % s.block) == 0;
+            if (s.mx) {
+              const uint8_t e = E8M0FromAmax(local, fp8_max);
+              scale = E8M0InverseToFloat(e);
+              if (leader) static_cast<uint8_t*>(s.scale_inv)[block_index] = e;
+            } else {
+              scale = ScaleFromAmax(local, fp8_max);
+              if (leader) static_cast<float*>(s.scale_inv)[block_index] = 1.0f / scale;
+            }
+            if (valid > 0) {
+              StoreFp8x8(s.data + row * s.cols + col, s.data_vector, valid, v[c], scale, s.format);
+            }
+          }
+        }
+      }
+    }
+    if (kKind == SinkKind::kAmax || (P::kSide && s.side != nullptr)) {  // uniform per block
+      const float2 reduced = BlockReduceMaxSum(amax, side);
+      if (threadIdx.x == 0) {
+        if constexpr (kKind == SinkKind::kAmax) {
+          const int64_t g = GroupOfRow(s.offsets, s.num_groups, row, s.rows);
+          if (g < s.num_groups) AtomicMaxNonNegative(s.amax + g, reduced.x);
+        }
+        if (s.side != nullptr) s.side[row] = reduced.y;
+      }
+    }
+  }
+}
+
+// scale_inv[g] = 1 / scale(amax[g]) after the amax pass (current scaling).
+__global__ void CurrentScaleInvKernel(const float* amax, float* scale_inv, int64_t groups,
+                                      Fp8Format format) {
+  for (int64_t g = blockIdx.x * blockDim.x + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    scale_inv[g] = 1.0f / ScaleFromAmax(amax[g], Fp8Max(format));
+  }
+}
+
+// Threads per block for `units` units per row: enough to cover a row (up to 512), a
+// multiple of 32 (block-scaling lane groups must not straddle warps).
+inline int ThreadsFor(int64_t units) {
+  int64_t threads = ((units + 31) / 32) * 32;
+  if (threads < 64) threads = 64;
+  if (threads > 256) threads = 256;
+  return static_cast<int>(threads);
+}
+
+inline int GridFor(int64_t rows) {
+  return static_cast<int>(rows < (1 << 20) ? (rows > 0 ? rows : 1) : (1 << 20));
+}
+
+inline bool PointerAligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+// Calls fn(T{}) with T the CUDA type of a float32/bfloat16/float16 buffer.
+template <typename Fn>
+auto DispatchFloat(ffi::DataType type, Fn&& fn) {
+  switch (type) {
+    case ffi::DataType::F32: return fn(float{});
+    case ffi::DataType::BF16: return fn(__nv_bfloat16{});
+    default: return fn(__half{});
+  }
+}
+
+inline ffi::Error LaunchError(const char* what) {
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) return Internal(what, ": ", cudaGetErrorString(error));
+  return ffi::Error::Success();
+}
+
+}  // namespace gpu
+}  // namespace jaxfuse

@@ -1,0 +1,89 @@
+// The scaled activations' per-element math, as both backends see it (fp32 throughout).
+//
+// GLU kinds read a row of x as [a | b] (the gate a in the first half):
+//   swiglu:          act = silu(a) * b,                  silu(a) = a * sigmoid(a)
+//   clamped_swiglu:  a' = min(a, limit), b' = clip(b, -limit, limit) + linear_offset,
+//                    act = a' * sigmoid(alpha * a') * b'
+// and srelu reads x alone: act = relu(x)^2. Output = act * scale[row].
+//
+// NaN propagates (every clamp is written with comparisons that are false for NaN, never
+// fminf/fmaxf, which would drop it), and sigmoid is computed stably: silu(-1e4) is -0,
+// not NaN.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "jaxfuse/platform.h"
+
+namespace jaxfuse {
+
+enum class Activation : int32_t { kSwiglu = 0, kSrelu = 1, kClampedSwiglu = 2 };
+
+struct ActivationParams {
+  Activation kind = Activation::kSwiglu;
+  float limit = 7.0f;
+  float alpha = 1.702f;
+  float linear_offset = 1.0f;
+};
+
+JAXFUSE_HOST_DEVICE bool IsGlu(Activation kind) { return kind != Activation::kSrelu; }
+
+// sigmoid(x) without overflow: exp of a non-positive argument only. NaN -> NaN.
+JAXFUSE_HOST_DEVICE float Sigmoid(float x) {
+#if defined(__CUDA_ARCH__)
+  const float e = expf(-fabsf(x));
+#else
+  const float e = std::exp(-std::fabs(x));
+#endif
+  const float denominator = 1.0f + e;
+  return x >= 0.0f ? 1.0f / denominator : e / denominator;
+}
+
+// Forward value act(a, b) (b ignored for srelu).
+JAXFUSE_HOST_DEVICE float ActivationForward(const ActivationParams& p, float a, float b) {
+  switch (p.kind) {
+    case Activation::kSwiglu:
+      return a * Sigmoid(a) * b;
+    case Activation::kClampedSwiglu: {
+      const float ac = a > p.limit ? p.limit : a;
+      const float bc = (b > p.limit ? p.limit : (b < -p.limit ? -p.limit : b)) + p.linear_offset;
+      return ac * Sigmoid(p.alpha * ac) * bc;
+    }
+    default: {
+      const float r = a <= 0.0f ? 0.0f : a;  // NaN stays NaN
+      return r * r;
+    }
+  }
+}
+
+// Forward value and the partial derivatives d act / d a and d act / d b.
+struct ActivationGrad {
+  float value, da, db;
+};
+
+JAXFUSE_HOST_DEVICE ActivationGrad ActivationBackward(const ActivationParams& p, float a, float b) {
+  switch (p.kind) {
+    case Activation::kSwiglu: {
+      const float s = Sigmoid(a);
+      const float silu = a * s;
+      return {silu * b, b * s * (1.0f + a * (1.0f - s)), silu};
+    }
+    case Activation::kClampedSwiglu: {
+      const bool a_clamped = a > p.limit;
+      const float ac = a_clamped ? p.limit : a;
+      const bool b_clamped = b > p.limit || b < -p.limit;
+      const float bc = (b > p.limit ? p.limit : (b < -p.limit ? -p.limit : b)) + p.linear_offset;
+      const float s = Sigmoid(p.alpha * ac);
+      const float gate = ac * s;
+      const float d_gate = s * (1.0f + p.alpha * ac * (1.0f - s));
+      return {gate * bc, a_clamped ? 0.0f : bc * d_gate, b_clamped ? 0.0f : gate};
+    }
+    default: {
+      const float r = a <= 0.0f ? 0.0f : a;
+      return {r * r, 2.0f * r, 0.0f};
+    }
+  }
+}
+
+}  // namespace jaxfuse

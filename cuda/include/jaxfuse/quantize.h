@@ -1,0 +1,210 @@
+// Shared pieces of the quantization handlers: group lookup from device offsets (both
+// backends), argument parsing, and the CPU reference implementation of every scaling mode.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "jaxfuse/ffi_common.h"
+#include "jaxfuse/fp8.h"
+#include "jaxfuse/numeric.h"
+#include "jaxfuse/platform.h"
+
+namespace jaxfuse {
+
+// offsets[i] read from device data clamped into [0, rows]: garbage never indexes memory.
+JAXFUSE_HOST_DEVICE int64_t ClampedOffset(const int32_t* offsets, int64_t i, int64_t rows) {
+  const int64_t value = offsets[i];
+  return value < 0 ? 0 : (value > rows ? rows : value);
+}
+
+// The group g with offsets[g] <= row < offsets[g + 1], or num_groups when the row lies past
+// offsets[num_groups] (the rows no group covers). Offsets are non-decreasing when they come
+// from group_offsets; any other content still yields an index in [0, num_groups].
+JAXFUSE_HOST_DEVICE int64_t GroupOfRow(const int32_t* offsets, int64_t num_groups, int64_t row,
+                                       int64_t rows) {
+  int64_t lo = 0, hi = num_groups;  // answer in [lo, hi]: number of offsets[1..G] <= row
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (ClampedOffset(offsets, mid + 1, rows) <= row) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+inline bool IsFloatType(ffi::DataType type) {
+  return type == ffi::DataType::F32 || type == ffi::DataType::BF16 || type == ffi::DataType::F16;
+}
+
+inline ffi::Error Fp8FormatOf(ffi::DataType type, Fp8Format* format) {
+  if (type == ffi::DataType::F8E4M3FN) {
+    *format = Fp8Format::kE4M3;
+  } else if (type == ffi::DataType::F8E5M2) {
+    *format = Fp8Format::kE5M2;
+  } else {
+    return InvalidArgument("quantized data must be float8_e4m3fn or float8_e5m2, got ",
+                           DataTypeName(type));
+  }
+  return ffi::Error::Success();
+}
+
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The layout of one quantization: values [batch, rows, cols] (batch > 1 only for 2-D
+// blocks), groups for current scaling.
+struct QuantizeProblem {
+  ScalingMode mode = ScalingMode::kCurrent;
+  int64_t block = 0;
+  int64_t batch = 1, rows = 0, cols = 0;
+  int64_t num_groups = 0;
+  Fp8Format format = Fp8Format::kE4M3;
+};
+
+// Checks the shapes of data / scale_inv / amax for a problem whose rows and cols are set.
+inline ffi::Error CheckQuantizeOutputs(QuantizeProblem& problem, const ffi::AnyBuffer& offsets,
+                                       const ffi::AnyBuffer& data, const ffi::AnyBuffer& scale_inv,
+                                       const ffi::AnyBuffer& amax, int32_t mode, int32_t block) {
+  if (mode < 0 || mode > 3) return InvalidArgument("unknown scaling mode ", mode);
+  problem.mode = static_cast<ScalingMode>(mode);
+  problem.block = block;
+  if (auto error = Fp8FormatOf(data.element_type(), &problem.format); error.failure()) return error;
+  if (offsets.element_type() != ffi::DataType::S32 || offsets.dimensions().size() != 1 ||
+      offsets.dimensions()[0] < 1) {
+    return InvalidArgument("group offsets must be int32 [G + 1], got ",
+                           DataTypeName(offsets.element_type()), " ",
+                           ShapeString(offsets.dimensions()));
+  }
+  problem.num_groups = offsets.dimensions()[0] - 1;
+  const int64_t total = problem.batch * problem.rows;
+  if (problem.mode == ScalingMode::kCurrent) {
+    if (scale_inv.element_type() != ffi::DataType::F32 ||
+        scale_inv.element_count() != problem.num_groups ||
+        amax.element_count() != problem.num_groups) {
+      return InvalidArgument("current scaling needs float32 scale_inv and amax of ",
+                             problem.num_groups, " groups, got ",
+                             ShapeString(scale_inv.dimensions()), " and ",
+                             ShapeString(amax.dimensions()));
+    }
+    return ffi::Error::Success();
+  }
+  if (block <= 0 || block % 8 != 0) return InvalidArgument("block size must be a positive multiple of 8, got ", block);
+  const bool mx = problem.mode == ScalingMode::kMxfp8;
+  const ffi::DataType want = mx ? ffi::DataType::U8 : ffi::DataType::F32;
+  int64_t count = total * CeilDiv(problem.cols, block);
+  if (problem.mode == ScalingMode::kBlock2D) {
+    count = problem.batch * CeilDiv(problem.rows, block) * CeilDiv(problem.cols, block);
+  }
+  if (scale_inv.element_type() != want || scale_inv.element_count() != count) {
+    return InvalidArgument("block scaling needs ", DataTypeName(want), " scale_inv with ", count,
+                           " elements, got ", DataTypeName(scale_inv.element_type()), " ",
+                           ShapeString(scale_inv.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
+#if !defined(__CUDACC__)
+// --- CPU reference implementation (plain loops) ------------------------------------
+
+inline float LoadAsFloat(const void* base, ffi::DataType type, int64_t index) {
+  switch (type) {
+    case ffi::DataType::F32: return static_cast<const float*>(base)[index];
+    case ffi::DataType::BF16: return ToFloat(static_cast<const bfloat16_bits*>(base)[index]);
+    default: return ToFloat(static_cast<const float16_bits*>(base)[index]);
+  }
+}
+
+inline void StoreFromFloat(void* base, ffi::DataType type, int64_t index, float value) {
+  switch (type) {
+    case ffi::DataType::F32: static_cast<float*>(base)[index] = value; break;
+    case ffi::DataType::BF16: static_cast<bfloat16_bits*>(base)[index] = ToBFloat16(value); break;
+    default: static_cast<float16_bits*>(base)[index] = ToFloat16(value); break;
+  }
+}
+
+inline std::vector<float> ToFloatVector(const ffi::AnyBuffer& buffer) {
+  std::vector<float> values(buffer.element_count());
+  for (size_t i = 0; i < values.size(); ++i) {
+    values[i] = LoadAsFloat(buffer.untyped_data(), buffer.element_type(), static_cast<int64_t>(i));
+  }
+  return values;
+}
+
+// Quantizes values [batch * rows, cols] (fp32) into data, scale_inv and amax.
+inline void QuantizeCpu(const QuantizeProblem& p, const float* values, const int32_t* offsets,
+                        uint8_t* data, void* scale_inv, float* amax_out) {
+  const float fp8_max = Fp8Max(p.format);
+  const int64_t total_rows = p.batch * p.rows;
+  const int64_t cols = p.cols;
+  auto quantize = [&](float v, float scale) {
+    return FloatToFp8(v * scale, p.format);
+  };
+  if (p.mode == ScalingMode::kCurrent) {
+    const int64_t groups = p.num_groups;
+    std::vector<float> amax(groups, 0.0f);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t begin = ClampedOffset(offsets, g, total_rows);
+      const int64_t end = std::max(begin, ClampedOffset(offsets, g + 1, total_rows));
+      for (int64_t i = begin * cols; i < end * cols; ++i) amax[g] = std::max(amax[g], AbsForAmax(values[i]));
+    }
+    std::vector<float> scale(groups);
+    for (int64_t g = 0; g < groups; ++g) {
+      scale[g] = ScaleFromAmax(amax[g], fp8_max);
+      static_cast<float*>(scale_inv)[g] = 1.0f / scale[g];
+      amax_out[g] = amax[g];
+    }
+    for (int64_t r = 0; r < total_rows; ++r) {
+      const int64_t g = GroupOfRow(offsets, groups, r, total_rows);
+      for (int64_t c = 0; c < cols; ++c) {
+        data[r * cols + c] = g < groups ? quantize(values[r * cols + c], scale[g]) : 0;
+      }
+    }
+    return;
+  }
+  amax_out[0] = 0.0f;
+  const int64_t block = p.block;
+  const int64_t col_blocks = CeilDiv(cols, block);
+  if (p.mode == ScalingMode::kBlock2D) {
+    const int64_t row_blocks = CeilDiv(p.rows, block);
+    for (int64_t b = 0; b < p.batch; ++b) {
+      for (int64_t rb = 0; rb < row_blocks; ++rb) {
+        for (int64_t cb = 0; cb < col_blocks; ++cb) {
+          const int64_t r0 = b * p.rows + rb * block, r1 = b * p.rows + std::min(p.rows, (rb + 1) * block);
+          const int64_t c0 = cb * block, c1 = std::min(cols, c0 + block);
+          float amax = 0.0f;
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, AbsForAmax(values[r * cols + c]));
+          const float scale = ScaleFromAmax(amax, fp8_max);
+          static_cast<float*>(scale_inv)[(b * row_blocks + rb) * col_blocks + cb] = 1.0f / scale;
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t c = c0; c < c1; ++c) data[r * cols + c] = quantize(values[r * cols + c], scale);
+        }
+      }
+    }
+    return;
+  }
+  const bool mx = p.mode == ScalingMode::kMxfp8;
+  for (int64_t r = 0; r < total_rows; ++r) {
+    for (int64_t cb = 0; cb < col_blocks; ++cb) {
+      const int64_t c0 = cb * block, c1 = std::min(cols, c0 + block);
+      float amax = 0.0f;
+      for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, AbsForAmax(values[r * cols + c]));
+      float scale;
+      if (mx) {
+        const uint8_t e = E8M0FromAmax(amax, fp8_max);
+        static_cast<uint8_t*>(scale_inv)[r * col_blocks + cb] = e;
+        scale = E8M0InverseToFloat(e);
+      } else {
+        scale = ScaleFromAmax(amax, fp8_max);
+        static_cast<float*>(scale_inv)[r * col_blocks + cb] = 1.0f / scale;
+      }
+      for (int64_t c = c0; c < c1; ++c) data[r * cols + c] = quantize(values[r * cols + c], scale);
+    }
+  }
+}
+#endif  // !defined(__CUDACC__)
+
+}  // namespace jaxfuse

@@ -1,0 +1,1 @@
+"""group_offsets: exclusive prefix sums of group sizes on the device, one kernel launch."""

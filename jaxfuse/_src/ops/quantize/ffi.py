@@ -1,0 +1,87 @@
+"""ffi_call wrappers for the quantization handlers (cuda/cpu/quantize.cc,
+cuda/gpu/quantize.cu, cuda/gpu/scaled_activation_quantize.cu).
+
+Every handler takes the group offsets (int32 [G + 1]; a dummy [1] for block modes) and
+returns an ``amax`` float32 [G] buffer besides data and scale_inv: the CUDA kernels of
+current scaling accumulate per-group amax there (atomicMax, zeroed in the same launch
+chain); it is scratch and the wrappers drop it. All handlers run per vmapped example
+(vmap_method="sequential"): group offsets index the rows of one example.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfuse._src import compat
+from jaxfuse._src import ffi as ffi_registry
+from jaxfuse._src.ops.scaled_activation import ffi as act_ffi
+from jaxfuse.quantization import recipes
+
+
+def scale_inv_type(shape, scaling_mode, block, num_groups):
+  """ShapeDtypeStruct of scale_inv for values of `shape` ([..., K])."""
+  k = shape[-1]
+  if scaling_mode in ("per_tensor", "per_group"):
+    return jax.ShapeDtypeStruct((num_groups,), jnp.float32)
+  if scaling_mode == "block_2d":
+    return jax.ShapeDtypeStruct((*shape[:-2], -(-shape[-2] // block), -(-k // block)),
+                                jnp.float32)
+  dtype = jnp.uint8 if scaling_mode == "mxfp8" else jnp.float32
+  return jax.ShapeDtypeStruct((*shape[:-1], -(-k // block)), dtype)
+
+
+def _mode_attrs(scaling_mode, block):
+  return dict(mode=np.int32(recipes.SCALING_MODES[scaling_mode]), block=np.int32(block))
+
+
+def _amax_type(offsets, scaling_mode):
+  current = scaling_mode in ("per_tensor", "per_group")
+  return jax.ShapeDtypeStruct((offsets.shape[0] - 1 if current else 1,), jnp.float32)
+
+
+def quantize(x, offsets, *, scaling_mode, block, fmt):
+  ffi_registry.ensure_registered()
+  num_groups = offsets.shape[0] - 1
+  out_types = (jax.ShapeDtypeStruct(x.shape, recipes.FP8_DTYPES[fmt]),
+               scale_inv_type(x.shape, scaling_mode, block, num_groups), _amax_type(offsets, scaling_mode))
+  data, scale_inv, _ = jax.ffi.ffi_call("jaxfuse_quantize", out_types,
+                                        vmap_method="sequential")(
+      x, offsets, **_mode_attrs(scaling_mode, block))
+  return compat.vary_like(data, x, offsets), compat.vary_like(scale_inv, x, offsets)
+
+
+def scaled_activation_quantize(x, scales, offsets, *, activation, limit, alpha, linear_offset,
+                               scaling_mode, block, fmt):
+  ffi_registry.ensure_registered()
+  shape = (*x.shape[:-1], act_ffi.out_features(x.shape, activation))
+  num_groups = offsets.shape[0] - 1
+  out_types = (jax.ShapeDtypeStruct(shape, recipes.FP8_DTYPES[fmt]),
+               scale_inv_type(shape, scaling_mode, block, num_groups), _amax_type(offsets, scaling_mode))
+  data, scale_inv, _ = jax.ffi.ffi_call("jaxfuse_scaled_activation_quantize", out_types,
+                                        vmap_method="sequential")(
+      x, scales, offsets, **act_ffi.activation_attrs(activation, limit, alpha, linear_offset),
+      **_mode_attrs(scaling_mode, block))
+  inputs = (x, scales, offsets)
+  return compat.vary_like(data, *inputs), compat.vary_like(scale_inv, *inputs)
+
+
+def scaled_dactivation_quantize(dy, x, scales, offsets, *, activation, limit, alpha,
+                                linear_offset, scaling_mode, block, fmt, return_dx):
+  """(data, scale_inv, dx or None, dscales float32)."""
+  ffi_registry.ensure_registered()
+  num_groups = offsets.shape[0] - 1
+  out_types = (jax.ShapeDtypeStruct(x.shape, recipes.FP8_DTYPES[fmt]),
+               scale_inv_type(x.shape, scaling_mode, block, num_groups),
+               jax.ShapeDtypeStruct(x.shape if return_dx else (0,), x.dtype),
+               jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32), _amax_type(offsets, scaling_mode))
+  data, scale_inv, dx, dscales, _ = jax.ffi.ffi_call(
+      "jaxfuse_scaled_dactivation_quantize", out_types, vmap_method="sequential")(
+          dy, x, scales, offsets,
+          **act_ffi.activation_attrs(activation, limit, alpha, linear_offset),
+          **_mode_attrs(scaling_mode, block))
+  inputs = (dy, x, scales, offsets)
+  return (compat.vary_like(data, *inputs), compat.vary_like(scale_inv, *inputs),
+          compat.vary_like(dx, *inputs) if return_dx else None,
+          compat.vary_like(dscales, *inputs))

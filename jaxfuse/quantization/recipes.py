@@ -1,0 +1,114 @@
+"""Recipe dataclasses and the QuantizedArray pytree (see jaxfuse.quantization)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+FP8_DTYPES = {"e4m3": jnp.dtype(jnp.float8_e4m3fn), "e5m2": jnp.dtype(jnp.float8_e5m2)}
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+ROLES = ("forward", "gradient")
+
+
+def _check_block(block_size):
+  # The CUDA kernels reduce a block's amax across block/8 adjacent lanes of a warp.
+  if block_size not in (8, 16, 32, 64, 128, 256):
+    raise ValueError(f"block_size must be a power of two from 8 to 256, got {block_size}")
+
+
+def _check_format(name, value):
+  if value not in FP8_DTYPES:
+    raise ValueError(f"{name} must be one of {tuple(FP8_DTYPES)}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8CurrentScaling:
+  """One scale per group of rows (per_group=True) or per tensor: scale = fp8_max / amax."""
+  per_group: bool = True
+  forward_format: str = "e4m3"
+  gradient_format: str = "e5m2"
+
+  def __post_init__(self):
+    _check_format("forward_format", self.forward_format)
+    _check_format("gradient_format", self.gradient_format)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8BlockScaling:
+  """1 x block_size blocks (activations) / block_size^2 tiles (weights), fp32 scales."""
+  block_size: int = 128
+  forward_format: str = "e4m3"
+  gradient_format: str = "e4m3"
+
+  def __post_init__(self):
+    _check_format("forward_format", self.forward_format)
+    _check_format("gradient_format", self.gradient_format)
+    _check_block(self.block_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8BlockScaling:
+  """OCP MX: 1 x block_size blocks (32), E8M0 (power-of-two) scales stored as uint8."""
+  block_size: int = 32
+  forward_format: str = "e4m3"
+  gradient_format: str = "e5m2"
+
+  def __post_init__(self):
+    _check_format("forward_format", self.forward_format)
+    _check_format("gradient_format", self.gradient_format)
+    _check_block(self.block_size)
+
+
+Recipe = Union[Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling]
+RECIPES = (Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling)
+
+# Scaling modes (static metadata of a QuantizedArray) and their handler codes.
+SCALING_MODES = {"per_tensor": 0, "per_group": 0, "block_1d": 1, "block_2d": 2, "mxfp8": 3}
+
+
+def fp8_format(recipe, role: str) -> str:
+  if role not in ROLES:
+    raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+  return recipe.forward_format if role == "forward" else recipe.gradient_format
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+  """FP8 data with its inverse scales: ``value ~= data.astype(f32) * scale_inv[...]``.
+
+  Dynamic fields (pytree leaves):
+    data: FP8 (float8_e4m3fn or float8_e5m2) with the shape of the original array.
+    scale_inv: the dequantization multipliers, by scaling_mode:
+      "per_tensor": float32 [1]; "per_group": float32 [G] (rows of group g are
+      group_offsets[g]:group_offsets[g+1]; rows past group_offsets[G] hold zeros);
+      "block_1d": float32 [..., ceil(K / block)]; "block_2d": float32
+      [..., ceil(R / block), ceil(K / block)] for data [..., R, K]; "mxfp8": uint8
+      [..., ceil(K / block)] biased exponents (2^(e - 127)).
+    group_offsets: int32 [G + 1] for "per_group", else None.
+  Static fields: recipe, scaling_mode, block_size, dtype (the original dtype, which
+  dequantize returns), role ("forward" or "gradient").
+  """
+  data: jax.Array
+  scale_inv: jax.Array
+  group_offsets: Optional[jax.Array] = None
+  recipe: Any = dataclasses.field(default=None, metadata=dict(static=True))
+  scaling_mode: str = dataclasses.field(default="per_tensor", metadata=dict(static=True))
+  block_size: int = dataclasses.field(default=0, metadata=dict(static=True))
+  dtype: Any = dataclasses.field(default=jnp.dtype(jnp.float32), metadata=dict(static=True))
+  role: str = dataclasses.field(default="forward", metadata=dict(static=True))
+
+  @property
+  def shape(self):
+    return self.data.shape
+
+  @property
+  def fp8_dtype(self):
+    return self.data.dtype
+
+  def dequantize(self) -> jax.Array:
+    from jaxfuse._src.ops.quantize import reference  # pylint: disable=g-import-not-at-top
+    return reference.dequantize(self)

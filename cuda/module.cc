@@ -40,8 +40,14 @@ namespace py = pybind11;
   X("jaxfuse_scaled_dactivation_quantize", JaxfuseScaledDactivationQuantizeCuda)
 
 // --- registry: MoE token permutation (CPU and CUDA) ---------------------------------
-#define JAXFUSE_CPU_HANDLERS_ISSUE5(X)
-#define JAXFUSE_CUDA_STATELESS_HANDLERS_ISSUE5(X)
+#define JAXFUSE_CPU_HANDLERS_ISSUE5(X)                       \
+  X("jaxfuse_moe_permute", JaxfuseMoePermuteCpu)             \
+  X("jaxfuse_moe_unpermute", JaxfuseMoeUnpermuteCpu)         \
+  X("jaxfuse_moe_unpermute_bwd", JaxfuseMoeUnpermuteBwdCpu)
+#define JAXFUSE_CUDA_STATELESS_HANDLERS_ISSUE5(X)            \
+  X("jaxfuse_moe_permute", JaxfuseMoePermuteCuda)            \
+  X("jaxfuse_moe_unpermute", JaxfuseMoeUnpermuteCuda)        \
+  X("jaxfuse_moe_unpermute_bwd", JaxfuseMoeUnpermuteBwdCuda)
 
 // --- registry: CPU handlers ---------------------------------------------------------
 #define JAXFUSE_CPU_HANDLERS(X)                           \

@@ -17,6 +17,11 @@ from jaxfuse._src.ops.quantize.api import quantize
 from jaxfuse._src.ops.quantize.api import scaled_activation_quantize
 from jaxfuse._src.ops.quantize.api import scaled_dactivation_quantize
 from jaxfuse import quantization
+from jaxfuse._src.ops.grouped_mlp.api import grouped_mlp
+from jaxfuse._src.ops.moe.api import moe
+from jaxfuse._src.ops.moe.api import moe_router
+from jaxfuse._src.ops.moe_permute.api import moe_permute
+from jaxfuse._src.ops.moe_permute.api import moe_unpermute
 
 __version__ = "0.1.0"
 
@@ -35,3 +40,4 @@ def build_info() -> dict:
 __all__ = ["build_info", "grouped_linear", "linear_scale_add", "group_offsets",
            "scaled_activation", "quantize", "dequantize", "scaled_activation_quantize", "scaled_dactivation_quantize",
            "quantization"]
+__all__ += ["grouped_mlp", "moe", "moe_router", "moe_permute", "moe_unpermute"]

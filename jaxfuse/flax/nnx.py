@@ -107,8 +107,8 @@ class MoE(nnx.Module):
 
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     x, kernel1, kernel2 = nnx.nn.dtypes.promote_dtype(
-        (x, self.kernel1.value, self.kernel2.value), dtype=self.dtype)
-    return _moe(x, self.router.value, kernel1, kernel2, top_k=self.top_k,
+        (x, self.kernel1[...], self.kernel2[...]), dtype=self.dtype)
+    return _moe(x, self.router[...], kernel1, kernel2, top_k=self.top_k,
                 activation=self.activation, score_function=self.score_function,
                 normalize_topk=self.normalize_topk, recipe=self.recipe,
                 save_activation=self.save_activation, implementation=self.implementation)

@@ -37,9 +37,12 @@ L2_BYTES = 50 << 20
 
 
 def group_sizes(tokens: int) -> np.ndarray:
-  """Mildly uneven expert loads summing to tokens (multiples of 8 not required)."""
+  """Mildly uneven expert loads summing to tokens, in multiples of 16 rows (what
+  torch._grouped_mm's kernels are safest with; jaxfuse takes any sizes)."""
   rng = np.random.default_rng(tokens)
-  return rng.multinomial(tokens, np.ones(EXPERTS) / EXPERTS).astype(np.int32)
+  sizes = rng.multinomial(tokens // 16, np.ones(EXPERTS) / EXPERTS) * 16
+  sizes[-1] += tokens - sizes.sum()
+  return sizes.astype(np.int32)
 
 
 def jax_inputs(tokens, hidden, ffn, seed):

@@ -29,6 +29,15 @@ using gpu::PointerAligned16;
 using gpu::SinkArgs;
 using gpu::SinkKind;
 
+// scale_inv[g] = 1 / scale(amax[g]) after the amax pass (current scaling).
+__global__ void CurrentScaleInvKernel(const float* amax, float* scale_inv, int64_t groups,
+                                      Fp8Format format) {
+  for (int64_t g = blockIdx.x * blockDim.x + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    scale_inv[g] = 1.0f / ScaleFromAmax(amax[g], Fp8Max(format));
+  }
+}
+
 bool ValidLaneBlock(int64_t block) {
   return block >= 8 && block <= 256 && (block & (block - 1)) == 0;
 }
@@ -50,7 +59,7 @@ ffi::Error LaunchRows(cudaStream_t stream, const P& p, SinkArgs<T> s, int64_t un
     if (problem.num_groups > 0) {
       const int scale_threads = 256;
       const int scale_blocks = static_cast<int>(std::min<int64_t>((problem.num_groups + 255) / 256, 1024));
-      gpu::CurrentScaleInvKernel<<<scale_blocks, scale_threads, 0, stream>>>(
+      CurrentScaleInvKernel<<<scale_blocks, scale_threads, 0, stream>>>(
           s.amax, static_cast<float*>(s.scale_inv), problem.num_groups, problem.format);
     }
     SinkArgs<T> second = s;

@@ -418,15 +418,6 @@ __global__ void __launch_bounds__(256) RowKernel(P p, SinkArgs<T> s) {
   }
 }
 
-// scale_inv[g] = 1 / scale(amax[g]) after the amax pass (current scaling).
-__global__ void CurrentScaleInvKernel(const float* amax, float* scale_inv, int64_t groups,
-                                      Fp8Format format) {
-  for (int64_t g = blockIdx.x * blockDim.x + threadIdx.x; g < groups;
-       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    scale_inv[g] = 1.0f / ScaleFromAmax(amax[g], Fp8Max(format));
-  }
-}
-
 // Threads per block for `units` units per row: enough to cover a row (up to 512), a
 // multiple of 32 (block-scaling lane groups must not straddle warps).
 inline int ThreadsFor(int64_t units) {

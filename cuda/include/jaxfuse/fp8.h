@@ -106,10 +106,11 @@ JAXFUSE_HOST_DEVICE float ScaleFromAmax(float amax, float fp8_max) {
 
 // MXFP8 (OCP MX): a power-of-two block scale stored as E8M0 (the biased exponent, 127 =
 // 2^0). We round the exponent UP, as NVIDIA's MXFP8 kernels do: 2^e >= amax / fp8_max, so
-// amax / 2^e never exceeds the FP8 range. amax == 0 gives 2^0. Biased result in [0, 254].
+// amax / 2^e never exceeds the FP8 range. amax == 0 or inf gives 2^0, as ScaleFromAmax
+// (infinities then saturate; a finite amax never reaches e = 254, whose 2^(127 - e) would
+// be subnormal and flushed to zero under FTZ). Biased result in [0, 254].
 JAXFUSE_HOST_DEVICE uint8_t E8M0FromAmax(float amax, float fp8_max) {
-  if (!(amax > 0.0f)) return 127;
-  if (amax > 3.4028234663852886e38f) return 254;
+  if (!(amax > 0.0f) || amax > 3.4028234663852886e38f) return 127;
   const uint32_t bits = FloatBits(amax / fp8_max);
   uint32_t exponent = (bits >> 23) & 0xffu;
   if ((bits & 0x7fffffu) != 0u) exponent += 1u;  // round up (also lifts subnormals to 2^-126)

@@ -82,8 +82,8 @@ inline ffi::Error CheckQuantizeOutputs(QuantizeProblem& problem, const ffi::AnyB
   const int64_t total = problem.batch * problem.rows;
   if (problem.mode == ScalingMode::kCurrent) {
     if (scale_inv.element_type() != ffi::DataType::F32 ||
-        scale_inv.element_count() != problem.num_groups ||
-        amax.element_count() != problem.num_groups) {
+        scale_inv.element_count() != static_cast<size_t>(problem.num_groups) ||
+        amax.element_count() != static_cast<size_t>(problem.num_groups)) {
       return InvalidArgument("current scaling needs float32 scale_inv and amax of ",
                              problem.num_groups, " groups, got ",
                              ShapeString(scale_inv.dimensions()), " and ",
@@ -98,7 +98,7 @@ inline ffi::Error CheckQuantizeOutputs(QuantizeProblem& problem, const ffi::AnyB
   if (problem.mode == ScalingMode::kBlock2D) {
     count = problem.batch * CeilDiv(problem.rows, block) * CeilDiv(problem.cols, block);
   }
-  if (scale_inv.element_type() != want || scale_inv.element_count() != count) {
+  if (scale_inv.element_type() != want || scale_inv.element_count() != static_cast<size_t>(count)) {
     return InvalidArgument("block scaling needs ", DataTypeName(want), " scale_inv with ", count,
                            " elements, got ", DataTypeName(scale_inv.element_type()), " ",
                            ShapeString(scale_inv.dimensions()));

@@ -7,7 +7,7 @@ and the CUDA kernels (cvt.rn.satfinite) store identical bits; tests check it.
 Scale rules (jaxfuse/fp8.h):
   current / block scaling: scale = fp8_max / amax, 1 when amax is 0 or inf (never inf or
     NaN); scale_inv = 1 / scale. amax ignores NaN elements (they are stored as NaN).
-  MXFP8: E8M0 exponent e = ceil(log2(amax / fp8_max)) + 127 (127 when amax is 0),
+  MXFP8: E8M0 exponent e = ceil(log2(amax / fp8_max)) + 127 (127 when amax is 0 or inf),
     clamped to [0, 254]; elements are multiplied by 2^(127 - e).
 """
 
@@ -39,8 +39,7 @@ def e8m0_from_amax(amax, fp8_max):
   exponent = (bits >> 23) & 0xFF
   exponent = exponent + ((bits & 0x7FFFFF) != 0).astype(jnp.uint32)
   exponent = jnp.minimum(exponent, 254)
-  exponent = jnp.where(amax > 0, exponent, 127)
-  exponent = jnp.where(amax > FLT_MAX, 254, exponent)
+  exponent = jnp.where((amax > 0) & (amax <= FLT_MAX), exponent, 127)
   return exponent.astype(jnp.uint8)
 
 

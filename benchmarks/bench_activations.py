@@ -1,0 +1,138 @@
+"""Scaled activations and their fusion with FP8 quantization: jaxfuse vs XLA's fusion of
+the jnp reference, in the same run, with the device's copy bandwidth as the ceiling.
+
+Cases (bf16, 8 equal groups, fp32 per-row scales): T=65536, 2F=8192 and T=2048, 2F=2048.
+Ops: scaled SwiGLU forward; its backward (dx and dscales); the forward fused with FP8
+quantization (per-group current scaling, 1x128 block scaling, MXFP8); the backward fused
+with quantization of dx (per-group current scaling, E5M2).
+
+Bandwidth counts the fewest bytes: every input read once and every output written once
+(current scaling reads x twice; that is not counted). Inputs are rotated across calls
+when one set would fit in the 50 MB L2.
+
+Run on the GPU:  python -m benchmarks.bench_activations [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxfuse
+from benchmarks import common
+from jaxfuse.quantization import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from jaxfuse._src.ops.scaled_activation import reference as act_reference
+
+L2_BYTES = 50 << 20
+CASES = [(65536, 8192), (2048, 2048)]
+GROUPS = 8
+RECIPES = {"current_per_group": Float8CurrentScaling(), "block_1x128": Float8BlockScaling(),
+           "mxfp8_1x32": MXFP8BlockScaling()}
+
+
+def make_sets(t, w, count, seed=0):
+  rng = np.random.default_rng(seed)
+  sets = []
+  for i in range(count):
+    x = jnp.asarray(rng.standard_normal((t, w), np.float32), jnp.bfloat16)
+    scales = jnp.asarray(rng.uniform(0.1, 1.0, t), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((t, w // 2), np.float32), jnp.bfloat16)
+    sets.append((x, scales, dy))
+    if i == 0:
+      per_set = x.nbytes + scales.nbytes + dy.nbytes
+  return sets, per_set
+
+
+def bench(fn, args_list, iters):
+  calls = [args_list[i % len(args_list)] for i in range(iters + 3)]
+  return common.time_fn(fn, calls, warmup=3)["median_ms"]
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--quick", action="store_true", help="fewer timed calls")
+  args = parser.parse_args()
+  iters = 10 if args.quick else 30
+  copy_tbps = common.copy_bandwidth_tbps()
+  print(f"device copy bandwidth: {copy_tbps:.2f} TB/s")
+  rows = []
+  for t, w in CASES:
+    f = w // 2
+    sets, per_set = make_sets(t, w, 1)
+    count = max(1, min(8, -(-2 * L2_BYTES // per_set)))
+    if count > 1:
+      sets, _ = make_sets(t, w, count)
+    sizes = jnp.full((GROUPS,), t // GROUPS, jnp.int32)
+    offsets = jaxfuse.group_offsets(sizes)
+    x_bytes, s_bytes, dy_bytes = t * w * 2, t * 4, t * f * 2
+
+    def record(op, impl, ms, num_bytes, baseline_ms=None):
+      tbps = num_bytes / (ms * 1e-3) / 1e12
+      row = dict(T=t, two_F=w, op=op, impl=impl, median_ms=ms, TBps=tbps,
+                 frac_of_copy=tbps / copy_tbps)
+      if baseline_ms is not None:
+        row["speedup_vs_xla"] = baseline_ms / ms
+      rows.append(row)
+      return ms
+
+    def pair(op, ours, theirs, operands, num_bytes):
+      xla_ms = record(op, "xla", bench(jax.jit(theirs), operands, iters), num_bytes)
+      record(op, "jaxfuse", bench(jax.jit(ours), operands, iters), num_bytes, xla_ms)
+
+    fwd_args = [(x, s) for x, s, _ in sets]
+    bwd_args = [(dy, x, s) for x, s, dy in sets]
+    pair("swiglu_fwd",
+         lambda x, s: jaxfuse.scaled_activation(x, s, implementation="ffi"),
+         lambda x, s: act_reference.scaled_activation(x, s),
+         fwd_args, x_bytes + s_bytes + t * f * 2)
+
+    def xla_bwd(dy, x, s):
+      _, vjp = jax.vjp(lambda x, s: act_reference.scaled_activation(x, s), x, s)
+      return vjp(dy)
+
+    def ffi_bwd(dy, x, s):
+      _, vjp = jax.vjp(lambda x, s: jaxfuse.scaled_activation(x, s, implementation="ffi"), x, s)
+      return vjp(dy)
+
+    pair("swiglu_bwd", ffi_bwd, xla_bwd, bwd_args, dy_bytes + x_bytes + s_bytes + x_bytes + t * 4)
+
+    for name, recipe in RECIPES.items():
+      def ours(x, s, recipe=recipe):
+        q = jaxfuse.scaled_activation_quantize(x, s, group_offsets=offsets, recipe=recipe,
+                                               implementation="ffi")
+        return q.data, q.scale_inv
+
+      def theirs(x, s, recipe=recipe):
+        q = jaxfuse.scaled_activation_quantize(x, s, group_offsets=offsets, recipe=recipe,
+                                               implementation="xla")
+        return q.data, q.scale_inv
+
+      scale_bytes = {"current_per_group": GROUPS * 4, "block_1x128": t * (f // 128) * 4,
+                     "mxfp8_1x32": t * (f // 32)}[name]
+      pair(f"swiglu_quantize_{name}", ours, theirs, fwd_args,
+           x_bytes + s_bytes + t * f + scale_bytes)
+
+    def ours_dq(dy, x, s):
+      q, _, ds = jaxfuse.scaled_dactivation_quantize(
+          dy, x, s, group_offsets=offsets, recipe=Float8CurrentScaling(), implementation="ffi")
+      return q.data, q.scale_inv, ds
+
+    def theirs_dq(dy, x, s):
+      q, _, ds = jaxfuse.scaled_dactivation_quantize(
+          dy, x, s, group_offsets=offsets, recipe=Float8CurrentScaling(), implementation="xla")
+      return q.data, q.scale_inv, ds
+
+    pair("dswiglu_quantize_current_per_group", ours_dq, theirs_dq, bwd_args,
+         dy_bytes + x_bytes + s_bytes + t * w + t * 4)
+
+  common.print_table(rows, ["T", "two_F", "op", "impl", "median_ms", "TBps", "frac_of_copy",
+                            "speedup_vs_xla"])
+  common.write_results("activations", rows, copy_bandwidth_TBps=copy_tbps, groups=GROUPS,
+                       dtype="bfloat16")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,329 @@
+"""FP8 quantization: the rounding (handlers vs ml_dtypes, bit for bit), each recipe's
+handlers vs the jnp reference (bit for bit), round-trip error bounds vs float64, zero
+amax, NaN/Inf, groups (empty, short of rows, negative sizes), vmap, jit, grad, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxfuse
+from jaxfuse.quantization import (Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
+                                  QuantizedArray)
+from tests import helpers
+
+BACKENDS = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("gpu", id="gpu", marks=pytest.mark.gpu),
+]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+FORMATS = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0, 3), "e5m2": (ml_dtypes.float8_e5m2, 57344.0, 2)}
+RECIPES = [Float8CurrentScaling(), Float8CurrentScaling(per_group=False), Float8BlockScaling(),
+           Float8BlockScaling(block_size=32), MXFP8BlockScaling()]
+GROUPS = [[5, 0, 9, 3], [17], [0, 17], [4, -2, 6], [2, 3]]  # sums 17 or less (rows = 17)
+
+
+def on(backend, *arrays):
+  device = jax.devices(backend)[0]
+  return [jax.device_put(a, device) for a in arrays]
+
+
+def bits(a):
+  return np.asarray(a).view(np.uint8)
+
+
+def same_bits(a, b):
+  np.testing.assert_array_equal(bits(a), bits(b))
+
+
+# --- the FP8 rounding itself -----------------------------------------------------------
+
+
+def wide_values(rng, fmt):
+  """Values across the format's whole range: subnormals, ties, near and above the max."""
+  _, fp8_max, mantissa = FORMATS[fmt]
+  every_code = np.arange(256, dtype=np.uint8).view(FORMATS[fmt][0]).astype(np.float32)
+  every_code = every_code[np.isfinite(every_code)]
+  grid = np.sort(np.unique(every_code))
+  midpoints = (grid[1:] + grid[:-1]) / 2  # exact ties: round to even
+  nudged = np.concatenate([np.nextafter(midpoints, np.float32(np.inf)),
+                           np.nextafter(midpoints, np.float32(-np.inf))])
+  random = rng.standard_normal(2000).astype(np.float32) * np.exp2(
+      rng.integers(-20, 17, 2000)).astype(np.float32)
+  big = np.array([fp8_max * 1.03, fp8_max * 1.1, -fp8_max * 5, 3e38, 1e-40, -1e-45], np.float32)
+  # inf makes amax infinite, so the per-tensor scale is exactly 1: the raw rounding is tested.
+  return np.concatenate([every_code, midpoints, nudged, random, big,
+                         np.array([np.inf, -np.inf, np.nan, -0.0], np.float32)])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_rounding_matches_ml_dtypes_bit_for_bit(backend, fmt):
+  values = wide_values(np.random.default_rng(0), fmt)
+  fp8_dtype, fp8_max, _ = FORMATS[fmt]
+  recipe = Float8CurrentScaling(per_group=False, forward_format=fmt)
+  (x,) = on(backend, jnp.asarray(values[None, :]))
+  q = jaxfuse.quantize(x, recipe, implementation="ffi")
+  np.testing.assert_array_equal(np.asarray(q.scale_inv), [1.0])
+  expected = np.clip(values, -fp8_max, fp8_max).astype(fp8_dtype)  # NaN stays NaN
+  got = np.asarray(q.data)[0]
+  nan = np.isnan(values)
+  np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+  same_bits(got[~nan], expected[~nan])
+  same_bits(jaxfuse.quantize(x, recipe, implementation="xla").data[0][~nan], expected[~nan])
+
+
+# --- handlers vs the reference, bit for bit --------------------------------------------
+
+
+def quantize_both(backend, x, recipe, **kw):
+  x, = on(backend, x)
+  kw = {k: (on(backend, v)[0] if isinstance(v, jax.Array) else v) for k, v in kw.items()}
+  q_ffi = jax.jit(lambda x: jaxfuse.quantize(x, recipe, implementation="ffi", **kw))(x)
+  q_ref = jaxfuse.quantize(x, recipe, implementation="xla", **kw)
+  return q_ffi, q_ref
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("role", ["forward", "gradient"])
+def test_handler_matches_reference_bits(backend, recipe, dtype, role):
+  rng = np.random.default_rng(1)
+  shapes = [(17, 64), (17, 200), (17, 13)]
+  if backend == "gpu":
+    shapes += [(17, 4096), (17, 1000)]
+  for shape in shapes:
+    for sizes in GROUPS:
+      x = helpers.random_array(rng, shape, dtype, scale=3.0)
+      q_ffi, q_ref = quantize_both(backend, x, recipe, role=role,
+                                   group_sizes=jnp.asarray(sizes, jnp.int32))
+      assert q_ffi.data.dtype == jnp.dtype(
+          jnp.float8_e5m2 if role == "gradient" and recipe.gradient_format == "e5m2"
+          else jnp.float8_e4m3fn)
+      assert q_ffi.scale_inv.shape == q_ref.scale_inv.shape
+      same_bits(q_ffi.data, q_ref.data)
+      np.testing.assert_array_equal(np.asarray(q_ffi.scale_inv), np.asarray(q_ref.scale_inv))
+      if isinstance(recipe, Float8BlockScaling) or isinstance(recipe, MXFP8BlockScaling):
+        break  # group sizes do not matter
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weight_128x128_blocks(backend, dtype):
+  rng = np.random.default_rng(2)
+  for shape in [(3, 200, 130), (256, 128), (5, 7)]:
+    x = helpers.random_array(rng, shape, dtype)
+    q_ffi, q_ref = quantize_both(backend, x, Float8BlockScaling(), kind="weight")
+    assert q_ffi.scale_inv.shape == (*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128))
+    same_bits(q_ffi.data, q_ref.data)
+    np.testing.assert_array_equal(np.asarray(q_ffi.scale_inv), np.asarray(q_ref.scale_inv))
+    check_round_trip(x, q_ffi)
+
+
+# --- round-trip error vs float64 ------------------------------------------------------
+
+
+def element_scale_inv(q):
+  """scale_inv broadcast to every element, float64."""
+  s = np.asarray(jax.device_get(q.scale_inv))
+  shape = q.data.shape
+  if q.scaling_mode == "per_tensor":
+    return np.full(shape, float(s[0]))
+  if q.scaling_mode == "per_group":
+    rows = int(np.prod(shape[:-1]))
+    offsets = np.asarray(q.group_offsets)
+    group = np.searchsorted(np.clip(offsets, 0, rows)[1:], np.arange(rows), side="right")
+    per_row = np.concatenate([s, [0.0]])[group]
+    return np.broadcast_to(per_row[:, None], (rows, shape[-1])).reshape(shape)
+  if q.scaling_mode == "mxfp8":
+    s = np.exp2(s.astype(np.float64) - 127)
+  if q.scaling_mode == "block_2d":
+    b = q.block_size
+    return np.repeat(np.repeat(s, b, -1), b, -2)[..., :shape[-2], :shape[-1]]
+  return np.repeat(s, q.block_size, -1)[..., :shape[-1]].astype(np.float64)
+
+
+def check_round_trip(x, q):
+  """|dequant - x| <= 2^-(m+1) |x| + half the smallest subnormal step, in scaled units.
+
+  After scaling, an element v = x / scale_inv lies within the FP8 range (|v| <= fp8_max by
+  construction of the scale). In the normal range, rounding to nearest with m mantissa bits
+  errs by at most half an ulp: 2^-(m+1) relative (2^-4 for E4M3, 2^-3 for E5M2); below the
+  smallest normal the error is at most half the subnormal step (2^-10 for E4M3, 2^-17 for
+  E5M2), absolute in scaled units. Multiplying back by scale_inv is exact up to fp32
+  rounding (2^-24 relative), covered by a small slack.
+  """
+  fmt = "e5m2" if q.data.dtype == jnp.float8_e5m2 else "e4m3"
+  mantissa = FORMATS[fmt][2]
+  half_subnormal = 2.0 ** -10 if fmt == "e4m3" else 2.0 ** -17
+  x64 = helpers.as_f64(x)
+  s = element_scale_inv(q)
+  deq = np.asarray(q.data.astype(jnp.float32), np.float64) * s
+  covered = s > 0  # per-group rows past the last offset are zeros by design
+  bound = 2.0 ** -(mantissa + 1) * np.abs(x64) * (1 + 1e-6) + half_subnormal * s + 1e-30
+  error = np.abs(deq - x64)
+  assert (error[covered] <= bound[covered]).all(), float(np.max((error - bound)[covered]))
+  assert (deq[~covered] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("role", ["forward", "gradient"])
+def test_round_trip_error_within_format_bound(backend, recipe, role):
+  rng = np.random.default_rng(3)
+  # Rows of very different magnitudes: one scale per group / block must adapt.
+  x = rng.standard_normal((17, 96)) * np.exp2(rng.integers(-12, 12, (17, 1)))
+  x = jnp.asarray(x, jnp.float32)
+  for implementation in ("ffi", "xla"):
+    (xb,) = on(backend, x)
+    q = jaxfuse.quantize(xb, recipe, group_sizes=jnp.asarray([5, 0, 9, 3], jnp.int32),
+                         role=role, implementation=implementation)
+    check_round_trip(x, q)
+    deq = jaxfuse.dequantize(q)
+    assert deq.dtype == x.dtype and deq.shape == x.shape
+    np.testing.assert_allclose(np.asarray(deq, np.float64),
+                               np.asarray(q.data.astype(jnp.float32), np.float64)
+                               * element_scale_inv(q), rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_amax_element_maps_to_fp8_max(backend):
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((8, 128)), jnp.float32)
+  (xb,) = on(backend, x)
+  q = jaxfuse.quantize(xb, Float8CurrentScaling(per_group=False), implementation="ffi")
+  i = np.unravel_index(np.argmax(np.abs(np.asarray(x))), x.shape)
+  assert abs(float(q.data[i].astype(jnp.float32))) == 448.0
+  np.testing.assert_allclose(float(q.scale_inv[0]), np.abs(np.asarray(x)).max() / 448, rtol=1e-6)
+
+
+# --- zero amax, NaN, Inf, groups --------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("implementation", ["ffi", "xla"])
+def test_all_zero_rows_and_empty_groups_give_scale_one(backend, recipe, implementation):
+  x = np.random.default_rng(5).standard_normal((12, 64)).astype(np.float32)
+  x[4:8] = 0.0  # group 1 (rows 4..7) is all zeros; group 2 is empty
+  xb, sizes = on(backend, jnp.asarray(x), jnp.asarray([4, 4, 0, 4], jnp.int32))
+  q = jaxfuse.quantize(xb, recipe, group_sizes=sizes, implementation=implementation)
+  s = np.asarray(q.scale_inv)
+  assert np.isfinite(s.astype(np.float32)).all()
+  assert not np.isnan(np.asarray(q.data.astype(jnp.float32))).any()
+  assert (np.asarray(q.data.astype(jnp.float32))[4:8] == 0).all()
+  if recipe == Float8CurrentScaling():
+    assert s[1] == 1.0 and s[2] == 1.0
+  if isinstance(recipe, Float8BlockScaling):
+    assert (s[4:8] == 1.0).all()
+  if isinstance(recipe, MXFP8BlockScaling):
+    assert (s[4:8] == 127).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("implementation", ["ffi", "xla"])
+def test_nan_is_kept_and_inf_saturates(backend, recipe, implementation):
+  x = np.random.default_rng(6).standard_normal((6, 64)).astype(np.float32)
+  x[1, 3] = np.nan
+  x[2, 5] = np.inf
+  x[3, 7] = -np.inf
+  xb, sizes = on(backend, jnp.asarray(x), jnp.asarray([3, 3], jnp.int32))
+  q = jaxfuse.quantize(xb, recipe, group_sizes=sizes, implementation=implementation)
+  data = np.asarray(q.data.astype(jnp.float32))
+  assert np.isnan(data[1, 3]) and np.isnan(data).sum() == 1
+  assert data[2, 5] == 448.0 and data[3, 7] == -448.0
+  # NaN does not poison its group's / block's scale.
+  assert np.isfinite(np.asarray(q.scale_inv).astype(np.float32)).all()
+  assert np.isfinite(data[0]).all() and np.abs(data[1, 4:]).max() > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_past_the_groups_are_zero_and_negative_sizes_count_as_zero(backend):
+  x = jnp.asarray(np.random.default_rng(7).standard_normal((10, 32)) + 3, jnp.bfloat16)
+  xb, sizes = on(backend, x, jnp.asarray([3, -4, 2], jnp.int32))
+  for implementation in ("ffi", "xla"):
+    q = jaxfuse.quantize(xb, Float8CurrentScaling(), group_sizes=sizes,
+                         implementation=implementation)
+    np.testing.assert_array_equal(np.asarray(q.group_offsets), [0, 3, 3, 5])
+    assert (bits(q.data)[5:] == 0).all() and (bits(q.data)[:5] != 0).all()
+    assert float(q.scale_inv[1]) == 1.0
+    assert (np.asarray(jaxfuse.dequantize(q).astype(jnp.float32))[5:] == 0).all()
+
+
+def test_group_offsets_can_be_passed_instead_of_sizes():
+  x = jnp.asarray(np.random.default_rng(8).standard_normal((10, 32)), jnp.float32)
+  sizes = jnp.asarray([3, 4, 2], jnp.int32)
+  a = jaxfuse.quantize(x, Float8CurrentScaling(), group_sizes=sizes, implementation="ffi")
+  b = jaxfuse.quantize(x, Float8CurrentScaling(), group_offsets=jaxfuse.group_offsets(sizes),
+                       implementation="ffi")
+  same_bits(a.data, b.data)
+
+
+# --- jit, vmap, grad, pytree ------------------------------------------------------------
+
+
+def test_quantized_array_is_a_pytree_through_jit_and_vmap():
+  rng = np.random.default_rng(9)
+  x = jnp.asarray(rng.standard_normal((3, 12, 64)), jnp.float32)
+  sizes = jnp.asarray([[4, 8], [12, 0], [1, 1]], jnp.int32)
+  f = jax.jit(jax.vmap(lambda x, s: jaxfuse.quantize(x, Float8CurrentScaling(), group_sizes=s,
+                                                     implementation="ffi")))
+  q = f(x, sizes)
+  assert isinstance(q, QuantizedArray) and q.data.shape == (3, 12, 64)
+  assert q.scale_inv.shape == (3, 2) and q.group_offsets.shape == (3, 3)
+  for b in range(3):
+    single = jaxfuse.quantize(x[b], Float8CurrentScaling(), group_sizes=sizes[b],
+                              implementation="xla")
+    same_bits(q.data[b], single.data)
+  leaves, tree = jax.tree_util.tree_flatten(q)
+  assert len(leaves) == 3
+  assert jax.tree_util.tree_unflatten(tree, leaves).recipe == Float8CurrentScaling()
+  deq = jax.jit(jaxfuse.dequantize)(jaxfuse.quantize(x[0], MXFP8BlockScaling()))
+  assert deq.shape == (12, 64)
+
+
+def test_quantize_stops_gradients():
+  x = jnp.asarray(np.random.default_rng(10).standard_normal((4, 32)), jnp.float32)
+  for implementation in ("ffi", "xla"):
+    g = jax.grad(lambda x: jnp.sum(jaxfuse.dequantize(jaxfuse.quantize(
+        x, Float8BlockScaling(), implementation=implementation))))(x)
+    np.testing.assert_array_equal(g, np.zeros_like(x))
+
+
+def test_ffi_lowers_to_one_custom_call():
+  x = jnp.ones((16, 64), jnp.bfloat16)
+  sizes = jnp.asarray([8, 8], jnp.int32)
+  hlo = jax.jit(lambda x, s: jaxfuse.quantize(x, Float8CurrentScaling(), group_sizes=s,
+                                              implementation="ffi").data).lower(x, sizes).as_text()
+  assert hlo.count("jaxfuse_quantize") == 1 and hlo.count("jaxfuse_group_offsets") == 1
+
+
+# --- errors ------------------------------------------------------------------------------
+
+
+def test_errors():
+  x = jnp.ones((8, 64), jnp.float32)
+  with pytest.raises(ValueError, match=r"per_group=True\) needs group_sizes"):
+    jaxfuse.quantize(x, Float8CurrentScaling())
+  with pytest.raises(TypeError, match="group_sizes must have dtype int32, got float32"):
+    jaxfuse.quantize(x, Float8CurrentScaling(), group_sizes=jnp.ones((2,), jnp.float32))
+  with pytest.raises(TypeError, match="recipe must be Float8CurrentScaling"):
+    jaxfuse.quantize(x, "fp8")
+  with pytest.raises(ValueError, match=r"role must be one of \('forward', 'gradient'\)"):
+    jaxfuse.quantize(x, Float8BlockScaling(), role="backward")
+  with pytest.raises(ValueError, match="MXFP8BlockScaling quantizes 1 x 32 blocks"):
+    jaxfuse.quantize(x, MXFP8BlockScaling(), kind="weight")
+  with pytest.raises(ValueError, match="kind must be one of"):
+    jaxfuse.quantize(x, Float8BlockScaling(), kind="bias")
+  with pytest.raises(ValueError, match="block_size must be a power of two"):
+    Float8BlockScaling(block_size=96)
+  with pytest.raises(ValueError, match="forward_format must be one of"):
+    Float8CurrentScaling(forward_format="e3m4")
+  with pytest.raises(TypeError, match="x must have dtype"):
+    jaxfuse.quantize(jnp.ones((4, 4), jnp.int32), Float8BlockScaling())
+  with pytest.raises(TypeError, match="dequantize expects a QuantizedArray"):
+    jaxfuse.dequantize(x)

@@ -1,0 +1,207 @@
+"""scaled_activation_quantize and scaled_dactivation_quantize: handlers vs the reference,
+both vs float64 numpy within the FP8 bound, groups, dscales and dx, HLO (fused: jaxfuse
+custom calls only, offsets not recomputed in the backward), jit, vmap, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxfuse
+from jaxfuse.quantization import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from tests import helpers
+from tests.ops import test_quantize as tq
+from tests.ops import test_scaled_activation as ta
+
+BACKENDS = tq.BACKENDS
+ACTIVATIONS = ta.ACTIVATIONS
+RECIPES = [Float8CurrentScaling(), Float8CurrentScaling(per_group=False), Float8BlockScaling(),
+           Float8BlockScaling(block_size=32), MXFP8BlockScaling()]
+SIZES = [4, 0, 7, 3]   # 14 of 16 rows: the last two rows belong to no group
+ROWS = 16
+
+
+def on(backend, *arrays):
+  device = jax.devices(backend)[0]
+  return [jax.device_put(a, device) for a in arrays]
+
+
+def inputs(seed, f, dtype, activation, rows=ROWS):
+  x, scales = ta.make_inputs(seed, (rows,), f, dtype, activation, magnitude=3.0)
+  dy = helpers.random_array(np.random.default_rng(seed + 100), (rows, f), dtype)
+  return x, scales, dy
+
+
+def assert_fp8_close(a, b, max_fraction=0.01):
+  """Same bits except where exp's last fp32 bit flips a rounding: at most one FP8 step."""
+  da, db = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+  assert np.array_equal(np.isnan(da), np.isnan(db))
+  differ = bits_differ = tq.bits(a) != tq.bits(b)
+  assert bits_differ.mean() <= max_fraction, bits_differ.mean()
+  step = np.maximum(np.abs(da), np.abs(db)) * 2.0 ** -2 + 2.0 ** -9  # >= one FP8 ulp
+  assert (np.abs(da - db)[differ] <= step[differ]).all()
+
+
+# --- forward ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_forward_handler_vs_reference_and_float64(backend, recipe, activation, dtype):
+  fs = [64, 40, 13] + ([1024, 520] if backend == "gpu" else [])
+  for seed, f in enumerate(fs):
+    x, scales, _ = inputs(seed, f, dtype, activation)
+    xb, sb, gb = on(backend, x, scales, jnp.asarray(SIZES, jnp.int32))
+    run = lambda impl: jax.jit(lambda x, s, g: jaxfuse.scaled_activation_quantize(
+        x, s, g, activation, recipe=recipe, implementation=impl))(xb, sb, gb)
+    q_ffi, q_ref = run("ffi"), run("xla")
+    assert q_ffi.data.shape == (ROWS, f) and q_ffi.dtype == x.dtype
+    assert q_ffi.data.dtype == jnp.float8_e4m3fn and q_ffi.role == "forward"
+    assert_fp8_close(q_ffi.data, q_ref.data)
+    np.testing.assert_allclose(np.asarray(q_ffi.scale_inv, np.float64),
+                               np.asarray(q_ref.scale_inv, np.float64), rtol=1e-5)
+    # Quantized act(x) * scale within the FP8 bound of the float64 value.
+    expected = ta.np_forward(x, scales, activation)
+    tq.check_round_trip(jnp.asarray(expected, jnp.float32), q_ffi)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_current_scaling_rows_past_groups_are_zero(backend):
+  x, scales, _ = inputs(1, 32, jnp.bfloat16, "swiglu")
+  xb, sb, gb = on(backend, x, scales, jnp.asarray(SIZES, jnp.int32))
+  for implementation in ("ffi", "xla"):
+    q = jaxfuse.scaled_activation_quantize(xb, sb, gb, recipe=Float8CurrentScaling(),
+                                           implementation=implementation)
+    assert (tq.bits(q.data)[14:] == 0).all()
+    assert float(q.scale_inv[1]) == 1.0  # the empty group
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_rows_and_large_magnitudes(backend):
+  x, scales, _ = inputs(2, 32, jnp.float32, "swiglu")
+  x = x.at[3, 5].set(jnp.nan).at[5, :4].set(-1e4).at[6, 40:44].set(1e4)
+  xb, sb, gb = on(backend, x, scales, jnp.asarray(SIZES, jnp.int32))
+  for recipe in RECIPES:
+    q = jaxfuse.scaled_activation_quantize(xb, sb, gb, recipe=recipe, implementation="ffi")
+    data = np.asarray(q.data.astype(jnp.float32))
+    assert np.isnan(data[3, 5]) and np.isnan(data).sum() == 1
+    assert np.isfinite(np.asarray(q.scale_inv).astype(np.float32)).all()
+
+
+# --- backward --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_backward_handler_vs_reference_and_float64(backend, recipe, activation, dtype):
+  fs = [64, 40, 13] + ([1024, 520] if backend == "gpu" else [])
+  for seed, f in enumerate(fs):
+    x, scales, dy = inputs(seed + 10, f, dtype, activation)
+    xb, sb, dyb, gb = on(backend, x, scales, dy, jnp.asarray(SIZES, jnp.int32))
+    run = lambda impl: jax.jit(lambda dy, x, s, g: jaxfuse.scaled_dactivation_quantize(
+        dy, x, s, g, activation, recipe=recipe, return_dx=True, implementation=impl))(
+            dyb, xb, sb, gb)
+    (q_ffi, dx_ffi, ds_ffi), (q_ref, dx_ref, ds_ref) = run("ffi"), run("xla")
+    fmt = recipe.gradient_format
+    assert q_ffi.data.dtype == (jnp.float8_e5m2 if fmt == "e5m2" else jnp.float8_e4m3fn)
+    assert q_ffi.data.shape == x.shape and q_ffi.role == "gradient"
+    assert dx_ffi.dtype == x.dtype and ds_ffi.dtype == scales.dtype
+    assert_fp8_close(q_ffi.data, q_ref.data)
+    want_dx, want_ds = ta.np_backward(dy, x, scales, activation)
+    helpers.assert_close(dx_ffi, want_dx, dtype, msg="dx")
+    helpers.assert_close(ds_ffi, want_ds, jnp.float32, msg="dscales")
+    tq.check_round_trip(jnp.asarray(want_dx, jnp.float32), q_ffi)
+    helpers.assert_close(dx_ref, want_dx, dtype, msg="dx reference")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_without_dx_and_with_bf16_scales(backend):
+  x, scales, dy = inputs(3, 48, jnp.bfloat16, "clamped_swiglu")
+  scales = scales.astype(jnp.bfloat16)
+  xb, sb, dyb, gb = on(backend, x, scales, dy, jnp.asarray(SIZES, jnp.int32))
+  q, dx, ds = jaxfuse.scaled_dactivation_quantize(dyb, xb, sb, gb, "clamped_swiglu",
+                                                  recipe=Float8CurrentScaling(),
+                                                  implementation="ffi")
+  assert dx is None and ds.dtype == jnp.bfloat16
+  want_dx, want_ds = ta.np_backward(dy, x, scales, "clamped_swiglu")
+  helpers.assert_close(ds, want_ds, jnp.bfloat16)
+  tq.check_round_trip(jnp.asarray(want_dx, jnp.float32), q)
+
+
+# --- HLO: fused, offsets computed once ---------------------------------------------------
+
+
+def test_forward_lowers_to_jaxfuse_custom_calls_only():
+  x, scales, dy = inputs(4, 64, jnp.bfloat16, "swiglu")
+  sizes = jnp.asarray(SIZES, jnp.int32)
+  for recipe in RECIPES:
+    f = jax.jit(lambda x, s, g: jaxfuse.scaled_activation_quantize(
+        x, s, g, recipe=recipe, implementation="ffi"))
+    hlo = f.lower(x, scales, sizes).as_text()
+    calls = [line for line in hlo.splitlines() if "custom_call" in line]
+    assert calls and all("@jaxfuse_" in line for line in calls), calls
+    assert hlo.count("jaxfuse_scaled_activation_quantize") == 1
+    for op in ("logistic", "exponential", "stablehlo.multiply", "stablehlo.clamp",
+               "stablehlo.convert"):
+      assert op not in hlo, op  # no XLA computation of the activation or the cast
+    compiled = f.lower(x, scales, sizes).compile().as_text()
+    assert "logistic" not in compiled and "exponential" not in compiled
+
+
+def test_backward_reuses_offsets():
+  x, scales, dy = inputs(5, 64, jnp.bfloat16, "swiglu")
+  offsets = jaxfuse.group_offsets(jnp.asarray(SIZES, jnp.int32))
+  f = jax.jit(lambda dy, x, s, o: jaxfuse.scaled_dactivation_quantize(
+      dy, x, s, group_offsets=o, recipe=Float8CurrentScaling(), implementation="ffi"))
+  hlo = f.lower(dy, x, scales, offsets).as_text()
+  assert "jaxfuse_group_offsets" not in hlo
+  assert hlo.count("jaxfuse_scaled_dactivation_quantize") == 1
+  assert "logistic" not in hlo and "exponential" not in hlo
+
+
+# --- vmap, grad, errors ----------------------------------------------------------------
+
+
+def test_vmap_runs_per_example():
+  x, scales, _ = inputs(6, 32, jnp.float32, "srelu", rows=2 * ROWS)
+  x, scales = x.reshape(2, ROWS, 32), scales.reshape(2, ROWS)
+  sizes = jnp.asarray([SIZES, [16, 0, 0, 0]], jnp.int32)
+  q = jax.vmap(lambda x, s, g: jaxfuse.scaled_activation_quantize(
+      x, s, g, "srelu", recipe=Float8CurrentScaling(), implementation="ffi"))(x, scales, sizes)
+  for b in range(2):
+    single = jaxfuse.scaled_activation_quantize(x[b], scales[b], sizes[b], "srelu",
+                                                recipe=Float8CurrentScaling(),
+                                                implementation="xla")
+    assert_fp8_close(q.data[b], single.data)
+
+
+def test_not_differentiable_gradients_are_stopped():
+  x, scales, _ = inputs(7, 16, jnp.float32, "swiglu")
+  g = jax.grad(lambda x: jnp.sum(jaxfuse.dequantize(jaxfuse.scaled_activation_quantize(
+      x, scales, None, recipe=Float8BlockScaling(), implementation="ffi"))))(x)
+  np.testing.assert_array_equal(g, np.zeros_like(x))
+
+
+def test_errors():
+  x = jnp.ones((8, 32), jnp.bfloat16)
+  s = jnp.ones((8,), jnp.float32)
+  g = jnp.asarray([8], jnp.int32)
+  with pytest.raises(ValueError, match="activation must be one of"):
+    jaxfuse.scaled_activation_quantize(x, s, g, "relu", recipe=Float8CurrentScaling())
+  with pytest.raises(ValueError, match="x's last dimension must be even"):
+    jaxfuse.scaled_activation_quantize(jnp.ones((8, 31)), s, g, recipe=Float8CurrentScaling())
+  with pytest.raises(ValueError, match=r"scales must have shape \(8,\)"):
+    jaxfuse.scaled_activation_quantize(x, jnp.ones((7,)), g, recipe=Float8CurrentScaling())
+  with pytest.raises(TypeError, match="group_sizes must have dtype int32, got int8"):
+    jaxfuse.scaled_activation_quantize(x, s, np.array([8], np.int8), recipe=Float8CurrentScaling())
+  with pytest.raises(ValueError, match="needs group_sizes"):
+    jaxfuse.scaled_activation_quantize(x, s, None, recipe=Float8CurrentScaling())
+  with pytest.raises(ValueError, match=r"dy must have shape \(8, 16\)"):
+    jaxfuse.scaled_dactivation_quantize(jnp.ones((8, 32), jnp.bfloat16), x, s, g,
+                                        recipe=Float8CurrentScaling())

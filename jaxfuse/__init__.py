@@ -38,6 +38,6 @@ def build_info() -> dict:
 
 
 __all__ = ["build_info", "grouped_linear", "linear_scale_add", "group_offsets",
-           "scaled_activation", "quantize", "dequantize", "scaled_activation_quantize", "scaled_dactivation_quantize",
-           "quantization"]
+           "scaled_activation", "quantize", "dequantize", "scaled_activation_quantize",
+           "scaled_dactivation_quantize", "quantization"]
 __all__ += ["grouped_mlp", "moe", "moe_router", "moe_permute", "moe_unpermute"]

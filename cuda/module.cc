@@ -38,7 +38,10 @@ namespace py = pybind11;
   X("jaxfuse_rms_norm_fwd", JaxfuseRmsNormFwdCpu)                                 \
   X("jaxfuse_add_rms_norm_fwd", JaxfuseAddRmsNormFwdCpu)                          \
   X("jaxfuse_rms_norm_bwd", JaxfuseRmsNormBwdCpu)                                 \
-  X("jaxfuse_add_rms_norm_bwd", JaxfuseAddRmsNormBwdCpu)
+  X("jaxfuse_add_rms_norm_bwd", JaxfuseAddRmsNormBwdCpu)                          \
+  X("jaxfuse_moe_permute", JaxfuseMoePermuteCpu)                                  \
+  X("jaxfuse_moe_unpermute", JaxfuseMoeUnpermuteCpu)                              \
+  X("jaxfuse_moe_unpermute_bwd", JaxfuseMoeUnpermuteBwdCpu)
 
 // --- registry: stateful CUDA handlers (name, instantiate, initialize, execute) ------
 #define JAXFUSE_CUDA_HANDLERS(X)                                                   \
@@ -64,7 +67,10 @@ namespace py = pybind11;
   X("jaxfuse_rms_norm_fwd", JaxfuseRmsNormFwdCuda)                                  \
   X("jaxfuse_add_rms_norm_fwd", JaxfuseAddRmsNormFwdCuda)                           \
   X("jaxfuse_rms_norm_bwd", JaxfuseRmsNormBwdCuda)                                  \
-  X("jaxfuse_add_rms_norm_bwd", JaxfuseAddRmsNormBwdCuda)
+  X("jaxfuse_add_rms_norm_bwd", JaxfuseAddRmsNormBwdCuda)                           \
+  X("jaxfuse_moe_permute", JaxfuseMoePermuteCuda)                                   \
+  X("jaxfuse_moe_unpermute", JaxfuseMoeUnpermuteCuda)                               \
+  X("jaxfuse_moe_unpermute_bwd", JaxfuseMoeUnpermuteBwdCuda)
 
 // --- registry: CUDA state types (name, type id function, type info function) --------
 #define JAXFUSE_CUDA_TYPES(X) \

@@ -16,6 +16,11 @@ from jaxfuse._src.ops.quantize.api import dequantize
 from jaxfuse._src.ops.quantize.api import quantize
 from jaxfuse._src.ops.quantize.api import scaled_activation_quantize
 from jaxfuse._src.ops.quantize.api import scaled_dactivation_quantize
+from jaxfuse._src.ops.grouped_mlp.api import grouped_mlp
+from jaxfuse._src.ops.moe.api import moe
+from jaxfuse._src.ops.moe.api import moe_router
+from jaxfuse._src.ops.moe_permute.api import moe_permute
+from jaxfuse._src.ops.moe_permute.api import moe_unpermute
 from jaxfuse._src.ops.rms_norm.api import add_rms_norm
 from jaxfuse._src.ops.rms_norm.api import rms_norm
 from jaxfuse._src.ops.scaled_activation.api import scaled_activation
@@ -35,5 +40,6 @@ def build_info() -> dict:
 
 
 __all__ = ["add_rms_norm", "build_info", "dequantize", "group_offsets", "grouped_linear",
-           "linear_scale_add", "quantization", "quantize", "rms_norm", "scaled_activation",
+           "grouped_mlp", "linear_scale_add", "moe", "moe_permute", "moe_router",
+           "moe_unpermute", "quantization", "quantize", "rms_norm", "scaled_activation",
            "scaled_activation_quantize", "scaled_dactivation_quantize"]

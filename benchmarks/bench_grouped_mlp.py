@@ -1,0 +1,274 @@
+"""Grouped MLP (MoE experts, SwiGLU, 8 experts, bf16), forward and forward + backward:
+jaxfuse.grouped_mlp vs a jax.lax.ragged_dot + jnp composition vs a torch._grouped_mm
+composition, in one process on one GPU.
+
+Cases: the issue's T=65536, H=F=2048 and T=2048, H=F=1024 (the small one also with torch
+inside a CUDA graph; a jitted JAX step is already one executable), plus a token sweep at
+H=F=2048 for the TFLOP/s plot (benchmarks/plot_grouped_mlp.py). FLOPs count the GEMMs of
+routed rows: forward 2*T*H*2F + 2*T*F*H, forward + backward three times that.
+
+    python -m benchmarks.bench_grouped_mlp [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # leave room for torch
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxfuse  # noqa: E402
+from benchmarks import common  # noqa: E402
+from jaxfuse._src.ops.grouped_mlp import api as mlp_api  # noqa: E402
+
+EXPERTS = 8
+CASES = {  # name: (tokens, hidden, ffn)
+    "T=65536 H=2048 F=2048": (65536, 2048, 2048),
+    "T=2048 H=1024 F=1024": (2048, 1024, 1024),
+}
+SWEEP_TOKENS = (2048, 4096, 8192, 16384, 32768, 65536)
+SWEEP_HIDDEN = SWEEP_FFN = 2048
+L2_BYTES = 50 << 20
+
+
+def group_sizes(tokens: int) -> np.ndarray:
+  """Mildly uneven expert loads summing to tokens, in multiples of 16 rows (what
+  torch._grouped_mm's kernels are safest with; jaxfuse takes any sizes)."""
+  rng = np.random.default_rng(tokens)
+  sizes = rng.multinomial(tokens // 16, np.ones(EXPERTS) / EXPERTS) * 16
+  sizes[-1] += tokens - sizes.sum()
+  return sizes.astype(np.int32)
+
+
+def jax_inputs(tokens, hidden, ffn, seed):
+  keys = jax.random.split(jax.random.key(seed), 5)
+  x = jax.random.normal(keys[0], (tokens, hidden), jnp.bfloat16)
+  k1 = (jax.random.normal(keys[1], (EXPERTS, hidden, 2 * ffn)) / hidden**0.5).astype(jnp.bfloat16)
+  k2 = (jax.random.normal(keys[2], (EXPERTS, ffn, hidden)) / ffn**0.5).astype(jnp.bfloat16)
+  scales = jax.random.uniform(keys[3], (tokens,), jnp.float32, 0.1, 1.0)
+  dy = jax.random.normal(keys[4], (tokens, hidden), jnp.bfloat16)
+  return x, k1, k2, scales, dy
+
+
+def jax_fns(implementation):
+  def forward(x, k1, k2, scales, sizes, dy):
+    del dy
+    return jaxfuse.grouped_mlp(x, k1, k2, sizes, scales, implementation=implementation)
+
+  def forward_backward(x, k1, k2, scales, sizes, dy):
+    # The output is returned too, so XLA cannot drop the forward's last GEMM.
+    out, vjp = jax.vjp(lambda x, k1, k2, s: jaxfuse.grouped_mlp(
+        x, k1, k2, sizes, s, implementation=implementation), x, k1, k2, scales)
+    return out, vjp(dy)
+
+  return {"fwd": jax.jit(forward), "fwd+bwd": jax.jit(forward_backward)}
+
+
+def time_jax(tokens, hidden, ffn, calls, baseline_calls):
+  """{impl: {pass: ms}} for jaxfuse and the ragged_dot composition."""
+  working_set = 2 * (tokens * hidden * 2 + EXPERTS * hidden * ffn * 3)
+  rotations = 3 if working_set < 2 * L2_BYTES else 1
+  sizes = jnp.asarray(group_sizes(tokens))
+  sets = [jax_inputs(tokens, hidden, ffn, seed) for seed in range(rotations)]
+  arg_sets = [(x, k1, k2, s, sizes, dy) for x, k1, k2, s, dy in sets]
+  out = {}
+  for impl, name, n in (("ffi", "jaxfuse", calls), ("xla", "ragged_dot", baseline_calls)):
+    out[name] = {}
+    for pass_name, fn in jax_fns(impl).items():
+      try:
+        args = [arg_sets[i % rotations] for i in range(n + 3)]
+        out[name][pass_name] = common.time_fn(fn, args)["median_ms"]
+      except Exception as error:  # an out-of-memory baseline must not stop the run
+        print(f"{name} {pass_name} failed: {type(error).__name__}: {str(error)[:200]}")
+        out[name][pass_name] = None
+  del sets, arg_sets
+  return out
+
+
+# --- torch -------------------------------------------------------------------------------
+
+def torch_time(fn, calls):
+  import torch
+  for _ in range(3):
+    fn()
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(calls):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    times.append(start.elapsed_time(end))
+  return statistics.median(times)
+
+
+def torch_fns(tokens, hidden, ffn):
+  """(forward, explicit forward + backward, autograd forward + backward or None)."""
+  import torch
+  import torch.nn.functional as F
+  gen = torch.Generator(device="cuda").manual_seed(0)
+  x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+  w1 = (torch.randn(EXPERTS, hidden, 2 * ffn, device="cuda", generator=gen) /
+        hidden**0.5).to(torch.bfloat16)
+  w2 = (torch.randn(EXPERTS, ffn, hidden, device="cuda", generator=gen) /
+        ffn**0.5).to(torch.bfloat16)
+  # Column-major per expert (what _grouped_mm's fast path wants for the right operand).
+  w1c = w1.transpose(-2, -1).contiguous().transpose(-2, -1)
+  w2c = w2.transpose(-2, -1).contiguous().transpose(-2, -1)
+  scales = torch.rand(tokens, device="cuda", generator=gen) * 0.9 + 0.1
+  dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+  offs = torch.tensor(np.cumsum(group_sizes(tokens)), device="cuda", dtype=torch.int32)
+  gmm = torch._grouped_mm
+
+  def forward():
+    h = gmm(x, w1c, offs=offs)
+    a, b = h.chunk(2, dim=-1)
+    act = (F.silu(a.float()) * b.float() * scales[:, None]).to(torch.bfloat16)
+    return gmm(act, w2c, offs=offs)
+
+  def forward_backward():  # the six grouped GEMMs, SwiGLU's backward in eager torch
+    h = gmm(x, w1c, offs=offs)
+    a, b = (t.float() for t in h.chunk(2, dim=-1))
+    sig = torch.sigmoid(a)
+    silu = a * sig
+    act = silu * b
+    act_s = (act * scales[:, None]).to(torch.bfloat16)
+    y = gmm(act_s, w2c, offs=offs)
+    da = gmm(dy, w2.transpose(-2, -1), offs=offs).float()
+    dw2 = gmm(act_s.t(), dy, offs=offs)
+    dscales = (da * act).sum(-1)
+    dact = da * scales[:, None]
+    dh = torch.cat([dact * b * sig * (1 + a * (1 - sig)), dact * silu], -1).to(torch.bfloat16)
+    dx = gmm(dh, w1.transpose(-2, -1), offs=offs)
+    dw1 = gmm(x.t(), dh, offs=offs)
+    return y, dx, dw1, dw2, dscales
+
+  autograd = None
+  try:
+    xa = x.detach().requires_grad_()
+    w1a, w2a = w1c.detach().requires_grad_(), w2c.detach().requires_grad_()
+    sa = scales.detach().requires_grad_()
+
+    def autograd_step():
+      h = gmm(xa, w1a, offs=offs)
+      a, b = h.chunk(2, dim=-1)
+      act = (F.silu(a.float()) * b.float() * sa[:, None]).to(torch.bfloat16)
+      y = gmm(act, w2a, offs=offs)
+      grads = torch.autograd.grad(y, (xa, w1a, w2a, sa), dy)
+      return y, grads
+
+    autograd_step()
+    autograd = autograd_step
+  except Exception as error:  # older torch: no autograd formula for _grouped_mm
+    print(f"torch autograd through _grouped_mm unavailable ({type(error).__name__}); "
+          "timing the explicit backward only")
+  return forward, forward_backward, autograd
+
+
+def torch_graph_time(fn, calls):
+  import torch
+  stream = torch.cuda.Stream()
+  stream.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(stream):
+    for _ in range(3):
+      fn()
+  torch.cuda.current_stream().wait_stream(stream)
+  graph = torch.cuda.CUDAGraph()
+  with torch.cuda.graph(graph):
+    fn()
+  return torch_time(graph.replay, calls)
+
+
+def time_torch(tokens, hidden, ffn, calls, graphs):
+  try:
+    import torch
+    if not torch.cuda.is_available():
+      return None
+  except ImportError:
+    return None
+  try:
+    forward, forward_backward, autograd = torch_fns(tokens, hidden, ffn)
+    out = {"fwd": torch_time(forward, calls),
+           "fwd+bwd": torch_time(autograd or forward_backward, calls),
+           "fwd+bwd explicit": torch_time(forward_backward, calls),
+           "mode": "autograd" if autograd else "explicit"}
+    if graphs:
+      out["fwd graph"] = torch_graph_time(forward, calls)
+      out["fwd+bwd graph"] = torch_graph_time(forward_backward, calls)
+  except Exception as error:
+    print(f"torch._grouped_mm failed: {type(error).__name__}: {str(error)[:300]}")
+    return None
+  finally:
+    torch.cuda.empty_cache()
+  return out
+
+
+def rows_for(section, name, tokens, hidden, ffn, jax_times, torch_times):
+  rows = []
+  for pass_name in ("fwd", "fwd+bwd"):
+    flops = mlp_api.flops(tokens, hidden, ffn, "swiglu", backward=pass_name == "fwd+bwd")
+    tflops = lambda ms: flops / (ms * 1e-3) / 1e12 if ms else None
+    row = {"section": section, "case": name, "tokens": tokens, "hidden": hidden, "ffn": ffn,
+           "experts": EXPERTS, "pass": pass_name, "flops": flops}
+    for impl in ("jaxfuse", "ragged_dot"):
+      row[f"{impl}_ms"] = jax_times[impl][pass_name]
+      row[f"{impl}_tflops"] = tflops(row[f"{impl}_ms"])
+    t = torch_times or {}
+    row["torch_ms"] = t.get(pass_name)
+    row["torch_tflops"] = tflops(row["torch_ms"])
+    row["torch_mode"] = t.get("mode")
+    if f"{pass_name} graph" in t:
+      row["torch_graph_ms"] = t[f"{pass_name} graph"]
+      row["torch_graph_tflops"] = tflops(row["torch_graph_ms"])
+    if pass_name == "fwd+bwd" and "fwd+bwd explicit" in t:
+      row["torch_explicit_ms"] = t["fwd+bwd explicit"]
+    row["jaxfuse_vs_torch"] = (row["torch_ms"] / row["jaxfuse_ms"]
+                               if row["torch_ms"] and row["jaxfuse_ms"] else None)
+    row["jaxfuse_vs_ragged_dot"] = (row["ragged_dot_ms"] / row["jaxfuse_ms"]
+                                    if row["ragged_dot_ms"] and row["jaxfuse_ms"] else None)
+    rows.append(row)
+    print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+  return rows
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--quick", action="store_true", help="fewer calls, shorter sweep")
+  args = parser.parse_args()
+  calls = 5 if args.quick else 20
+  baseline_calls = 3 if args.quick else 10  # ragged_dot is G times the work
+  rows = []
+  for name, (tokens, hidden, ffn) in CASES.items():
+    jax_times = time_jax(tokens, hidden, ffn, calls, baseline_calls)
+    torch_times = time_torch(tokens, hidden, ffn, calls, graphs=tokens <= 4096)
+    rows += rows_for("case", name, tokens, hidden, ffn, jax_times, torch_times)
+  sweep = SWEEP_TOKENS[::2] if args.quick else SWEEP_TOKENS
+  for tokens in sweep:
+    if (tokens, SWEEP_HIDDEN, SWEEP_FFN) == CASES["T=65536 H=2048 F=2048"]:
+      case_rows = [r for r in rows if r["case"] == "T=65536 H=2048 F=2048"]
+      rows += [dict(r, section="sweep") for r in case_rows]
+      continue
+    jax_times = time_jax(tokens, SWEEP_HIDDEN, SWEEP_FFN, calls, baseline_calls)
+    torch_times = time_torch(tokens, SWEEP_HIDDEN, SWEEP_FFN, calls, graphs=False)
+    rows += rows_for("sweep", f"sweep T={tokens}", tokens, SWEEP_HIDDEN, SWEEP_FFN, jax_times,
+                     torch_times)
+  # FP8 (Float8CurrentScaling(per_group=True)): grouped_mlp raises NotImplementedError for
+  # recipes so far; add the case here when it lands.
+  common.print_table(rows, ["case", "pass", "jaxfuse_ms", "jaxfuse_tflops", "torch_tflops",
+                            "torch_graph_tflops", "ragged_dot_tflops", "jaxfuse_vs_torch",
+                            "jaxfuse_vs_ragged_dot"])
+  common.write_results("grouped_mlp", rows, dtype="bfloat16", activation="swiglu",
+                       experts=EXPERTS,
+                       baselines="jax.lax.ragged_dot + jnp SwiGLU (XLA) and torch._grouped_mm "
+                                 "+ eager SwiGLU (autograd when available; CUDA graph for the "
+                                 "small case), same run")
+
+
+if __name__ == "__main__":
+  main()

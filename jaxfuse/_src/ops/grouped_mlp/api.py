@@ -1,0 +1,238 @@
+"""Public grouped_mlp: the expert MLP of a mixture-of-experts layer as one custom_vjp.
+
+    h = FC1(x)                      grouped GEMM, kernel1 [G, H, W]
+    a = act(h) * scales[:, None]    fused scaled activation
+    y = FC2(a)                      grouped GEMM, kernel2 [G, F, H]
+
+The group sizes become offsets once per step (one ``group_offsets`` launch); the six
+grouped GEMMs of the forward and backward passes (FC1 fwd, FC2 fwd, FC2 dgrad, FC2 wgrad,
+FC1 dgrad, FC1 wgrad) all read those offsets. The backward pass is
+
+    da      = FC2 dgrad(dy)                      dy @ kernel2[g]^T
+    a       = act(h) * scales                    recomputed (or saved: save_activation=True)
+    dk2     = FC2 wgrad(a, dy)
+    dh, ds  = fused scaled activation backward   (da, h, scales) -> d(h), d(scales)
+    dx      = FC1 dgrad(dh),  dk1 = FC1 wgrad(x, dh)
+
+Residuals: x, the kernels, the offsets, scales and h (FC1's output, pre-activation); the
+activation is recomputed in the backward pass unless ``save_activation=True`` keeps it too.
+
+An FP8 recipe swaps three pieces (see ``_Fp8``): the GEMM inputs are quantized per group,
+the activation hand-off to FC2 is the fused ``scaled_activation_quantize`` and the backward
+activation is the fused ``scaled_dactivation_quantize`` feeding FC1's dgrad. Weight
+gradients stay in 16-bit.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse._src import checks
+from jaxfuse._src import compat
+from jaxfuse._src import implementation as implementation_lib
+from jaxfuse._src.ops.group_offsets import api as offsets_api
+from jaxfuse._src.ops.grouped_linear import ffi as gemm_ffi
+from jaxfuse._src.ops.grouped_mlp import reference
+from jaxfuse._src.ops.scaled_activation import ffi as act_ffi
+from jaxfuse._src.ops.scaled_activation import reference as act_reference
+
+_FFI_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_ALIGNMENT_ELEMENTS = 8
+
+
+class Config(NamedTuple):
+  """Static (hashable) settings of one grouped_mlp call."""
+  activation: str
+  limit: float
+  alpha: float
+  linear_offset: float
+  save_activation: bool
+  recipe: object = None
+
+  @property
+  def act_kwargs(self) -> dict:
+    return dict(activation=self.activation, limit=self.limit, alpha=self.alpha,
+                linear_offset=self.linear_offset)
+
+
+def _validate(x, kernel1, kernel2, group_sizes, scales, activation, recipe,
+              implementation) -> None:
+  if activation not in act_reference.ACTIVATIONS:
+    raise ValueError(f"activation must be one of {act_reference.ACTIVATIONS}, got {activation!r}")
+  x_dtype = checks.check_float_array("x", x)
+  for name, value in (("kernel1", kernel1), ("kernel2", kernel2)):
+    dtype = checks.check_float_array(name, value)
+    if dtype != x_dtype:
+      raise TypeError(f"{name} dtype {dtype} must equal x dtype {x_dtype}")
+  scales_dtype = checks.check_float_array("scales", scales)
+  checks.check_rank("x", x, 2, "[M, H]")
+  checks.check_rank("kernel1", kernel1, 3, "[G, H, 2F] (GLU) or [G, H, F] (srelu)")
+  checks.check_rank("kernel2", kernel2, 3, "[G, F, H]")
+  checks.check_rank("scales", scales, 1, "[M]")
+  offsets_api.check_group_sizes(group_sizes)
+  m, hidden = x.shape
+  groups, k1_in, width = kernel1.shape
+  glu = activation in act_reference.GLU
+  if groups < 1:
+    raise ValueError("kernel1 must have at least one group (kernel1.shape[0] >= 1)")
+  if k1_in != hidden:
+    raise ValueError(f"kernel1.shape[1] ({k1_in}) must equal x's last dimension ({hidden}); "
+                     f"x is {x.shape}, kernel1 is {kernel1.shape}")
+  if glu and width % 2:
+    raise ValueError(f"kernel1.shape[2] must be even (2F: gate then linear half) for "
+                     f"{activation}, got {width}")
+  ffn = width // 2 if glu else width
+  if tuple(kernel2.shape) != (groups, ffn, hidden):
+    raise ValueError(f"kernel2 must have shape {(groups, ffn, hidden)} ([G, F, H] with F = "
+                     f"{'kernel1.shape[2] // 2' if glu else 'kernel1.shape[2]'}), got "
+                     f"{tuple(kernel2.shape)}")
+  if tuple(group_sizes.shape) != (groups,):
+    raise ValueError(f"group_sizes must have shape ({groups},) (kernel1.shape[0] groups), "
+                     f"got {tuple(group_sizes.shape)}")
+  if tuple(scales.shape) != (m,):
+    raise ValueError(f"scales must have shape ({m},) (one value per row of x), got "
+                     f"{tuple(scales.shape)}")
+  if scales_dtype not in (jnp.dtype(jnp.float32), x_dtype):
+    raise TypeError(f"scales dtype must be float32 or x's dtype ({x_dtype}), got {scales_dtype}")
+  if recipe is not None:
+    _Fp8.check(recipe, implementation)
+  if implementation == "ffi":
+    if x_dtype not in _FFI_DTYPES:
+      raise TypeError(f"grouped_mlp's kernels take bfloat16 or float16 x, got {x_dtype}; "
+                      "cast x and the kernels, or pass implementation='xla'")
+    for name, size in (("H (x.shape[1])", hidden), ("kernel1.shape[2]", width),
+                       ("F (kernel2.shape[1])", ffn)):
+      if size % _ALIGNMENT_ELEMENTS:
+        raise ValueError(f"grouped_mlp needs {name} to be a multiple of {_ALIGNMENT_ELEMENTS} "
+                         f"for 16-bit inputs (16-byte aligned rows for TMA), got {size}; pad "
+                         "it, or pass implementation='xla'")
+
+
+def _gemm(a, b, offsets, form):
+  return gemm_ffi.grouped_gemm(a, b, offsets, form=form)
+
+
+def _activation(h, scales, config: Config):
+  return act_ffi.forward(h, scales, **config.act_kwargs)
+
+
+class _Fp8:
+  """The FP8 (Float8CurrentScaling(per_group=True)) variant of the three fused stages.
+
+  Not implemented yet: the FP8 grouped GEMM exists at the FFI level (CUDA only) and the
+  fused activation + quantization kernels exist; wiring them is the planned addition:
+    forward:  x_q = quantize(x, per group), w1_q = per-expert quantize(kernel1^T);
+              h = grouped_gemm(x_q, w1_q, a_scale_inv=, b_scale_inv=);
+              a_q = scaled_activation_quantize(h, scales, group_offsets=offsets);
+              y = grouped_gemm(a_q, quantize(kernel2^T), ...)
+    backward: dy_q (E5M2, per group); da = FC2 dgrad(dy_q, kernel2 quantized per expert);
+              dh_q, dh, ds = scaled_dactivation_quantize(da, h, scales, return_dx=True);
+              dx = FC1 dgrad(dh_q, kernel1 quantized); wgrads in 16-bit from a and dh.
+  """
+
+  @staticmethod
+  def check(recipe, implementation) -> None:
+    raise NotImplementedError(
+        "grouped_mlp: FP8 recipes are not implemented yet (recipe must be None); the FP8 "
+        f"variant (fused activation + per-group quantization) is planned, got {recipe!r}")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def grouped_mlp_with_offsets(x, kernel1, kernel2, group_offsets, scales, config: Config,
+                             varying_axes=(frozenset(),) * 5):
+  """grouped_mlp on precomputed int32 [G + 1] offsets (the FFI path, differentiable).
+
+  `config` (static) holds the activation and its parameters; `varying_axes` (static)
+  shard_map's varying axes of (x, kernel1, kernel2, group_offsets, scales).
+  """
+  return _forward(x, kernel1, kernel2, group_offsets, scales, config, varying_axes)[0]
+
+
+def _forward(x, kernel1, kernel2, group_offsets, scales, config, varying_axes):
+  del varying_axes
+  h = _gemm(x, kernel1, group_offsets, gemm_ffi.FORWARD)
+  a = _activation(h, scales, config)
+  y = _gemm(a, kernel2, group_offsets, gemm_ffi.FORWARD)
+  saved_activation = a if config.save_activation else None
+  return y, (x, kernel1, kernel2, group_offsets, scales, h, saved_activation)
+
+
+def _backward(config, varying_axes, saved, dy):
+  x, kernel1, kernel2, group_offsets, scales, h, a = saved
+  dy = dy.astype(x.dtype)
+  da = _gemm(dy, kernel2, group_offsets, gemm_ffi.DGRAD)
+  if a is None:
+    a = _activation(h, scales, config)
+  d_kernel2 = _gemm(a, dy, group_offsets, gemm_ffi.WGRAD)
+  dh, d_scales = act_ffi.backward(da, h, scales, **config.act_kwargs)
+  dx = _gemm(dh, kernel1, group_offsets, gemm_ffi.DGRAD)
+  d_kernel1 = _gemm(x, dh, group_offsets, gemm_ffi.WGRAD)
+  d_scales = d_scales.astype(scales.dtype)
+  x_axes, k1_axes, k2_axes, _, s_axes = varying_axes
+  return (compat.match_varying_axes(dx, x_axes), compat.match_varying_axes(d_kernel1, k1_axes),
+          compat.match_varying_axes(d_kernel2, k2_axes), None,
+          compat.match_varying_axes(d_scales, s_axes))
+
+
+grouped_mlp_with_offsets.defvjp(_forward, _backward)
+
+
+def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_sizes: jax.Array,
+                scales: jax.Array, activation: str = "swiglu", *, recipe=None,
+                save_activation: bool = False, implementation: str | None = None,
+                limit: float = 7.0, alpha: float = 1.702,
+                linear_offset: float = 1.0) -> jax.Array:
+  """The expert MLP of an MoE layer: FC2(act(FC1(x)) * scales[:, None]), per group.
+
+  Rows of group g (rows sorted by group, as ``jaxfuse.grouped_linear``) go through expert
+  g's weights: ``kernel2[g]`` after the scaled activation of ``x @ kernel1[g]``.
+
+  Args:
+    x: [M, H] bfloat16 or float16 (float32 too with implementation="xla").
+    kernel1: [G, H, 2F] for "swiglu" / "clamped_swiglu" (gate columns first), [G, H, F]
+      for "srelu"; x's dtype.
+    kernel2: [G, F, H], x's dtype.
+    group_sizes: int32 [G] on the device (negative sizes count as zero; rows past the sum
+      come out as zeros).
+    scales: [M] float32 or x's dtype: per-row activation scale (an MoE layer passes the
+      router probabilities, so the combine weights are applied inside the MLP).
+    activation: "swiglu", "clamped_swiglu" or "srelu" (see ``jaxfuse.scaled_activation``;
+      limit, alpha and linear_offset are its static parameters).
+    recipe: None (16-bit GEMMs). FP8 recipes are not implemented yet.
+    save_activation: keep the activation as a residual instead of recomputing it from FC1's
+      output in the backward pass (more memory, one activation kernel less). Gradients are
+      identical either way.
+    implementation: None, "ffi" or "xla" (the ``ragged_dot`` + jnp composition).
+
+  Returns:
+    [M, H] in x's dtype.
+
+  Differentiable in x, kernel1, kernel2 and scales; one custom_vjp whose backward pass
+  reuses the forward pass's offsets (computed once with ``jaxfuse.group_offsets``).
+  """
+  implementation = implementation_lib.resolve(implementation)
+  _validate(x, kernel1, kernel2, group_sizes, scales, activation, recipe, implementation)
+  limit = checks.static_float("limit", limit)
+  alpha = checks.static_float("alpha", alpha)
+  linear_offset = checks.static_float("linear_offset", linear_offset)
+  if implementation == "xla":
+    return reference.grouped_mlp(x, kernel1, kernel2, group_sizes, scales, activation, limit,
+                                 alpha, linear_offset)
+  config = Config(activation, limit, alpha, linear_offset, bool(save_activation), recipe)
+  offsets = offsets_api.group_offsets(group_sizes, implementation="ffi")
+  varying_axes = tuple(compat.varying_axes(a)
+                       for a in (x, kernel1, kernel2, offsets, scales))
+  return grouped_mlp_with_offsets(x, kernel1, kernel2, offsets, scales, config, varying_axes)
+
+
+def flops(tokens: int, hidden: int, ffn: int, activation: str = "swiglu",
+          backward: bool = True) -> int:
+  """GEMM floating-point operations of one grouped_mlp over `tokens` routed rows."""
+  width = 2 * ffn if activation in act_reference.GLU else ffn
+  forward = 2 * tokens * hidden * width + 2 * tokens * ffn * hidden
+  return 3 * forward if backward else forward
+

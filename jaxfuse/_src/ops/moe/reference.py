@@ -1,0 +1,39 @@
+"""Pure-jnp router of the MoE layer (also used by the fused path: it is small, fp32 work
+that XLA fuses well) and the reference layer composition."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+def router(x, router_kernel, top_k: int, score_function: str = "softmax",
+           normalize_topk: bool = False):
+  """(combine weights f32 [T, k], expert ids int32 [T, k], aux loss f32 scalar).
+
+  logits = x @ router_kernel in fp32; scores = softmax(logits) or sigmoid(logits); the k
+  largest scores pick the experts; their scores (divided by their sum when normalize_topk)
+  are the combine weights. The load-balancing loss (Switch / GShard, as Megatron computes
+  it) is num_experts * sum_e f_e * P_e with f_e = (copies routed to e) / (T * k) (not
+  differentiable) and P_e the mean over tokens of e's (sum-normalized, for sigmoid) score:
+  1.0 when routing is perfectly balanced.
+  """
+  logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32),
+                   preferred_element_type=jnp.float32)
+  if score_function == "softmax":
+    scores = jax.nn.softmax(logits, axis=-1)
+    balance_scores = scores
+  else:
+    scores = jax.nn.sigmoid(logits)
+    balance_scores = scores / (jnp.sum(scores, axis=-1, keepdims=True) + 1e-20)
+  weights, indices = jax.lax.top_k(scores, top_k)
+  if normalize_topk:
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+  tokens, experts = logits.shape
+  counts = jnp.zeros((experts,), jnp.float32).at[indices.reshape(-1)].add(1.0)
+  fraction = jax.lax.stop_gradient(counts / max(tokens * top_k, 1))
+  mean_scores = jnp.mean(balance_scores, axis=0)
+  aux_loss = experts * jnp.sum(fraction * mean_scores)
+  return weights, indices.astype(jnp.int32), aux_loss

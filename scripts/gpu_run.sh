@@ -22,7 +22,9 @@ if [ -f .gpu_src/head.tar ] && [ "${GPU_RUN_FROM_WORKTREE:-0}" != 1 ]; then
   mkdir -p build && ln -sfn "$PWD/build" /tmp/jaxfuse-head/build
   cd /tmp/jaxfuse-head && exec env GPU_RUN_FROM_WORKTREE=1 OUT="$OUT" bash scripts/gpu_run.sh "$@"
 fi
-mkdir -p "$OUT/logs"
+LOGS=/tmp/gpu_run_logs  # tarred into $OUT at the end (few files may come back)
+rm -rf "$LOGS" && mkdir -p "$LOGS" "$OUT/results"
+touch /tmp/gpu_run_started  # results newer than this were written by this run
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 stages=("$@")
@@ -44,14 +46,14 @@ for stage in "${stages[@]}"; do
       log "build"
       # The machine's jaxlib provides the FFI headers; no build isolation.
       CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} \
-        $PY -m pip install --no-build-isolation --no-deps -v -e . >"$OUT/logs/build.log" 2>&1 \
-        || { status=1; log "BUILD FAILED"; tail -50 "$OUT/logs/build.log"; break; }
+        $PY -m pip install --no-build-isolation --no-deps -v -e . >"$LOGS/build.log" 2>&1 \
+        || { status=1; log "BUILD FAILED"; tail -50 "$LOGS/build.log"; break; }
       $PY -c "import jaxfuse, json; print(json.dumps(jaxfuse.build_info()))" | tee -a "$OUT/summary.txt"
       ;;
     test)
       # GPU_TESTS narrows the run (e.g. "tests/ops/test_quantize.py"); default: all tests.
       log "pytest -m gpu ${GPU_TESTS:-tests}"
-      $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/logs/gpu_tests.log" | tail -40
+      $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs ${GPU_TESTS:-tests} 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40
       [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; log "GPU TESTS FAILED"; }
       ;;
     bench)
@@ -60,16 +62,19 @@ for stage in "${stages[@]}"; do
         [[ "$script" == */* ]] || script="benchmarks/$script.py"
         name=$(basename "$script" .py)
         log "benchmark $name"
-        timeout ${BENCH_TIMEOUT:-300} $PY -m "benchmarks.$name" 2>&1 | tee "$OUT/logs/$name.log" | tail -25
+        timeout ${BENCH_TIMEOUT:-300} $PY -m "benchmarks.$name" ${BENCH_ARGS:-} 2>&1 | tee "$LOGS/$name.log" | tail -25
         [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; log "BENCHMARK $name FAILED"; }
+        # Copy results as they appear: they come back even if a later step runs out of time.
+        find benchmarks/results -newer /tmp/gpu_run_started \( -name '*.json' -o -name '*.png' \) \
+          -exec cp {} "$OUT/results/" \;
       done
       ;;
     sanitize)
       log "compute-sanitizer memcheck (gpu tests marked sanitize)"
       compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
         $PY -m pytest -m "gpu and sanitize" -q -p no:cacheprovider tests \
-        >"$OUT/logs/sanitizer.log" 2>&1
-      rc=$?; tail -30 "$OUT/logs/sanitizer.log"
+        >"$LOGS/sanitizer.log" 2>&1
+      rc=$?; tail -30 "$LOGS/sanitizer.log"
       [ $rc -eq 0 ] || { status=1; log "SANITIZER FAILED rc=$rc"; }
       ;;
     check)
@@ -81,20 +86,18 @@ for stage in "${stages[@]}"; do
         nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
           -Icuda/include -I"$cutlass/include" -I"$cutlass/tools/util/include" \
           "$source" $(ls "$(dirname "$source")"/*.cu | grep -v /check_) -o "/tmp/$name" -lcuda \
-          >"$OUT/logs/$name.build.log" 2>&1 && "/tmp/$name" 2>&1 | tee "$OUT/logs/$name.log" | tail -40
+          >"$LOGS/$name.build.log" 2>&1 && "/tmp/$name" 2>&1 | tee "$LOGS/$name.log" | tail -40
       done
       ;;
     *.py)
       log "script $stage"
-      $PY "$stage" 2>&1 | tee "$OUT/logs/$(basename "$stage" .py).log" | tail -30
+      $PY "$stage" 2>&1 | tee "$LOGS/$(basename "$stage" .py).log" | tail -30
       ;;
     *) log "unknown stage $stage"; status=1 ;;
   esac
 done
 
-# Results written by the benchmarks during this run, and all logs, as two archives.
-find benchmarks/results -name '*.json' -newer "$OUT/summary.txt" >/tmp/new_results 2>/dev/null
-[ -s /tmp/new_results ] && tar czf "$OUT/results.tar.gz" -T /tmp/new_results
-tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
+# All logs as one archive (results are already in $OUT/results).
+tar czf "$OUT/logs.tar.gz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
 log "done status=$status" 2>/dev/null || echo "done status=$status"
 exit $status

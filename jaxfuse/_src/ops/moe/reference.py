@@ -20,8 +20,10 @@ def router(x, router_kernel, top_k: int, score_function: str = "softmax",
   differentiable) and P_e the mean over tokens of e's (sum-normalized, for sigmoid) score:
   1.0 when routing is perfectly balanced.
   """
+  # Full fp32 (HIGHEST): the GPU's default f32 matmul uses TF32 (10-bit mantissa), which
+  # flips top-k choices between near-tied experts; routing must not depend on that.
   logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32),
-                   preferred_element_type=jnp.float32)
+                   preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
   if score_function == "softmax":
     scores = jax.nn.softmax(logits, axis=-1)
     balance_scores = scores

@@ -10,7 +10,6 @@ all in one process on one GPU. FLOPs count routed rows only: 2 * sum(sizes) * K 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import jax
@@ -54,22 +53,6 @@ def time_jax(fn, args, calls):
   return common.time_fn(fn, [args] * (calls + 3))["median_ms"]  # 3 warm-up calls
 
 
-def time_torch(fn, calls):
-  import torch
-  for _ in range(3):
-    fn()
-  torch.cuda.synchronize()
-  times = []
-  for _ in range(calls):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    times.append(start.elapsed_time(end))
-  return statistics.median(times)
-
-
 def torch_times(sizes, calls):
   try:
     import torch
@@ -90,7 +73,7 @@ def torch_times(sizes, calls):
   out = {}
   for form, fn in fns.items():
     try:
-      out[form] = time_torch(fn, calls)
+      out[form] = common.time_torch_ms(fn, calls)
     except Exception as error:  # report, keep going
       print(f"torch._grouped_mm {form} failed: {error}")
       out[form] = None

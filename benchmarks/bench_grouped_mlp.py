@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # leave room for torch
 
@@ -92,20 +91,7 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls):
 
 # --- torch -------------------------------------------------------------------------------
 
-def torch_time(fn, calls):
-  import torch
-  for _ in range(3):
-    fn()
-  torch.cuda.synchronize()
-  times = []
-  for _ in range(calls):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    times.append(start.elapsed_time(end))
-  return statistics.median(times)
+torch_time = common.time_torch_ms
 
 
 def torch_fns(tokens, hidden, ffn):

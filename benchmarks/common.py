@@ -41,6 +41,23 @@ def time_fn(fn: Callable, args_per_call: Sequence[tuple], *, warmup: int = 3) ->
   return {"median_ms": statistics.median(times), "min_ms": min(times), "calls": len(times)}
 
 
+def time_torch_ms(fn: Callable, calls: int, *, warmup: int = 3) -> float:
+  """Median time in ms of a torch callable on the GPU, measured with CUDA events."""
+  import torch  # pylint: disable=g-import-not-at-top  (torch is optional: baselines only)
+  for _ in range(warmup):
+    fn()
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(calls):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    times.append(start.elapsed_time(end))
+  return statistics.median(times)
+
+
 def copy_bandwidth_tbps(num_bytes: int = 4 << 30, iters: int = 20) -> float:
   """Device copy bandwidth (bytes read + written per second) through XLA, in TB/s."""
   n = num_bytes // 4

@@ -92,35 +92,14 @@ ffi::Error DactivationQuantizeCpuImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::
                                       float limit, float alpha, float linear_offset, int32_t mode,
                                       int32_t block) {
   ActivationProblem act;
-  if (auto error = ParseActivationProblem(x, scales, activation, limit, alpha, linear_offset, &act);
-      error.failure()) {
-    return error;
-  }
-  if (auto error = CheckActivationOutput(act, dy, x.element_type(), act.out_cols, "dy");
+  QuantizeProblem problem;
+  if (auto error = ParseDactivationQuantize(dy, x, scales, offsets, *data, *scale_inv, *dx,
+                                            *dscales, *amax, activation, limit, alpha,
+                                            linear_offset, mode, block, &act, &problem);
       error.failure()) {
     return error;
   }
   const bool write_dx = dx->element_count() != 0;
-  if (write_dx) {
-    if (auto error = CheckActivationOutput(act, *dx, x.element_type(), act.in_cols, "dx");
-        error.failure()) {
-      return error;
-    }
-  }
-  if (dscales->element_type() != ffi::DataType::F32 ||
-      dscales->element_count() != static_cast<size_t>(act.rows)) {
-    return InvalidArgument("dscales must be float32 with ", act.rows, " elements");
-  }
-  if (mode == static_cast<int32_t>(ScalingMode::kBlock2D)) {
-    return InvalidArgument("2-D block scaling is for weights, not activation gradients");
-  }
-  QuantizeProblem problem;
-  problem.rows = act.rows;
-  problem.cols = act.in_cols;
-  if (auto error = CheckQuantizeOutputs(problem, offsets, *data, *scale_inv, *amax, mode, block);
-      error.failure()) {
-    return error;
-  }
   const int64_t f = act.out_cols, w = act.in_cols;
   const bool glu = IsGlu(act.params.kind);
   std::vector<float> values(act.rows * w);

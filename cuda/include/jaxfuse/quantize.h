@@ -10,6 +10,7 @@
 #include "jaxfuse/fp8.h"
 #include "jaxfuse/numeric.h"
 #include "jaxfuse/platform.h"
+#include "jaxfuse/scaled_activation.h"
 
 namespace jaxfuse {
 
@@ -206,5 +207,40 @@ inline void QuantizeCpu(const QuantizeProblem& p, const float* values, const int
   }
 }
 #endif  // !defined(__CUDACC__)
+
+// Shapes, dtypes and modes of the fused activation-gradient + quantization (both backends):
+// dy [rows, F], x [rows, W] (W = 2F for GLU kinds), dx (x's shape, or empty when not
+// requested), dscales float32 [rows], and the quantized outputs of dx.
+inline ffi::Error ParseDactivationQuantize(
+    const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales,
+    const ffi::AnyBuffer& offsets, const ffi::AnyBuffer& data, const ffi::AnyBuffer& scale_inv,
+    const ffi::AnyBuffer& dx, const ffi::AnyBuffer& dscales, const ffi::AnyBuffer& amax,
+    int32_t activation, float limit, float alpha, float linear_offset, int32_t mode,
+    int32_t block, ActivationProblem* act, QuantizeProblem* problem) {
+  if (auto error = ParseActivationProblem(x, scales, activation, limit, alpha, linear_offset, act);
+      error.failure()) {
+    return error;
+  }
+  if (auto error = CheckActivationOutput(*act, dy, x.element_type(), act->out_cols, "dy");
+      error.failure()) {
+    return error;
+  }
+  if (dx.element_count() != 0) {
+    if (auto error = CheckActivationOutput(*act, dx, x.element_type(), act->in_cols, "dx");
+        error.failure()) {
+      return error;
+    }
+  }
+  if (dscales.element_type() != ffi::DataType::F32 ||
+      dscales.element_count() != static_cast<size_t>(act->rows)) {
+    return InvalidArgument("dscales must be float32 with ", act->rows, " elements");
+  }
+  if (mode == static_cast<int32_t>(ScalingMode::kBlock2D)) {
+    return InvalidArgument("2-D block scaling is for weights, not activation gradients");
+  }
+  problem->rows = act->rows;
+  problem->cols = act->in_cols;
+  return CheckQuantizeOutputs(*problem, offsets, data, scale_inv, amax, mode, block);
+}
 
 }  // namespace jaxfuse

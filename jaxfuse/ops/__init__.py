@@ -16,6 +16,8 @@ the fusion registry (see its docstring for the fusions and their conditions).
 """
 
 from jaxfuse.ops import fuser
+from jaxfuse.ops import linen
+from jaxfuse.ops import nnx
 from jaxfuse.ops import sequential
 from jaxfuse.ops.basic import AddExtraInput
 from jaxfuse.ops.basic import BasicOp
@@ -37,5 +39,6 @@ from jaxfuse.ops.sequential import fusions
 
 __all__ = ["AddExtraInput", "BasicOp", "ConstantScale", "Fusion", "GroupedLinear", "Linear",
            "Quantize", "RMSNorm", "ScaledActivation", "Sequential", "explain", "fuser",
-           "fusion_disabled", "fusion_plan", "fusions", "linear_scale", "register_fusion",
+           "fusion_disabled", "fusion_plan", "fusions", "linear_scale", "linen", "nnx",
+           "register_fusion",
            "registered_fusions", "sequential"]

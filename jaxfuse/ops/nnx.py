@@ -30,7 +30,7 @@ class Sequential(nnx.Module):
         setattr(self, f"op{i}_{name}", nnx.Param(value))
 
   def params_tuple(self) -> tuple:
-    return tuple({name: getattr(self, f"op{i}_{name}").value for name in names}
+    return tuple({name: getattr(self, f"op{i}_{name}")[...] for name in names}
                  for i, names in enumerate(self._names))
 
   def __call__(self, x, **extras) -> Any:

@@ -50,7 +50,7 @@ def main():
 
   model, reference = make_model(), make_model(fuse=False)
   print("fusions:", model.fusions(x, **extras))
-  print("why not:", [row for row in ops.explain(model.ops, x, extras) if row[2]])
+  print("why not:", [row for row in model.explain(x, **extras) if row[2]])
 
   # A column-parallel second linear instead: now the linear + scale + in-place add fuse.
   column = model.clone(ops=model.ops[:4] + (ops.Linear(WIDTH),) + model.ops[5:])

@@ -28,12 +28,12 @@ from jaxfuse.ops.basic import Quantize
 from jaxfuse.ops.basic import RMSNorm
 from jaxfuse.ops.basic import ScaledActivation
 from jaxfuse.ops.fuser import Fusion
-from jaxfuse.ops.fuser import explain
 from jaxfuse.ops.fuser import fusion_disabled
 from jaxfuse.ops.fuser import register_fusion
 from jaxfuse.ops.fuser import registered_fusions
 from jaxfuse.ops.linear_scale import linear_scale
 from jaxfuse.ops.linen import Sequential
+from jaxfuse.ops.sequential import explain
 from jaxfuse.ops.sequential import fusion_plan
 from jaxfuse.ops.sequential import fusions
 

@@ -36,7 +36,13 @@ Registered fusions (``registered_fusions()``):
   ``jaxfuse.group_offsets``, reused by the backward pass).
 
 Fusion can be switched off per Sequential (``fuse=False``) or for a block of code with
-``with jaxfuse.ops.fusion_disabled(): ...`` (read at trace time).
+``with jaxfuse.ops.fusion_disabled(): ...`` (read at trace time); ``jaxfuse.ops.explain``
+lists, for each fusion considered, why it was refused.
+
+Limitation: the ScaledActivationQuantizeGroupedLinear custom_vjp does not track
+shard_map's varying axes (use it outside shard_map or with sharded operands only), and it
+feeds the dequantized activation to the 16-bit grouped GEMM: the FP8 grouped GEMM exists
+at the FFI level on CUDA only and is not wired in yet (CPU has no FP8 grouped handler).
 """
 
 from __future__ import annotations
@@ -138,12 +144,14 @@ def check_extras(ops, extras: dict) -> None:
 
 
 def run(ops, params, x, extras: dict, *, fuse: bool = True, implementation: str | None = None,
-        plan: list | None = None):
+        plan: list | None = None, log: list | None = None):
   """Applies ops (fused where a fusion applies) to x; returns (y, extra_outputs).
 
   params: one dict per op (``{}`` for ops without parameters). When ``plan`` is a list,
   the steps taken are appended to it as ``(name, indices)``: a fusion's name or, for an
-  op run alone, its class name.
+  op run alone, its class name. When ``log`` is a list, every fusion whose window matched
+  at a position the scan visited is appended as ``(index, name, reason)``, reason None
+  for the one taken.
   """
   ops = tuple(ops)
   params = tuple(params)
@@ -160,7 +168,12 @@ def run(ops, params, x, extras: dict, *, fuse: bool = True, implementation: str 
     chosen = None
     for fusion in fusions:
       window = ops[i:i + len(fusion.window)]
-      if fusion.matches(window) and fusion.condition(window, ctx) is None:
+      if not fusion.matches(window):
+        continue
+      reason = fusion.condition(window, ctx)
+      if log is not None:
+        log.append((i, fusion.name, reason))
+      if reason is None:
         chosen = fusion
         break
     if chosen is not None:
@@ -176,21 +189,6 @@ def run(ops, params, x, extras: dict, *, fuse: bool = True, implementation: str 
       plan.append(step)
     i += width
   return x, outputs
-
-
-def explain(ops, x, extras: dict, *, implementation: str | None = None) -> list:
-  """For every position and every fusion whose window matches there: (index, name, reason),
-  reason None when it applies. Useful to see why a fusion was refused."""
-  ops = tuple(ops)
-  implementation = implementation_lib.resolve(implementation)
-  ctx = Context(x=x, extras=extras, implementation=implementation)
-  rows = []
-  for i in range(len(ops)):
-    for fusion in registered_fusions():
-      window = ops[i:i + len(fusion.window)]
-      if fusion.matches(window):
-        rows.append((i, fusion.name, fusion.condition(window, ctx)))
-  return rows
 
 
 # --- helpers shared by conditions -------------------------------------------------------
@@ -321,15 +319,9 @@ def _grouped_mlp_condition(ops, ctx):
     ffn = act.out_features(fc1.features)
   except ValueError as e:
     return str(e)
-  scales = ctx.extras[act.scales]
-  scales_reason = None
-  if tuple(jnp.shape(scales)) != tuple(jnp.shape(ctx.x)[:-1]):
-    scales_reason = f"scales shape {jnp.shape(scales)} is not x's leading shape"
-  elif _dtype(scales) not in (_dtype(ctx.x), jnp.dtype(jnp.float32)):
-    scales_reason = f"scales dtype {_dtype(scales)} is neither float32 nor x's dtype"
   return _first_reason(_float_input(ctx.x),
                        _grouped_ffi_ok(ctx, (hidden, fc1.features, ffn, fc2.features)),
-                       scales_reason)
+                       _scales_ok(ctx, act))
 
 
 def _grouped_mlp_apply(ops, params, x, extras, ctx):

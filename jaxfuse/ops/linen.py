@@ -59,6 +59,11 @@ class Sequential(nn.Module):
     return sequential_lib.fusions(self.ops, x, fuse=self.fuse,
                                   implementation=self.implementation, **extras)
 
+  def explain(self, x, **extras):
+    """``[(op index, fusion name, reason or None), ...]``: why each fusion considered was
+    refused (None: taken)."""
+    return sequential_lib.explain(self.ops, x, implementation=self.implementation, **extras)
+
 
 _generated_init = Sequential.__init__
 

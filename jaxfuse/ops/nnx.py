@@ -46,3 +46,5 @@ class Sequential(nnx.Module):
     return sequential_lib.fusions(self.ops, x, fuse=self.fuse,
                                   implementation=self.implementation, **extras)
 
+  def explain(self, x, **extras):
+    return sequential_lib.explain(self.ops, x, implementation=self.implementation, **extras)

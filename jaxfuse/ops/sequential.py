@@ -60,20 +60,33 @@ def apply(ops, params, x, *, fuse: bool = True, implementation: str | None = Non
   return (y, outputs) if return_extra else y
 
 
-def fusion_plan(ops, x, *, fuse: bool = True, implementation: str | None = None, **extras):
-  """The steps a call would take, as a list of ``(name, op indices)``: a fusion's name for a
-  fused window, the op's class name for an op run alone. Traced abstractly (nothing runs);
-  x and extras may be arrays or ``jax.ShapeDtypeStruct``s."""
+def _trace(ops, x, extras, *, fuse, implementation, plan=None, log=None):
   ops = check_ops(ops)
-  plan = []
   in_features = jnp.shape(x)[-1]
 
   def trace(x, extras):
     params = init_params(ops, jax.random.key(0), in_features)
-    fuser.run(ops, params, x, extras, fuse=fuse, implementation=implementation, plan=plan)
+    fuser.run(ops, params, x, extras, fuse=fuse, implementation=implementation, plan=plan,
+              log=log)
 
   jax.eval_shape(trace, x, extras)
+
+
+def fusion_plan(ops, x, *, fuse: bool = True, implementation: str | None = None, **extras):
+  """The steps a call would take, as a list of ``(name, op indices)``: a fusion's name for a
+  fused window, the op's class name for an op run alone. Traced abstractly (nothing runs);
+  x and extras may be arrays or ``jax.ShapeDtypeStruct``s."""
+  plan = []
+  _trace(ops, x, extras, fuse=fuse, implementation=implementation, plan=plan)
   return plan
+
+
+def explain(ops, x, *, implementation: str | None = None, **extras):
+  """Why fusions were taken or refused: ``[(op index, fusion name, reason), ...]`` for every
+  fusion whose window matched where the scan looked; reason None for the one taken."""
+  log = []
+  _trace(ops, x, extras, fuse=True, implementation=implementation, log=log)
+  return log
 
 
 def fusions(ops, x, *, fuse: bool = True, implementation: str | None = None, **extras):

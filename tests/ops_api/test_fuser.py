@@ -138,10 +138,11 @@ def test_fusion_can_be_disabled():
   assert plan(LIN_SCALE_ADD, X16, residual=R32) == [("LinearScaleAdd", (0, 1, 2))]
   assert ops.Sequential(LIN_SCALE_ADD).fusions(X16, residual=R32) == [
       ("LinearScaleAdd", (0, 1, 2))]
-  reasons = {name: reason for _, name, reason in ops.explain(
-      (ops.Linear(32), ops.ConstantScale(0.5), ops.AddExtraInput()), jnp.zeros((4, 16)),
-      {"residual": jnp.zeros((4, 32))})}
-  assert reasons == {"LinearScaleAdd": "AddExtraInput.in_place is False", "LinearScale": None}
+  log = ops.Sequential((ops.Linear(32), ops.ConstantScale(0.5), ops.AddExtraInput(),
+                        ops.RMSNorm())).explain(X16, residual=R32)
+  assert log == [(0, "LinearScaleAdd", "AddExtraInput.in_place is False"),
+                 (0, "LinearScale", None),
+                 (2, "AddRMSNorm", None)]
 
 
 def test_errors():
@@ -163,9 +164,10 @@ def _random_tree(rng, tree, dtype):
   return jax.tree.map(lambda a: helpers.random_array(rng, a.shape, dtype), tree)
 
 
-def _compare(op_list, x, extras, dtype, *, fusions, diff_extras, atol_scale=1.0):
+def _compare(op_list, x, extras, dtype, *, fusions, diff_extras, atol_scale=1.0,
+             implementation="ffi"):
   """Forward values, extra outputs and gradients (params, x, float extras) agree."""
-  fused = ops.Sequential(op_list, implementation="ffi", return_extra=True)
+  fused = ops.Sequential(op_list, implementation=implementation, return_extra=True)
   reference = fused.clone(fuse=False)
   assert fused.fusions(x, **extras) == fusions
   params = fused.init(jax.random.key(1), x, **extras)
@@ -228,16 +230,19 @@ def _routing(rng, groups, rows):
   return jnp.asarray(sizes, jnp.int32)
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "srelu"])
-def test_grouped_mlp_matches_unfused(activation):
+@pytest.mark.parametrize("activation,implementation,dtype",
+                         [("swiglu", "ffi", BF16), ("srelu", "ffi", BF16),
+                          ("clamped_swiglu", "xla", F32)])
+def test_grouped_mlp_matches_unfused(activation, implementation, dtype):
   rng = np.random.default_rng(2)
-  x = helpers.random_array(rng, (M, H), BF16)
+  x = helpers.random_array(rng, (M, H), dtype)
   scales = jnp.asarray(rng.uniform(0.2, 1.0, M), F32)
-  width = 2 * FFN if activation == "swiglu" else FFN
+  width = FFN if activation == "srelu" else 2 * FFN
   op_list = (ops.GroupedLinear(G, width), ops.ScaledActivation(activation),
              ops.GroupedLinear(G, H))
-  _compare(op_list, x, dict(scales=scales, group_sizes=_routing(rng, G, M)), BF16,
-           diff_extras=("scales",), fusions=[("GroupedMLP", (0, 1, 2))])
+  _compare(op_list, x, dict(scales=scales, group_sizes=_routing(rng, G, M)), dtype,
+           diff_extras=("scales",), fusions=[("GroupedMLP", (0, 1, 2))],
+           implementation=implementation)
 
 
 def test_activation_grouped_linear_matches_unfused():
@@ -249,17 +254,18 @@ def test_activation_grouped_linear_matches_unfused():
            diff_extras=("scales",), fusions=[("ScaledActivationGroupedLinear", (0, 1))])
 
 
-def test_activation_quantize_grouped_linear_matches_unfused():
+@pytest.mark.parametrize("implementation,dtype", [("ffi", BF16), ("xla", F32)])
+def test_activation_quantize_grouped_linear_matches_unfused(implementation, dtype):
   rng = np.random.default_rng(4)
-  x = helpers.random_array(rng, (M, 2 * FFN), BF16)
+  x = helpers.random_array(rng, (M, 2 * FFN), dtype)
   scales = jnp.asarray(rng.uniform(0.2, 1.0, M), F32)
   op_list = (ops.ScaledActivation(), ops.Quantize(Float8CurrentScaling(per_group=True)),
              ops.GroupedLinear(G, H))
   # The fused kernel quantizes the fp32 activation, the unfused op its bf16 rounding: an
   # element may land one E4M3 step away, but summed over FFN terms the difference stays
   # within bf16's budget relative to the largest output.
-  _compare(op_list, x, dict(scales=scales, group_sizes=_routing(rng, G, M)), BF16,
-           diff_extras=("scales",), atol_scale=1.0,
+  _compare(op_list, x, dict(scales=scales, group_sizes=_routing(rng, G, M)), dtype,
+           diff_extras=("scales",), atol_scale=1.0, implementation=implementation,
            fusions=[("ScaledActivationQuantizeGroupedLinear", (0, 1, 2))])
 
 
@@ -369,13 +375,16 @@ def test_row_parallel_linear_in_shard_map():
              ops.AddExtraInput(in_place=True))
   kernel = helpers.random_array(rng, (16, 32), F32)
 
-  def local(x, kernel, residual):
-    return ops.sequential.apply(op_list, ({"kernel": kernel}, {}, {}), x,
-                                implementation="ffi", residual=residual)
+  log = []
 
-  reasons = {name: reason for _, name, reason in ops.explain(op_list, x, {"residual": residual})}
-  assert "row tensor-parallel" in reasons["LinearScaleAdd"] and reasons["LinearScale"] is None
+  def local(x, kernel, residual):
+    y, _ = ops.fuser.run(op_list, ({"kernel": kernel}, {}, {}), x, {"residual": residual},
+                         implementation="ffi", log=log)
+    return y
+
   y = jax.jit(compat.shard_map(local, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None), P()),
                                out_specs=P()))(x, kernel, residual)
   expected = helpers.as_f64(residual) + 0.5 * helpers.as_f64(x) @ helpers.as_f64(kernel)
   helpers.assert_close(y, expected, F32)
+  reasons = dict((name, reason) for _, name, reason in log)
+  assert "row tensor-parallel" in reasons["LinearScaleAdd"] and reasons["LinearScale"] is None

@@ -31,6 +31,7 @@ from jaxfuse.ops.fuser import Fusion
 from jaxfuse.ops.fuser import fusion_disabled
 from jaxfuse.ops.fuser import register_fusion
 from jaxfuse.ops.fuser import registered_fusions
+from jaxfuse.ops.fuser import unregister_fusion
 from jaxfuse.ops.linear_scale import linear_scale
 from jaxfuse.ops.linen import Sequential
 from jaxfuse.ops.sequential import explain
@@ -41,4 +42,4 @@ __all__ = ["AddExtraInput", "BasicOp", "ConstantScale", "Fusion", "GroupedLinear
            "Quantize", "RMSNorm", "ScaledActivation", "Sequential", "explain", "fuser",
            "fusion_disabled", "fusion_plan", "fusions", "linear_scale", "linen", "nnx",
            "register_fusion",
-           "registered_fusions", "sequential"]
+           "registered_fusions", "sequential", "unregister_fusion"]

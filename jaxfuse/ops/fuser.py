@@ -105,6 +105,13 @@ def register_fusion(fusion: Fusion) -> Fusion:
   return fusion
 
 
+def unregister_fusion(name: str) -> None:
+  """Removes a registered fusion by name (KeyError if there is none)."""
+  if not any(f.name == name for f in _REGISTRY):
+    raise KeyError(f"no fusion named {name!r}; registered: {[f.name for f in _REGISTRY]}")
+  _REGISTRY[:] = [f for f in _REGISTRY if f.name != name]
+
+
 def registered_fusions() -> tuple[Fusion, ...]:
   """The fusions in the order the scan tries them (longest window first)."""
   order = {id(f): i for i, f in enumerate(_REGISTRY)}

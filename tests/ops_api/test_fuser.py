@@ -145,6 +145,26 @@ def test_fusion_can_be_disabled():
                  (2, "AddRMSNorm", None)]
 
 
+def test_user_registered_fusion():
+  """A fusion registered by the user: two constant scales folded into one."""
+  def apply(op_list, params, x, extras, ctx):
+    return ops.ConstantScale(op_list[0].scale * op_list[1].scale).apply({}, x, extras)
+
+  ops.register_fusion(ops.Fusion(
+      "ScaleScale", (ops.ConstantScale, ops.ConstantScale),
+      lambda op_list, ctx: None if op_list[1].scale != 0 else "zero scale", apply))
+  try:
+    seq = ops.Sequential((ops.ConstantScale(2.0), ops.ConstantScale(3.0), ops.ConstantScale(0.0)))
+    assert seq.fusions(X16) == [("ScaleScale", (0, 1))]
+    x = jnp.arange(6.0).reshape(2, 3)
+    np.testing.assert_allclose(seq.apply({}, x), 0.0 * x)
+    assert ops.Sequential(seq.ops[1:]).fusions(X16) == []  # condition: zero scale
+  finally:
+    ops.unregister_fusion("ScaleScale")
+  assert ops.Sequential(seq.ops).fusions(X16) == []
+  assert "ScaleScale" not in [f.name for f in ops.registered_fusions()]
+
+
 def test_errors():
   seq = ops.Sequential(LIN_SCALE_ADD)
   with pytest.raises(ValueError, match="missing extra inputs"):

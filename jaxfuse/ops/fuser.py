@@ -1,0 +1,462 @@
+"""The operation fuser: a registry of fusions and the trace-time scan over a sequence of ops.
+
+A fusion declares
+
+* ``window``: the op types it matches, in order (``isinstance`` per position);
+* ``condition(ops, ctx)``: ``None`` when it applies to this window and these inputs, or a
+  short reason why not (e.g. "AddExtraInput.in_place is False");
+* ``apply(ops, params, x, extras, ctx)``: the fused computation, returning
+  ``(y, extra_outputs)``; forward and backward are the fused jaxfuse op's custom_vjp.
+
+``run`` scans the sequence left to right. At each position it tries the registered
+fusions, longest window first (then registration order), and takes the first whose window
+matches and whose condition holds; otherwise the op runs unfused. Conditions see the
+actual (traced) input of the window, so shape and dtype conditions are checked at trace
+time. The plan therefore depends on the input's shapes and dtypes, never on its values.
+
+Registered fusions (``registered_fusions()``):
+
+* ``GroupedMLP`` [GroupedLinear, ScaledActivation, GroupedLinear] -> ``jaxfuse.grouped_mlp``.
+  This is how the FC1 -> activation pair gets its backward fusion (dact fused with FC1's
+  backward): grouped_mlp's custom_vjp owns both GEMM pairs and the activation, with one
+  set of group offsets. A lone [GroupedLinear, ScaledActivation] pair is not fused.
+* ``LinearScaleAdd`` [Linear, ConstantScale, AddExtraInput] -> ``jaxfuse.linear_scale_add``
+  (TE's ForwardLinearScaleAdd + BackwardLinearScale): only when the add is in place and
+  the linear is not row tensor-parallel.
+* ``ScaledActivationQuantizeGroupedLinear`` [ScaledActivation, Quantize, GroupedLinear]:
+  activation and per-group FP8 quantization in one kernel
+  (``jaxfuse.scaled_activation_quantize``), feeding the grouped GEMM with the same group
+  offsets. Only Float8CurrentScaling(per_group=True) reading the GroupedLinear's group sizes.
+* ``LinearScale`` [Linear, ConstantScale] -> ``jaxfuse.ops.linear_scale`` (alpha in the
+  epilogue of the forward, dgrad and wgrad GEMMs: TE's BackwardLinearScale).
+* ``AddRMSNorm`` [AddExtraInput, RMSNorm] -> ``jaxfuse.add_rms_norm``; the new residual
+  is the add's extra output.
+* ``ScaledActivationGroupedLinear`` [ScaledActivation, GroupedLinear] -> the scaled
+  activation kernel feeding ``grouped_linear_with_offsets`` (offsets from
+  ``jaxfuse.group_offsets``, reused by the backward pass).
+
+Fusion can be switched off per Sequential (``fuse=False``) or for a block of code with
+``with jaxfuse.ops.fusion_disabled(): ...`` (read at trace time); ``jaxfuse.ops.explain``
+lists, for each fusion considered, why it was refused.
+
+Limitation: the ScaledActivationQuantizeGroupedLinear custom_vjp does not track
+shard_map's varying axes (use it outside shard_map or with sharded operands only), and it
+feeds the dequantized activation to the 16-bit grouped GEMM: the FP8 grouped GEMM exists
+at the FFI level on CUDA only and is not wired in yet (CPU has no FP8 grouped handler).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse._src import compat
+from jaxfuse._src import implementation as implementation_lib
+from jaxfuse._src.ops.group_offsets import api as offsets_api
+from jaxfuse._src.ops.grouped_linear import api as grouped_linear_api
+from jaxfuse._src.ops.grouped_linear import reference as grouped_linear_reference
+from jaxfuse._src.ops.grouped_mlp import api as grouped_mlp_api
+from jaxfuse._src.ops.linear_scale_add import api as linear_scale_add_api
+from jaxfuse._src.ops.quantize import api as quantize_api
+from jaxfuse._src.ops.rms_norm import api as rms_norm_api
+from jaxfuse._src.ops.scaled_activation import api as activation_api
+from jaxfuse.ops import basic
+from jaxfuse.ops.linear_scale import linear_scale
+
+_FLOAT = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What a fusion's condition and apply see besides the ops: the window's input x (a
+  tracer or an array), the Sequential's extra inputs and the resolved implementation."""
+  x: Any
+  extras: dict
+  implementation: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+  name: str
+  window: tuple
+  condition: Callable[[tuple, Context], str | None]
+  apply: Callable
+  description: str = ""
+
+  def matches(self, ops) -> bool:
+    return len(ops) == len(self.window) and all(
+        isinstance(op, kind) for op, kind in zip(ops, self.window))
+
+
+_REGISTRY: list[Fusion] = []
+
+
+def register_fusion(fusion: Fusion) -> Fusion:
+  """Adds a fusion (replacing one of the same name). Longer windows are tried first."""
+  _REGISTRY[:] = [f for f in _REGISTRY if f.name != fusion.name]
+  _REGISTRY.append(fusion)
+  return fusion
+
+
+def unregister_fusion(name: str) -> None:
+  """Removes a registered fusion by name (KeyError if there is none)."""
+  if not any(f.name == name for f in _REGISTRY):
+    raise KeyError(f"no fusion named {name!r}; registered: {[f.name for f in _REGISTRY]}")
+  _REGISTRY[:] = [f for f in _REGISTRY if f.name != name]
+
+
+def registered_fusions() -> tuple[Fusion, ...]:
+  """The fusions in the order the scan tries them (longest window first)."""
+  order = {id(f): i for i, f in enumerate(_REGISTRY)}
+  return tuple(sorted(_REGISTRY, key=lambda f: (-len(f.window), order[id(f)])))
+
+
+_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def fusion_disabled():
+  """Within this block (at trace time) every Sequential runs its ops unfused."""
+  previous = getattr(_STATE, "disabled", False)
+  _STATE.disabled = True
+  try:
+    yield
+  finally:
+    _STATE.disabled = previous
+
+
+def fusion_is_disabled() -> bool:
+  return getattr(_STATE, "disabled", False)
+
+
+# --- the scan ---------------------------------------------------------------------------
+
+
+def check_extras(ops, extras: dict) -> None:
+  needed = {name for op in ops for name in op.extra_inputs}
+  unknown = sorted(set(extras) - needed)
+  if unknown:
+    raise ValueError(f"unexpected extra inputs {unknown}: the ops read {sorted(needed)}")
+  missing = sorted(needed - set(extras))
+  if missing:
+    raise ValueError(f"missing extra inputs {missing}: pass them as keyword arguments, "
+                     f"e.g. seq(x, {missing[0]}=...)")
+
+
+def run(ops, params, x, extras: dict, *, fuse: bool = True, implementation: str | None = None,
+        plan: list | None = None, log: list | None = None):
+  """Applies ops (fused where a fusion applies) to x; returns (y, extra_outputs).
+
+  params: one dict per op (``{}`` for ops without parameters). When ``plan`` is a list,
+  the steps taken are appended to it as ``(name, indices)``: a fusion's name or, for an
+  op run alone, its class name. When ``log`` is a list, every fusion whose window matched
+  at a position the scan visited is appended as ``(index, name, reason)``, reason None
+  for the one taken.
+  """
+  ops = tuple(ops)
+  params = tuple(params)
+  if len(params) != len(ops):
+    raise ValueError(f"got {len(params)} parameter dicts for {len(ops)} ops")
+  check_extras(ops, extras)
+  implementation = implementation_lib.resolve(implementation)
+  fuse = fuse and not fusion_is_disabled()
+  fusions = registered_fusions() if fuse else ()
+  outputs = {}
+  i = 0
+  while i < len(ops):
+    ctx = Context(x=x, extras=extras, implementation=implementation)
+    chosen = None
+    for fusion in fusions:
+      window = ops[i:i + len(fusion.window)]
+      if not fusion.matches(window):
+        continue
+      reason = fusion.condition(window, ctx)
+      if log is not None:
+        log.append((i, fusion.name, reason))
+      if reason is None:
+        chosen = fusion
+        break
+    if chosen is not None:
+      width = len(chosen.window)
+      x, out = chosen.apply(ops[i:i + width], params[i:i + width], x, extras, ctx)
+      step = (chosen.name, tuple(range(i, i + width)))
+    else:
+      width = 1
+      x, out = ops[i].apply(params[i], x, extras)
+      step = (type(ops[i]).__name__, (i,))
+    outputs.update(out)
+    if plan is not None:
+      plan.append(step)
+    i += width
+  return x, outputs
+
+
+# --- helpers shared by conditions -------------------------------------------------------
+
+
+def _dtype(value):
+  return jnp.dtype(value.dtype)
+
+
+def _float_input(x) -> str | None:
+  if _dtype(x) not in _FLOAT:
+    return f"x dtype {_dtype(x)} is not float32/bfloat16/float16"
+  return None
+
+
+def _grouped_ffi_ok(ctx: Context, widths) -> str | None:
+  """jaxfuse's grouped GEMM kernels take 16-bit inputs with widths a multiple of 8."""
+  if jnp.ndim(ctx.x) != 2:
+    return f"grouped ops need x of rank 2 ([M, K]), got shape {jnp.shape(ctx.x)}"
+  if ctx.implementation != "ffi":
+    return None
+  if _dtype(ctx.x) not in _HALF:
+    return f"the grouped GEMM kernels take bfloat16/float16, x is {_dtype(ctx.x)}"
+  for width in widths:
+    if width % 8:
+      return f"the grouped GEMM kernels need widths that are multiples of 8, got {width}"
+  return None
+
+
+def _scales_ok(ctx: Context, act: basic.ScaledActivation) -> str | None:
+  scales = ctx.extras[act.scales]
+  if tuple(jnp.shape(scales)) != tuple(jnp.shape(ctx.x)[:-1]):
+    return f"scales shape {jnp.shape(scales)} is not x's leading shape"
+  if _dtype(scales) not in (_dtype(ctx.x), jnp.dtype(jnp.float32)):
+    return f"scales dtype {_dtype(scales)} is neither float32 nor x's dtype"
+  return None
+
+
+def _first_reason(*reasons):
+  return next((r for r in reasons if r is not None), None)
+
+
+def _kernel(params, x):
+  return params["kernel"].astype(x.dtype)
+
+
+def _act_kwargs(act: basic.ScaledActivation) -> dict:
+  return dict(limit=act.limit, alpha=act.alpha, linear_offset=act.linear_offset)
+
+
+# --- LinearScaleAdd ---------------------------------------------------------------------
+
+
+def _linear_scale_add_condition(ops, ctx):
+  linear, _, add = ops
+  if not add.in_place:
+    return "AddExtraInput.in_place is False"
+  if linear.tensor_parallel == "row":
+    return "row tensor-parallel linear (its output is reduced before the add)"
+  residual = ctx.extras[add.name]
+  expected = (*jnp.shape(ctx.x)[:-1], linear.features)
+  if tuple(jnp.shape(residual)) != expected:
+    return f"residual shape {jnp.shape(residual)} is not the linear's output shape {expected}"
+  if _dtype(residual) not in (_dtype(ctx.x), jnp.dtype(jnp.float32)):
+    return f"residual dtype {_dtype(residual)} is neither x's dtype nor float32"
+  return _float_input(ctx.x)
+
+
+def _linear_scale_add_apply(ops, params, x, extras, ctx):
+  _, scale, add = ops
+  y = linear_scale_add_api.linear_scale_add(x, _kernel(params[0], x), extras[add.name],
+                                            float(scale.scale),
+                                            implementation=ctx.implementation)
+  return y, {add.name: y}
+
+
+# --- LinearScale (BackwardLinearScale) --------------------------------------------------
+
+
+def _linear_scale_condition(ops, ctx):
+  return _first_reason(_float_input(ctx.x),
+                       None if jnp.ndim(ctx.x) >= 1 else "x must have rank >= 1")
+
+
+def _linear_scale_apply(ops, params, x, extras, ctx):
+  linear, scale = ops
+  y = linear_scale(x, _kernel(params[0], x), float(scale.scale),
+                   implementation=ctx.implementation)
+  return linear.reduce(y), {}
+
+
+# --- AddRMSNorm -------------------------------------------------------------------------
+
+
+def _add_rms_norm_condition(ops, ctx):
+  add, _ = ops
+  residual = ctx.extras[add.name]
+  if tuple(jnp.shape(residual)) != tuple(jnp.shape(ctx.x)):
+    return f"residual shape {jnp.shape(residual)} differs from x's {jnp.shape(ctx.x)}"
+  if _dtype(residual) != _dtype(ctx.x):
+    return f"residual dtype {_dtype(residual)} differs from x's {_dtype(ctx.x)}"
+  return _first_reason(_float_input(ctx.x),
+                       None if jnp.ndim(ctx.x) >= 1 else "x must have rank >= 1")
+
+
+def _add_rms_norm_apply(ops, params, x, extras, ctx):
+  add, norm = ops
+  gamma = params[1]["gamma"]
+  if _dtype(gamma) not in (_dtype(x), jnp.dtype(jnp.float32)):
+    gamma = gamma.astype(jnp.float32)
+  y, new_residual = rms_norm_api.add_rms_norm(
+      x, extras[add.name], gamma, float(norm.eps),
+      zero_centered_gamma=bool(norm.zero_centered_gamma), implementation=ctx.implementation)
+  return y, {add.name: new_residual}
+
+
+# --- grouped fusions ----------------------------------------------------------------------
+
+
+def _grouped_mlp_condition(ops, ctx):
+  fc1, act, fc2 = ops
+  if fc1.group_sizes != fc2.group_sizes:
+    return "the two GroupedLinear ops read different group sizes"
+  if fc1.num_groups != fc2.num_groups:
+    return "the two GroupedLinear ops have different numbers of groups"
+  hidden = jnp.shape(ctx.x)[-1] if jnp.ndim(ctx.x) else 0
+  try:
+    ffn = act.out_features(fc1.features)
+  except ValueError as e:
+    return str(e)
+  return _first_reason(_float_input(ctx.x),
+                       _grouped_ffi_ok(ctx, (hidden, fc1.features, ffn, fc2.features)),
+                       _scales_ok(ctx, act))
+
+
+def _grouped_mlp_apply(ops, params, x, extras, ctx):
+  fc1, act, fc2 = ops
+  y = grouped_mlp_api.grouped_mlp(x, _kernel(params[0], x), _kernel(params[2], x),
+                                  extras[fc1.group_sizes], extras[act.scales], act.activation,
+                                  implementation=ctx.implementation, **_act_kwargs(act))
+  return y, {}
+
+
+def _activation_grouped_linear_condition(ops, ctx):
+  act, linear = ops
+  reason = _first_reason(_float_input(ctx.x),
+                         None if jnp.ndim(ctx.x) == 2 else "x must be [M, K]")
+  if reason:
+    return reason
+  try:
+    width = act.out_features(jnp.shape(ctx.x)[-1])
+  except ValueError as e:
+    return str(e)
+  return _first_reason(_grouped_ffi_ok(ctx, (width, linear.features)), _scales_ok(ctx, act))
+
+
+def _activation_grouped_linear_apply(ops, params, x, extras, ctx):
+  act, linear = ops
+  scales, sizes = extras[act.scales], extras[linear.group_sizes]
+  kernel = _kernel(params[1], x)
+  if ctx.implementation == "xla":
+    h = activation_api.scaled_activation(x, scales, act.activation, implementation="xla",
+                                         **_act_kwargs(act))
+    return grouped_linear_reference.grouped_linear(h, kernel, sizes), {}
+  offsets = offsets_api.group_offsets(sizes, implementation="ffi")
+  h = activation_api.scaled_activation(x, scales, act.activation, implementation="ffi",
+                                       **_act_kwargs(act))
+  varying_axes = tuple(compat.varying_axes(a) for a in (h, kernel, offsets))
+  return grouped_linear_api.grouped_linear_with_offsets(h, kernel, offsets, varying_axes), {}
+
+
+def _activation_quantize_grouped_linear_condition(ops, ctx):
+  from jaxfuse.quantization import Float8CurrentScaling  # pylint: disable=g-import-not-at-top
+  act, quant, linear = ops
+  recipe = quant.recipe
+  if not (isinstance(recipe, Float8CurrentScaling) and recipe.per_group):
+    return f"the Quantize recipe is not Float8CurrentScaling(per_group=True): {recipe!r}"
+  if quant.group_sizes != linear.group_sizes:
+    return "Quantize and GroupedLinear read different group sizes"
+  return _activation_grouped_linear_condition((act, linear), ctx)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _act_quant_grouped_linear(x, scales, kernel, offsets, act, recipe, implementation):
+  return _aqgl_forward(x, scales, kernel, offsets, act, recipe, implementation)[0]
+
+
+def _aqgl_forward(x, scales, kernel, offsets, act, recipe, implementation):
+  q = quantize_api.scaled_activation_quantize(
+      x, scales, activation=act.activation, recipe=recipe, group_offsets=offsets,
+      implementation=implementation, **_act_kwargs(act))
+  h = quantize_api.dequantize(q).astype(x.dtype)
+  if implementation == "xla":
+    y = grouped_linear_reference.grouped_linear(
+        h, kernel, jnp.diff(offsets))
+  else:
+    y = grouped_linear_api.ffi.grouped_gemm(h, kernel, offsets,
+                                            form=grouped_linear_api.ffi.FORWARD)
+  return y, (x, scales, kernel, offsets, h)
+
+
+def _aqgl_backward(act, recipe, implementation, saved, dy):
+  del recipe
+  x, scales, kernel, offsets, h = saved
+  dy = dy.astype(x.dtype)
+  if implementation == "xla":
+    _, gemm_vjp = jax.vjp(
+        lambda a, w: grouped_linear_reference.grouped_linear(a, w, jnp.diff(offsets)), h, kernel)
+    dh, d_kernel = gemm_vjp(dy)
+    _, act_vjp = jax.vjp(lambda a, s: activation_api.scaled_activation(
+        a, s, act.activation, implementation="xla", **_act_kwargs(act)), x, scales)
+    dx, d_scales = act_vjp(dh)
+  else:
+    ffi = grouped_linear_api.ffi
+    dh = ffi.grouped_gemm(dy, kernel, offsets, form=ffi.DGRAD)
+    d_kernel = ffi.grouped_gemm(h, dy, offsets, form=ffi.WGRAD)
+    # The activation's gradient is straight-through the quantization (as the unfused
+    # Quantize op): the fused dact kernel at x with the dequantized activation's cotangent.
+    dx, d_scales = activation_api._backward(  # pylint: disable=protected-access
+        act.activation, act.limit, act.alpha, act.linear_offset,
+        (frozenset(), frozenset()), (x, scales), dh)
+  return dx, d_scales, d_kernel, None
+
+
+_act_quant_grouped_linear.defvjp(_aqgl_forward, _aqgl_backward)
+
+
+def _activation_quantize_grouped_linear_apply(ops, params, x, extras, ctx):
+  act, quant, linear = ops
+  kernel = _kernel(params[2], x)
+  offsets = offsets_api.group_offsets(extras[linear.group_sizes],
+                                      implementation=ctx.implementation)
+  y = _act_quant_grouped_linear(x, extras[act.scales], kernel, offsets, act, quant.recipe,
+                                ctx.implementation)
+  return y, {}
+
+
+# --- registration -------------------------------------------------------------------------
+
+register_fusion(Fusion(
+    "GroupedMLP", (basic.GroupedLinear, basic.ScaledActivation, basic.GroupedLinear),
+    _grouped_mlp_condition, _grouped_mlp_apply,
+    "FC1 -> scaled activation -> FC2 as jaxfuse.grouped_mlp (one custom_vjp, shared offsets)"))
+register_fusion(Fusion(
+    "LinearScaleAdd", (basic.Linear, basic.ConstantScale, basic.AddExtraInput),
+    _linear_scale_add_condition, _linear_scale_add_apply,
+    "TE ForwardLinearScaleAdd / BackwardLinearScale: jaxfuse.linear_scale_add"))
+register_fusion(Fusion(
+    "ScaledActivationQuantizeGroupedLinear",
+    (basic.ScaledActivation, basic.Quantize, basic.GroupedLinear),
+    _activation_quantize_grouped_linear_condition, _activation_quantize_grouped_linear_apply,
+    "fused activation + per-group FP8 quantization feeding the grouped GEMM"))
+register_fusion(Fusion(
+    "LinearScale", (basic.Linear, basic.ConstantScale),
+    _linear_scale_condition, _linear_scale_apply,
+    "TE BackwardLinearScale: alpha in the epilogues of the forward, dgrad and wgrad GEMMs"))
+register_fusion(Fusion(
+    "AddRMSNorm", (basic.AddExtraInput, basic.RMSNorm),
+    _add_rms_norm_condition, _add_rms_norm_apply,
+    "residual add + RMSNorm as jaxfuse.add_rms_norm (new residual as an extra output)"))
+register_fusion(Fusion(
+    "ScaledActivationGroupedLinear", (basic.ScaledActivation, basic.GroupedLinear),
+    _activation_grouped_linear_condition, _activation_grouped_linear_apply,
+    "scaled activation kernel feeding the grouped GEMM (offsets computed once)"))

@@ -217,3 +217,31 @@ def test_errors(recipe, shapes_, match, implementation):
     jaxfuse.grouped_linear(jnp.ones(x_shape, jnp.bfloat16), jnp.ones(k_shape, jnp.bfloat16),
                            jnp.ones((2,), jnp.int32), recipe=recipe,
                            implementation=implementation)
+
+
+def test_shard_map_tokens_sharded_kernel_replicated():
+  """Per-device tokens and sizes; the replicated kernel's gradient is summed over devices.
+  FFI vs the FP8 reference: same forward (bf16-level), gradients within FP8 accuracy (the
+  FFI dgrad quantizes dy, the reference's gradients are straight-through)."""
+  from jax.sharding import Mesh, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jaxfuse._src import compat  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices("cpu")), ("data",))
+  devices = mesh.devices.size
+  m_local, k, n, groups = 32, 32, 16, 3
+  x, kernel = make_inputs(18, m_local * devices, k, n, groups, jnp.bfloat16)
+  rng = np.random.default_rng(19)
+  sizes = jnp.asarray(np.stack([rng.multinomial(m_local - 2, np.ones(groups) / groups)
+                                for _ in range(devices)]).astype(np.int32))
+
+  def layer(implementation):
+    f = lambda x, w, s: fp8_linear(implementation)(x, w, s[0])
+    return compat.shard_map(f, mesh=mesh, in_specs=(P("data"), P(), P("data")),
+                            out_specs=P("data"))
+
+  out = jax.jit(layer("ffi"))(x, kernel, sizes)
+  assert_bf16_close(out, jax.jit(layer("xla"))(x, kernel, sizes))
+  loss = lambda impl: lambda x, w: jnp.sum(jnp.sin(layer(impl)(x, w, sizes).astype(jnp.float32)))
+  got = jax.jit(jax.grad(loss("ffi"), argnums=(0, 1)))(x, kernel)
+  want = jax.jit(jax.grad(loss("xla"), argnums=(0, 1)))(x, kernel)
+  for name, g, w in zip(("dx", "dkernel"), got, want):
+    assert relative_error(g, w) < 0.1, name

@@ -4,6 +4,11 @@ Forward (x_g @ W_g), dgrad (dy_g @ W_g^T) and wgrad (x_g^T @ dy_g) TFLOP/s, bf16
 issue's cases, plus a dense bf16 GEMM of the same total size through XLA as the ceiling,
 all in one process on one GPU. FLOPs count routed rows only: 2 * sum(sizes) * K * N.
 
+FP8 rows (precision "fp8"): the FP8 grouped GEMM on pre-quantized E4M3 operands (fwd:
+x [m, K] x w^T [G, N, K]; dgrad: E5M2 dy x E4M3 w [G, K, N]), and "op fwd" / "op fwd+bwd":
+jaxfuse.grouped_linear with recipe=Float8CurrentScaling(per_group=True), quantization
+included, against the bf16 op (precision "bf16", same rows). There is no FP8 wgrad.
+
     python -m benchmarks.bench_grouped_linear [--quick]
 """
 
@@ -36,6 +41,39 @@ def jaxfuse_steps(x, w, dy, offsets):
   wgrad = jax.jit(lambda x, dy, o: grouped_ffi.grouped_gemm(x, dy, o, form=grouped_ffi.WGRAD))
   return {"fwd": (fwd, (x, w, offsets)), "dgrad": (dgrad, (dy, w, offsets)),
           "wgrad": (wgrad, (x, dy, offsets))}
+
+
+def fp8_steps(x, w, dy, offsets):
+  """{form: (fn, args)} for the FP8 GEMMs on pre-quantized operands and the whole op."""
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from jaxfuse._src.ops.grouped_linear import reference as grouped_reference
+  recipe = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
+  x_q, x_s = grouped_reference.quantize_rows(x, recipe, offsets, "forward", "ffi")
+  dy_q, dy_s = grouped_reference.quantize_rows(dy, recipe, offsets, "gradient", "ffi")
+  w_t_q, w_s = grouped_reference.quantize_experts_t(w, recipe, "ffi")
+  w_q = jnp.swapaxes(w_t_q, 1, 2)
+  gemm = lambda form: jax.jit(lambda a, b, o, sa, sb: grouped_ffi.grouped_gemm(
+      a, b, o, form=form, a_scale_inv=sa, b_scale_inv=sb))
+  sizes = jnp.diff(offsets)
+
+  def op(recipe_):
+    def fwd(x, w, s):
+      return jaxfuse.grouped_linear(x, w, s, recipe=recipe_, implementation="ffi")
+    def fwd_bwd(x, w, s, dy):
+      out, vjp = jax.vjp(lambda x, w: fwd(x, w, s), x, w)
+      return out, vjp(dy)
+    return jax.jit(fwd), jax.jit(fwd_bwd)
+
+  fp8_fwd, fp8_fwd_bwd = op(recipe)
+  bf16_fwd, bf16_fwd_bwd = op(None)
+  return {
+      ("fp8", "fwd"): (gemm(grouped_ffi.FORWARD), (x_q, w_t_q, offsets, x_s, w_s)),
+      ("fp8", "dgrad"): (gemm(grouped_ffi.DGRAD), (dy_q, w_q, offsets, dy_s, w_s)),
+      ("fp8", "op fwd"): (fp8_fwd, (x, w, sizes)),
+      ("fp8", "op fwd+bwd"): (fp8_fwd_bwd, (x, w, sizes, dy)),
+      ("bf16", "op fwd"): (bf16_fwd, (x, w, sizes)),
+      ("bf16", "op fwd+bwd"): (bf16_fwd_bwd, (x, w, sizes, dy)),
+  }
 
 
 def ragged_dot_steps(x, w, dy, sizes):
@@ -110,10 +148,18 @@ def main():
       results["jaxfuse"][form] = time_jax(fn, fn_args, calls)
     for form, (fn, fn_args) in ragged_dot_steps(x, w, dy, sizes_array).items():
       results["ragged_dot"][form] = time_jax(fn, fn_args, max(3, calls // 4))
+    fp8_ms = {}
+    for (precision, form), (fn, fn_args) in fp8_steps(x, w, dy, offsets).items():
+      try:
+        fp8_ms[precision, form] = time_jax(fn, fn_args, calls)
+      except Exception as error:  # report, keep the bf16 rows
+        print(f"{precision} {form} failed: {type(error).__name__}: {str(error)[:200]}")
+        fp8_ms[precision, form] = None
     del x, w, dy
     results["torch"] = torch_times(sizes, calls)
     for form in FORMS:
-      row = {"case": name, "groups": g, "rows": m, "K": K, "N": N, "form": form}
+      row = {"case": name, "groups": g, "rows": m, "K": K, "N": N, "form": form,
+             "precision": "bf16"}
       for impl, times in results.items():
         ms = times[form]
         row[f"{impl}_ms"] = ms
@@ -122,7 +168,18 @@ def main():
       row["jaxfuse_vs_torch"] = (row["torch_ms"] / row["jaxfuse_ms"]) if row["torch_ms"] else None
       rows.append(row)
       print(row, flush=True)
-  common.print_table(rows, ["case", "form", "jaxfuse_tflops", "torch_tflops",
+    for (precision, form), ms in fp8_ms.items():
+      passes = 3 if form == "op fwd+bwd" else 1
+      row = {"case": name, "groups": g, "rows": m, "K": K, "N": N, "form": form,
+             "precision": precision, "jaxfuse_ms": ms,
+             "jaxfuse_tflops": passes * flops / (ms * 1e-3) / 1e12 if ms else None}
+      bf16_ms = (results["jaxfuse"].get(form) if form in FORMS
+                 else fp8_ms.get(("bf16", form)))
+      row["fp8_speedup"] = bf16_ms / ms if precision == "fp8" and ms and bf16_ms else None
+      rows.append(row)
+      print(row, flush=True)
+  common.print_table(rows, ["case", "form", "precision", "jaxfuse_tflops", "fp8_speedup",
+                            "torch_tflops",
                             "ragged_dot_tflops", "jaxfuse_vs_dense", "jaxfuse_vs_torch"])
   common.write_results("grouped_linear", rows, dtype="bfloat16", dense_xla_tflops=dense_tflops,
                        baselines="jax.lax.ragged_dot (XLA) and torch._grouped_mm, same run")

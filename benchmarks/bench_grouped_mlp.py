@@ -2,6 +2,9 @@
 jaxfuse.grouped_mlp vs a jax.lax.ragged_dot + jnp composition vs a torch._grouped_mm
 composition, in one process on one GPU.
 
+jaxfuse_fp8_* columns: the same op with recipe=Float8CurrentScaling(per_group=True)
+(quantization kernels included; FP8 forward GEMMs and dgrads, 16-bit wgrads).
+
 Cases: the issue's T=65536, H=F=2048 and T=2048, H=F=1024 (the small one also with torch
 inside a CUDA graph; a jitted JAX step is already one executable), plus a token sweep at
 H=F=2048 for the TFLOP/s plot (benchmarks/plot_grouped_mlp.py). FLOPs count the GEMMs of
@@ -54,31 +57,40 @@ def jax_inputs(tokens, hidden, ffn, seed):
   return x, k1, k2, scales, dy
 
 
-def jax_fns(implementation):
+FP8_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
+
+
+def jax_fns(implementation, recipe=None):
   def forward(x, k1, k2, scales, sizes, dy):
     del dy
-    return jaxfuse.grouped_mlp(x, k1, k2, sizes, scales, implementation=implementation)
+    return jaxfuse.grouped_mlp(x, k1, k2, sizes, scales, implementation=implementation,
+                               recipe=recipe)
 
   def forward_backward(x, k1, k2, scales, sizes, dy):
     # The output is returned too, so XLA cannot drop the forward's last GEMM.
     out, vjp = jax.vjp(lambda x, k1, k2, s: jaxfuse.grouped_mlp(
-        x, k1, k2, sizes, s, implementation=implementation), x, k1, k2, scales)
+        x, k1, k2, sizes, s, implementation=implementation, recipe=recipe), x, k1, k2, scales)
     return out, vjp(dy)
 
   return {"fwd": jax.jit(forward), "fwd+bwd": jax.jit(forward_backward)}
 
 
 def time_jax(tokens, hidden, ffn, calls, baseline_calls):
-  """{impl: {pass: ms}} for jaxfuse and the ragged_dot composition."""
+  """{impl: {pass: ms}} for jaxfuse (bf16 and FP8) and the ragged_dot composition.
+
+  jaxfuse_fp8: recipe=Float8CurrentScaling(per_group=True), the quantization kernels
+  included (FP8 forward GEMMs and dgrads, 16-bit wgrads); FLOPs counted as for bf16."""
   working_set = 2 * (tokens * hidden * 2 + EXPERTS * hidden * ffn * 3)
   rotations = 3 if working_set < 2 * L2_BYTES else 1
   sizes = jnp.asarray(group_sizes(tokens))
   sets = [jax_inputs(tokens, hidden, ffn, seed) for seed in range(rotations)]
   arg_sets = [(x, k1, k2, s, sizes, dy) for x, k1, k2, s, dy in sets]
   out = {}
-  for impl, name, n in (("ffi", "jaxfuse", calls), ("xla", "ragged_dot", baseline_calls)):
+  for impl, name, n, recipe in (("ffi", "jaxfuse", calls, None),
+                                ("ffi", "jaxfuse_fp8", calls, FP8_RECIPE),
+                                ("xla", "ragged_dot", baseline_calls, None)):
     out[name] = {}
-    for pass_name, fn in jax_fns(impl).items():
+    for pass_name, fn in jax_fns(impl, recipe).items():
       try:
         args = [arg_sets[i % rotations] for i in range(n + 3)]
         out[name][pass_name] = common.time_fn(fn, args)["median_ms"]
@@ -202,7 +214,7 @@ def rows_for(section, name, tokens, hidden, ffn, jax_times, torch_times):
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12 if ms else None
     row = {"section": section, "case": name, "tokens": tokens, "hidden": hidden, "ffn": ffn,
            "experts": EXPERTS, "pass": pass_name, "flops": flops}
-    for impl in ("jaxfuse", "ragged_dot"):
+    for impl in ("jaxfuse", "jaxfuse_fp8", "ragged_dot"):
       row[f"{impl}_ms"] = jax_times[impl][pass_name]
       row[f"{impl}_tflops"] = tflops(row[f"{impl}_ms"])
     t = torch_times or {}
@@ -218,6 +230,8 @@ def rows_for(section, name, tokens, hidden, ffn, jax_times, torch_times):
                                if row["torch_ms"] and row["jaxfuse_ms"] else None)
     row["jaxfuse_vs_ragged_dot"] = (row["ragged_dot_ms"] / row["jaxfuse_ms"]
                                     if row["ragged_dot_ms"] and row["jaxfuse_ms"] else None)
+    row["fp8_speedup"] = (row["jaxfuse_ms"] / row["jaxfuse_fp8_ms"]
+                          if row["jaxfuse_ms"] and row["jaxfuse_fp8_ms"] else None)
     rows.append(row)
     print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
   return rows
@@ -244,12 +258,13 @@ def main():
     torch_times = time_torch(tokens, SWEEP_HIDDEN, SWEEP_FFN, calls, graphs=False)
     rows += rows_for("sweep", f"sweep T={tokens}", tokens, SWEEP_HIDDEN, SWEEP_FFN, jax_times,
                      torch_times)
-  # FP8 (Float8CurrentScaling(per_group=True)): grouped_mlp raises NotImplementedError for
-  # recipes so far; add the case here when it lands.
-  common.print_table(rows, ["case", "pass", "jaxfuse_ms", "jaxfuse_tflops", "torch_tflops",
+  common.print_table(rows, ["case", "pass", "jaxfuse_ms", "jaxfuse_tflops",
+                            "jaxfuse_fp8_tflops", "fp8_speedup", "torch_tflops",
                             "torch_graph_tflops", "ragged_dot_tflops", "jaxfuse_vs_torch",
                             "jaxfuse_vs_ragged_dot"])
-  common.write_results("grouped_mlp", rows, dtype="bfloat16", activation="swiglu",
+  common.write_results("grouped_mlp", rows, dtype="bfloat16",
+                       fp8_recipe="Float8CurrentScaling(per_group=True) (jaxfuse_fp8_*)",
+                       activation="swiglu",
                        experts=EXPERTS,
                        baselines="jax.lax.ragged_dot + jnp SwiGLU (XLA) and torch._grouped_mm "
                                  "+ eager SwiGLU (autograd when available; CUDA graph for the "

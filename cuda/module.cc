@@ -29,6 +29,7 @@ namespace py = pybind11;
   X("jaxfuse_linear_scale_add_fp8", JaxfuseLinearScaleAddFp8Cpu)                 \
   X("jaxfuse_scaled_matmul_fp8", JaxfuseScaledMatmulFp8Cpu)                       \
   X("jaxfuse_grouped_gemm", JaxfuseGroupedGemmCpu)                                \
+  X("jaxfuse_grouped_gemm_fp8", JaxfuseGroupedGemmFp8Cpu)                         \
   X("jaxfuse_group_offsets", JaxfuseGroupOffsetsCpu)                              \
   X("jaxfuse_scaled_activation_fwd", JaxfuseScaledActivationFwdCpu)               \
   X("jaxfuse_scaled_activation_bwd", JaxfuseScaledActivationBwdCpu)               \

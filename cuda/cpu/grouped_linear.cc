@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "jaxfuse/ffi_common.h"
+#include "jaxfuse/fp8.h"
 #include "jaxfuse/grouped_linear.h"
 #include "jaxfuse/numeric.h"
 
@@ -91,6 +92,92 @@ ffi::Error GroupedGemmCpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// FP8 codes -> float (jaxfuse/fp8.h, the decoding the tests compare with ml_dtypes).
+bool DecodeFp8(const ffi::AnyBuffer& buffer, std::vector<float>* values) {
+  const auto* codes = static_cast<const uint8_t*>(buffer.untyped_data());
+  const int64_t count = static_cast<int64_t>(buffer.element_count());
+  values->resize(count);
+  switch (buffer.element_type()) {
+    case ffi::DataType::F8E4M3FN:
+      for (int64_t i = 0; i < count; ++i) (*values)[i] = E4M3ToFloat(codes[i]);
+      return true;
+    case ffi::DataType::F8E5M2:
+      for (int64_t i = 0; i < count; ++i) (*values)[i] = E5M2ToFloat(codes[i]);
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The FP8 forms as the CUTLASS kernels compute them: exact products of the FP8 values
+// accumulated in fp32, times alpha_g = a_scale_inv[g] * b_scale_inv[g], one rounding to
+// bfloat16. Both forms are out[rows_g] = a[rows_g, inner] @ b[g]^T with b[g] [width, inner]:
+// forward b = w^T [G, n, k] (inner k), dgrad b = w [G, k, n] (inner n).
+void GroupedGemmFp8(const GroupedProblem& p, const std::vector<int64_t>& rows,
+                    const std::vector<float>& a, const std::vector<float>& b,
+                    const float* a_scale_inv, const float* b_scale_inv, bfloat16_bits* out) {
+  const bool forward = p.form == GroupedForm::kForward;
+  const int64_t inner = forward ? p.k : p.n, width = forward ? p.n : p.k;
+  const bfloat16_bits zero = FromFloat<bfloat16_bits>(0.0f);
+  for (int64_t r = 0; r < rows[0]; ++r)
+    for (int64_t j = 0; j < width; ++j) out[r * width + j] = zero;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const float alpha = a_scale_inv[g] * b_scale_inv[g];
+    const float* w = b.data() + g * p.k * p.n;
+    for (int64_t r = rows[g]; r < rows[g + 1]; ++r) {
+      const float* a_r = a.data() + r * inner;
+      for (int64_t j = 0; j < width; ++j) {
+        const float* w_j = w + j * inner;
+        float accumulator = 0.0f;
+        for (int64_t c = 0; c < inner; ++c) accumulator += a_r[c] * w_j[c];
+        out[r * width + j] = FromFloat<bfloat16_bits>(alpha * accumulator);
+      }
+    }
+  }
+  for (int64_t r = rows[p.groups]; r < p.m; ++r)
+    for (int64_t j = 0; j < width; ++j) out[r * width + j] = zero;
+}
+
+ffi::Error GroupedGemmFp8CpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer offsets,
+                                 ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
+                                 ffi::Result<ffi::AnyBuffer> out, int32_t form) {
+  GroupedProblem problem;
+  if (auto error = ParseGroupedProblem(a, b, offsets, *out, form, &problem,
+                                       /*weight_transposed=*/form == 0);
+      error.failure()) {
+    return error;
+  }
+  if (problem.form == GroupedForm::kWgrad) {
+    return InvalidArgument("FP8 grouped GEMM has no wgrad form (form 2): weight gradients "
+                           "run in 16-bit");
+  }
+  if (out->element_type() != ffi::DataType::BF16) {
+    return InvalidArgument("FP8 grouped GEMM output must be bfloat16, got ",
+                           DataTypeName(out->element_type()));
+  }
+  for (const ffi::AnyBuffer* scale : {&a_scale_inv, &b_scale_inv}) {
+    const auto dims = scale->dimensions();
+    if (scale->element_type() != ffi::DataType::F32 || dims.size() != 1 ||
+        dims[0] != problem.groups) {
+      return InvalidArgument("FP8 grouped GEMM scale_inv must be float32 [G = ",
+                             problem.groups, "], got ", DataTypeName(scale->element_type()),
+                             ShapeString(dims));
+    }
+  }
+  std::vector<float> a_values, b_values;
+  if (!DecodeFp8(a, &a_values) || !DecodeFp8(b, &b_values)) {
+    return InvalidArgument("FP8 grouped GEMM takes float8_e4m3fn or float8_e5m2 inputs, got ",
+                           DataTypeName(a.element_type()), " x ",
+                           DataTypeName(b.element_type()));
+  }
+  const auto rows = ClampOffsets(offsets.typed_data<int32_t>(), problem.groups, problem.m);
+  GroupedGemmFp8(problem, rows, a_values, b_values,
+                 static_cast<const float*>(a_scale_inv.untyped_data()),
+                 static_cast<const float*>(b_scale_inv.untyped_data()),
+                 static_cast<bfloat16_bits*>(out->untyped_data()));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxfuse
 
@@ -101,3 +188,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmCpu, jaxfuse::GroupedGemmCpuImpl
                                   .Arg<xla::ffi::AnyBuffer>()  // group_offsets: int32 [G + 1]
                                   .Ret<xla::ffi::AnyBuffer>()  // out: y [m, n], dx [m, k] or dw [G, k, n]
                                   .Attr<int32_t>("form"));     // 0 forward, 1 dgrad, 2 wgrad
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8Cpu, jaxfuse::GroupedGemmFp8CpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // a: FP8 x [m, k] (fwd) or dy [m, n] (dgrad)
+                                  .Arg<xla::ffi::AnyBuffer>()  // b: FP8 w^T [G, n, k] (fwd) or w [G, k, n] (dgrad)
+                                  .Arg<xla::ffi::AnyBuffer>()  // group_offsets: int32 [G + 1]
+                                  .Arg<xla::ffi::AnyBuffer>()  // a_scale_inv: float32 [G]
+                                  .Arg<xla::ffi::AnyBuffer>()  // b_scale_inv: float32 [G]
+                                  .Ret<xla::ffi::AnyBuffer>()  // out: bf16 y [m, n] or dx [m, k]
+                                  .Attr<int32_t>("form"));     // 0 forward, 1 dgrad

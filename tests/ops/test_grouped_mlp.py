@@ -279,8 +279,8 @@ def test_shard_map_tokens_sharded_kernels_replicated():
     (dict(dtype=jnp.float32), TypeError, r"take bfloat16 or float16 x"),
     (dict(x=(8, 12), k1=(2, 12, 32), k2=(2, 16, 12)), ValueError, r"multiple of 8"),
     (dict(activation="gelu"), ValueError, r"activation must be one of"),
-    (dict(recipe=jaxfuse.quantization.Float8CurrentScaling()), NotImplementedError,
-     r"FP8 recipes are not implemented yet"),
+    (dict(recipe=jaxfuse.quantization.Float8CurrentScaling(per_group=False)), ValueError,
+     r"supports recipe=Float8CurrentScaling\(per_group=True\)"),
 ])
 def test_errors_name_the_argument(change, error, match):
   shapes = dict(x=(8, 16), k1=(2, 16, 32), k2=(2, 16, 16), sizes=(2,), scales=(8,))

@@ -43,7 +43,7 @@ def _validate(x, kernel, group_sizes, recipe, implementation: str) -> None:
   if groups < 1:
     raise ValueError("kernel must have at least one group (kernel.shape[0] >= 1)")
   if recipe is not None:
-    raise NotImplementedError("grouped_linear: FP8 recipes are not implemented yet")
+    validate_fp8(recipe, k, n, "grouped_linear", ("K (x.shape[1])", "N (kernel.shape[2])"))
   if implementation == "ffi":
     if x_dtype not in _FFI_DTYPES:
       raise TypeError(f"grouped_linear's kernels take bfloat16 or float16 x, got {x_dtype}; "
@@ -86,6 +86,72 @@ def _backward(varying_axes, saved, d_out):
 grouped_linear_with_offsets.defvjp(_forward, _backward)
 
 
+# --- FP8 (Float8CurrentScaling(per_group=True)) ----------------------------------------
+
+# The CUTLASS FP8 kernels read K-major operands through TMA: 16-byte (16-element) rows.
+FP8_ALIGNMENT = 16
+
+
+def validate_fp8(recipe, k: int, n: int, op: str, names=("K", "N")) -> None:
+  """The recipe and shape rules of the FP8 grouped GEMMs (shared with grouped_mlp)."""
+  from jaxfuse.quantization import Float8CurrentScaling  # pylint: disable=g-import-not-at-top
+  if not isinstance(recipe, Float8CurrentScaling) or not recipe.per_group:
+    raise ValueError(f"{op} supports recipe=Float8CurrentScaling(per_group=True) (one scale "
+                     f"per group of rows and per expert), got {recipe!r}")
+  if recipe.forward_format != "e4m3":
+    raise ValueError(f"{op}'s FP8 kernels take E4M3 forward operands: recipe.forward_format "
+                     f"must be 'e4m3', got {recipe.forward_format!r}")
+  for name, size in zip(names, (k, n)):
+    if size % FP8_ALIGNMENT:
+      raise ValueError(f"FP8 {op} needs {name} to be a multiple of {FP8_ALIGNMENT} "
+                       f"(16-byte aligned FP8 rows for TMA), got {size}")
+
+
+def fp8_gemm(a_data, a_scale_inv, b_data, b_scale_inv, group_offsets, form, dtype):
+  """One FP8 grouped GEMM form (bfloat16 result) cast to `dtype`."""
+  out = ffi.grouped_gemm(a_data, b_data, group_offsets, form=form, a_scale_inv=a_scale_inv,
+                         b_scale_inv=b_scale_inv)
+  return out.astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def grouped_linear_fp8_with_offsets(x, kernel, group_offsets, recipe,
+                                    varying_axes=(frozenset(),) * 3):
+  """FP8 grouped_linear on precomputed int32 [G + 1] offsets (FFI path, differentiable).
+
+  Forward: x in E4M3 with one scale per group of rows, the kernel in E4M3 with one scale
+  per expert (quantized transposed, [G, N, K]), the FP8 grouped GEMM. Backward: dgrad in
+  FP8 (the output gradient in the recipe's gradient format, E5M2 by default, per group;
+  the weight is the saved FP8 transposed weight transposed back, same scales); wgrad in
+  16-bit from the saved x (the grouped kernels have no FP8 wgrad).
+  """
+  return _fp8_forward(x, kernel, group_offsets, recipe, varying_axes)[0]
+
+
+def _fp8_forward(x, kernel, group_offsets, recipe, varying_axes):
+  del varying_axes
+  x_data, x_scale_inv = reference.quantize_rows(x, recipe, group_offsets, "forward", "ffi")
+  w_t_data, w_scale_inv = reference.quantize_experts_t(kernel, recipe, "ffi")
+  out = fp8_gemm(x_data, x_scale_inv, w_t_data, w_scale_inv, group_offsets, ffi.FORWARD,
+                 x.dtype)
+  return out, (x, w_t_data, w_scale_inv, group_offsets)
+
+
+def _fp8_backward(recipe, varying_axes, saved, d_out):
+  x, w_t_data, w_scale_inv, group_offsets = saved
+  d_out = d_out.astype(x.dtype)
+  dy_data, dy_scale_inv = reference.quantize_rows(d_out, recipe, group_offsets, "gradient",
+                                                  "ffi")
+  d_x = fp8_gemm(dy_data, dy_scale_inv, jnp.swapaxes(w_t_data, 1, 2), w_scale_inv,
+                 group_offsets, ffi.DGRAD, x.dtype)
+  d_kernel = ffi.grouped_gemm(x, d_out, group_offsets, form=ffi.WGRAD)
+  return (compat.match_varying_axes(d_x, varying_axes[0]),
+          compat.match_varying_axes(d_kernel, varying_axes[1]), None)
+
+
+grouped_linear_fp8_with_offsets.defvjp(_fp8_forward, _fp8_backward)
+
+
 def group_offsets(group_sizes: jax.Array) -> jax.Array:
   """int32 [G + 1] exclusive prefix sum with a leading zero; negative sizes count as zero."""
   sizes = jnp.maximum(group_sizes, 0)
@@ -105,7 +171,17 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
     kernel: [G, K, N], x's dtype (``ragged_dot``'s right-hand side layout).
     group_sizes: int32 [G], on the device. Negative sizes count as zero; sizes summing past
       M are cut at M; rows past the total come out as zeros.
-    recipe: reserved for FP8 recipes (not implemented yet: must be None).
+    recipe: None (16-bit GEMMs) or
+      ``jaxfuse.quantization.Float8CurrentScaling(per_group=True)``: x is quantized to E4M3
+      with one current scale per group of rows, the kernel with one scale per expert
+      (transposed to [G, N, K], the layout the FP8 kernels take), and the grouped GEMM
+      runs on the FP8 tensor cores with the per-group factors in its epilogue (result
+      rounded to bfloat16, then cast to x's dtype). Backward: dgrad in FP8 (the output
+      gradient in E5M2, per group; the saved FP8 weight transposed back); wgrad in 16-bit
+      from the saved x and the 16-bit output gradient, because the grouped kernels have no
+      FP8 wgrad (TransformerEngine's Hopper recipe runs wgrad in FP8 too, from transposed
+      FP8 copies). K and N must be multiples of 16. Expected accuracy against the 16-bit
+      op: a few percent relative (Frobenius) error for unit-variance data.
     implementation: None, "ffi" or "xla".
 
   Returns:
@@ -116,14 +192,19 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
 
   Raises:
     TypeError: non-float or mixed dtypes, group_sizes not int32, 32-bit x on the FFI path.
-    ValueError: mismatched shapes; K or N not a multiple of 8 on the FFI path.
+    ValueError: mismatched shapes; K or N not a multiple of 8 on the FFI path (16 with an
+      FP8 recipe); an FP8 recipe other than Float8CurrentScaling(per_group=True).
   """
   implementation = implementation_lib.resolve(implementation)
   _validate(x, kernel, group_sizes, recipe, implementation)
   if implementation == "xla":
+    if recipe is not None:
+      return reference.grouped_linear_fp8(x, kernel, group_sizes, recipe)
     return reference.grouped_linear(x, kernel, group_sizes)
   offsets = group_offsets(group_sizes)
   varying_axes = tuple(compat.varying_axes(a) for a in (x, kernel, offsets))
+  if recipe is not None:
+    return grouped_linear_fp8_with_offsets(x, kernel, offsets, recipe, varying_axes)
   return grouped_linear_with_offsets(x, kernel, offsets, varying_axes)
 
 

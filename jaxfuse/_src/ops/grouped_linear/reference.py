@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def clamped_offsets(group_sizes: jax.Array, rows: int) -> jax.Array:
@@ -24,3 +25,75 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> j
   sizes = jnp.diff(offsets)
   out = jax.lax.ragged_dot(x, kernel, sizes, preferred_element_type=jnp.float32)
   return out.astype(x.dtype)
+
+
+# --- FP8 (Float8CurrentScaling(per_group=True)) ----------------------------------------
+
+
+def expert_offsets(groups: int, rows_per_expert: int) -> jax.Array:
+  """int32 [G + 1] = rows_per_expert * arange(G + 1): one quantization group per expert."""
+  return jnp.asarray(np.arange(groups + 1, dtype=np.int64) * rows_per_expert, jnp.int32)
+
+
+def quantize_experts_t(kernel: jax.Array, recipe, implementation: str):
+  """Per-expert quantization of kernel^T in the forward format.
+
+  kernel [G, K, N] -> (data [G, N, K] (K-major, the layout the FP8 forward kernel takes),
+  scale_inv float32 [G]): kernel^T viewed as [G * N, K] quantized per group of N rows, so
+  expert g gets one scale from its own amax.
+  """
+  from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
+  groups, k, n = kernel.shape
+  kernel_t = jnp.swapaxes(kernel, 1, 2).reshape(groups * n, k)
+  q = quantize_api.quantize(kernel_t, recipe, group_offsets=expert_offsets(groups, n),
+                            role="forward", implementation=implementation)
+  return q.data.reshape(groups, n, k), q.scale_inv
+
+
+def quantize_rows(value: jax.Array, recipe, offsets: jax.Array, role: str,
+                  implementation: str):
+  """Per-group (rows offsets[g]:offsets[g+1]) quantization: (data, scale_inv [G])."""
+  from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
+  q = quantize_api.quantize(value, recipe, group_offsets=offsets, role=role,
+                            implementation=implementation)
+  return q.data, q.scale_inv
+
+
+def grouped_linear_fp8(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
+                       recipe) -> jax.Array:
+  """The FP8 forward as the kernels compute it.
+
+  x is quantized to E4M3 with one scale per group of rows, kernel with one scale per
+  expert; exact products of the FP8 values are accumulated in fp32, multiplied by
+  x_scale_inv[g] * kernel_scale_inv[g] and rounded once to bfloat16 (then cast to x's
+  dtype, as the FFI path does).
+
+  Gradients pass straight through the quantization (d(dequantized x)/dx = 1): the
+  gradients are those of the product of the dequantized operands. The FFI backward
+  quantizes the output gradient instead (E5M2 dgrad) and keeps wgrad in 16-bit.
+  """
+  m = x.shape[0]
+  offsets = clamped_offsets(group_sizes, m)
+  sizes = jnp.diff(offsets)
+  x_data, x_scale_inv = quantize_rows(x, recipe, offsets, "forward", "xla")
+  w_t_data, w_scale_inv = quantize_experts_t(kernel, recipe, "xla")
+  w_data = jnp.swapaxes(w_t_data, 1, 2).astype(jnp.float32)
+  # The kernels' result: FP8 products in fp32, then alpha_g (rows past the groups: 0).
+  row_group = jnp.searchsorted(offsets[1:], jnp.arange(m, dtype=jnp.int32), side="right")
+  alpha = jnp.concatenate([x_scale_inv * w_scale_inv, jnp.zeros((1,), jnp.float32)])
+  exact = jax.lax.ragged_dot(x_data.astype(jnp.float32), w_data, sizes,
+                             precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32) * alpha[row_group][:, None]
+  # The straight-through path, whose gradient the result carries.
+  x_scale_row = jnp.concatenate([x_scale_inv, jnp.ones((1,), jnp.float32)])[row_group]
+  x_st = _straight_through(x, x_data.astype(jnp.float32) * x_scale_row[:, None])
+  w_st = _straight_through(kernel, w_data * w_scale_inv[:, None, None])
+  through = jax.lax.ragged_dot(x_st, w_st, sizes, precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+  out = through + jax.lax.stop_gradient(exact - through)
+  return out.astype(jnp.bfloat16).astype(x.dtype)
+
+
+def _straight_through(value, dequantized):
+  value = value.astype(jnp.float32)
+  return value + jax.lax.stop_gradient(dequantized - value)

@@ -35,8 +35,11 @@ from jaxfuse._src import checks
 from jaxfuse._src import compat
 from jaxfuse._src import implementation as implementation_lib
 from jaxfuse._src.ops.group_offsets import api as offsets_api
+from jaxfuse._src.ops.grouped_linear import api as linear_api
 from jaxfuse._src.ops.grouped_linear import ffi as gemm_ffi
+from jaxfuse._src.ops.grouped_linear import reference as linear_reference
 from jaxfuse._src.ops.grouped_mlp import reference
+from jaxfuse._src.ops.quantize import api as quantize_api
 from jaxfuse._src.ops.scaled_activation import ffi as act_ffi
 from jaxfuse._src.ops.scaled_activation import reference as act_reference
 
@@ -99,7 +102,7 @@ def _validate(x, kernel1, kernel2, group_sizes, scales, activation, recipe,
   if scales_dtype not in (jnp.dtype(jnp.float32), x_dtype):
     raise TypeError(f"scales dtype must be float32 or x's dtype ({x_dtype}), got {scales_dtype}")
   if recipe is not None:
-    _Fp8.check(recipe, implementation)
+    _Fp8.check(recipe, hidden, width, ffn)
   if implementation == "ffi":
     if x_dtype not in _FFI_DTYPES:
       raise TypeError(f"grouped_mlp's kernels take bfloat16 or float16 x, got {x_dtype}; "
@@ -123,22 +126,70 @@ def _activation(h, scales, config: Config):
 class _Fp8:
   """The FP8 (Float8CurrentScaling(per_group=True)) variant of the three fused stages.
 
-  Not implemented yet: the FP8 grouped GEMM exists at the FFI level (CUDA only) and the
-  fused activation + quantization kernels exist; wiring them is the planned addition:
-    forward:  x_q = quantize(x, per group), w1_q = per-expert quantize(kernel1^T);
-              h = grouped_gemm(x_q, w1_q, a_scale_inv=, b_scale_inv=);
-              a_q = scaled_activation_quantize(h, scales, group_offsets=offsets);
-              y = grouped_gemm(a_q, quantize(kernel2^T), ...)
-    backward: dy_q (E5M2, per group); da = FC2 dgrad(dy_q, kernel2 quantized per expert);
-              dh_q, dh, ds = scaled_dactivation_quantize(da, h, scales, return_dx=True);
-              dx = FC1 dgrad(dh_q, kernel1 quantized); wgrads in 16-bit from a and dh.
+    forward:  x_q = quantize(x, per group, E4M3), w1_q = per-expert quantize(kernel1^T);
+              h = FP8 grouped GEMM(x_q, w1_q)                          (16-bit h, saved)
+              a_q = scaled_activation_quantize(h, scales, offsets)    (one fused op: the
+                    activation in fp32 quantized per group, never rounded to 16-bit)
+              y = FP8 grouped GEMM(a_q, per-expert quantize(kernel2^T))
+    backward: dy_q = quantize(dy, per group, E5M2);
+              da = FP8 FC2 dgrad(dy_q, w2_q^T)      (the saved FP8 kernel2^T transposed back)
+              dh_q, dh, ds = scaled_dactivation_quantize(da, h, scales, return_dx=True)
+              dx = FP8 FC1 dgrad(dh_q, w1_q^T)
+              dk2 = 16-bit wgrad(act(h) * scales, dy), dk1 = 16-bit wgrad(x, dh)
+
+  Weight gradients stay in 16-bit: the grouped kernels have no FP8 wgrad form (TE's Hopper
+  recipe runs wgrad in FP8 from transposed FP8 copies). The activation for FC2's wgrad is
+  recomputed in 16-bit (or saved, save_activation=True).
   """
 
   @staticmethod
-  def check(recipe, implementation) -> None:
-    raise NotImplementedError(
-        "grouped_mlp: FP8 recipes are not implemented yet (recipe must be None); the FP8 "
-        f"variant (fused activation + per-group quantization) is planned, got {recipe!r}")
+  def check(recipe, hidden: int, width: int, ffn: int) -> None:
+    linear_api.validate_fp8(recipe, hidden, width, "grouped_mlp",
+                            ("H (x.shape[1])", "kernel1.shape[2]"))
+    linear_api.validate_fp8(recipe, ffn, hidden, "grouped_mlp",
+                            ("F (kernel2.shape[1])", "H (x.shape[1])"))
+
+  @staticmethod
+  def forward(x, kernel1, kernel2, group_offsets, scales, config):
+    recipe = config.recipe
+    x_data, x_scale_inv = linear_reference.quantize_rows(x, recipe, group_offsets, "forward",
+                                                         "ffi")
+    w1_t, w1_scale_inv = linear_reference.quantize_experts_t(kernel1, recipe, "ffi")
+    h = linear_api.fp8_gemm(x_data, x_scale_inv, w1_t, w1_scale_inv, group_offsets,
+                            gemm_ffi.FORWARD, x.dtype)
+    a_q = quantize_api.scaled_activation_quantize(
+        h, scales, recipe=recipe, group_offsets=group_offsets, implementation="ffi",
+        **config.act_kwargs)
+    w2_t, w2_scale_inv = linear_reference.quantize_experts_t(kernel2, recipe, "ffi")
+    y = linear_api.fp8_gemm(a_q.data, a_q.scale_inv, w2_t, w2_scale_inv, group_offsets,
+                            gemm_ffi.FORWARD, x.dtype)
+    saved_activation = _activation(h, scales, config) if config.save_activation else None
+    return y, (x, w1_t, w1_scale_inv, w2_t, w2_scale_inv, group_offsets, scales, h,
+               saved_activation)
+
+  @staticmethod
+  def backward(config, varying_axes, saved, dy):
+    x, w1_t, w1_scale_inv, w2_t, w2_scale_inv, group_offsets, scales, h, a = saved
+    recipe = config.recipe
+    dy = dy.astype(x.dtype)
+    dy_data, dy_scale_inv = linear_reference.quantize_rows(dy, recipe, group_offsets,
+                                                           "gradient", "ffi")
+    da = linear_api.fp8_gemm(dy_data, dy_scale_inv, jnp.swapaxes(w2_t, 1, 2), w2_scale_inv,
+                             group_offsets, gemm_ffi.DGRAD, x.dtype)
+    if a is None:
+      a = _activation(h, scales, config)
+    d_kernel2 = _gemm(a, dy, group_offsets, gemm_ffi.WGRAD)
+    dh_q, dh, d_scales = quantize_api.scaled_dactivation_quantize(
+        da, h, scales, recipe=recipe, group_offsets=group_offsets, return_dx=True,
+        implementation="ffi", **config.act_kwargs)
+    dx = linear_api.fp8_gemm(dh_q.data, dh_q.scale_inv, jnp.swapaxes(w1_t, 1, 2),
+                             w1_scale_inv, group_offsets, gemm_ffi.DGRAD, x.dtype)
+    d_kernel1 = _gemm(x, dh, group_offsets, gemm_ffi.WGRAD)
+    x_axes, k1_axes, k2_axes, _, s_axes = varying_axes
+    return (compat.match_varying_axes(dx, x_axes),
+            compat.match_varying_axes(d_kernel1, k1_axes),
+            compat.match_varying_axes(d_kernel2, k2_axes), None,
+            compat.match_varying_axes(d_scales.astype(scales.dtype), s_axes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -154,6 +205,8 @@ def grouped_mlp_with_offsets(x, kernel1, kernel2, group_offsets, scales, config:
 
 def _forward(x, kernel1, kernel2, group_offsets, scales, config, varying_axes):
   del varying_axes
+  if config.recipe is not None:
+    return _Fp8.forward(x, kernel1, kernel2, group_offsets, scales, config)
   h = _gemm(x, kernel1, group_offsets, gemm_ffi.FORWARD)
   a = _activation(h, scales, config)
   y = _gemm(a, kernel2, group_offsets, gemm_ffi.FORWARD)
@@ -162,6 +215,8 @@ def _forward(x, kernel1, kernel2, group_offsets, scales, config, varying_axes):
 
 
 def _backward(config, varying_axes, saved, dy):
+  if config.recipe is not None:
+    return _Fp8.backward(config, varying_axes, saved, dy)
   x, kernel1, kernel2, group_offsets, scales, h, a = saved
   dy = dy.astype(x.dtype)
   da = _gemm(dy, kernel2, group_offsets, gemm_ffi.DGRAD)
@@ -202,7 +257,14 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
       router probabilities, so the combine weights are applied inside the MLP).
     activation: "swiglu", "clamped_swiglu" or "srelu" (see ``jaxfuse.scaled_activation``;
       limit, alpha and linear_offset are its static parameters).
-    recipe: None (16-bit GEMMs). FP8 recipes are not implemented yet.
+    recipe: None (16-bit GEMMs) or
+      ``jaxfuse.quantization.Float8CurrentScaling(per_group=True)``: both GEMMs and both
+      dgrads run in FP8 (E4M3 inputs, E5M2 gradients, one scale per group of rows and per
+      expert); the FC1 -> FC2 hand-off is the fused ``scaled_activation_quantize`` and the
+      backward activation the fused ``scaled_dactivation_quantize``. Weight gradients are
+      16-bit (the grouped kernels have no FP8 wgrad). H, kernel1.shape[2] and F must be
+      multiples of 16. The "xla" implementation is the FP8 reference (straight-through
+      gradients).
     save_activation: keep the activation as a residual instead of recomputing it from FC1's
       output in the backward pass (more memory, one activation kernel less). Gradients are
       identical either way.
@@ -220,6 +282,9 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
   alpha = checks.static_float("alpha", alpha)
   linear_offset = checks.static_float("linear_offset", linear_offset)
   if implementation == "xla":
+    if recipe is not None:
+      return reference.grouped_mlp_fp8(x, kernel1, kernel2, group_sizes, scales, activation,
+                                       limit, alpha, linear_offset, recipe)
     return reference.grouped_mlp(x, kernel1, kernel2, group_sizes, scales, activation, limit,
                                  alpha, linear_offset)
   config = Config(activation, limit, alpha, linear_offset, bool(save_activation), recipe)

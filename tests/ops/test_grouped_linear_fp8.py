@@ -1,0 +1,247 @@
+"""grouped_linear with Float8CurrentScaling(per_group=True): the FP8 grouped GEMM handler
+vs the FP8 reference (same FP8 products), the reference vs float64 numpy on the same FP8
+values, accuracy against the 16-bit op, gradients, empty groups, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxfuse
+from jaxfuse._src.ops.grouped_linear import ffi as gemm_ffi
+from jaxfuse._src.ops.grouped_linear import reference
+from tests import helpers
+from tests.ops.test_grouped_linear import BACKENDS, make_inputs, on, sizes_cases
+
+RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
+CASES = ["uniform", "one_group", "empty_groups", "sum_less_than_rows", "sum_more_than_rows",
+         "negative_sizes", "skewed", "many_groups"]
+# One bf16 rounding of the result (2^-8 relative), with room for a tie flipping: the
+# handler and the reference multiply the same FP8 values, only the fp32 summation order
+# differs.
+BF16_ULP = 2.0 ** -7
+
+
+def relative_error(actual, expected) -> float:
+  actual, expected = helpers.as_f64(actual), helpers.as_f64(expected)
+  return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+def shapes(backend):
+  return (96, 32, 48) if backend == "cpu" else (1000, 512, 768)
+
+
+def group_rows(sizes, m):
+  """Clamped [start, end) of each group."""
+  bounds, start = [], 0
+  for size in sizes:
+    end = min(start + max(int(size), 0), m)
+    bounds.append((start, end))
+    start = end
+  return bounds
+
+
+def fp8_linear(implementation):
+  return lambda x, w, s: jaxfuse.grouped_linear(x, w, s, recipe=RECIPE,
+                                                implementation=implementation)
+
+
+def assert_bf16_close(actual, expected, msg=""):
+  actual, expected = helpers.as_f64(actual), helpers.as_f64(expected)
+  assert not np.isnan(actual).any(), msg
+  scale = np.maximum(np.abs(expected), np.abs(expected).max(initial=0.0) * 1e-3)
+  error = float(np.max(np.abs(actual - expected) / scale, initial=0.0))
+  assert error <= BF16_ULP, f"{msg}: relative error {error:.3g} > {BF16_ULP:.3g}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_reference_matches_float64_numpy_on_the_same_fp8_values(case):
+  """The reference's result is sum(x_q * w_q) * x_scale_inv[g] * w_scale_inv[g] per group."""
+  m, k, n = 64, 32, 16
+  sizes = sizes_cases(m)[case]
+  x, kernel = make_inputs(10, m, k, n, len(sizes), jnp.bfloat16)
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+  out = jax.jit(fp8_linear("xla"))(x, kernel, group_sizes)
+  assert out.dtype == jnp.bfloat16 and out.shape == (m, n)
+  q_x = jaxfuse.quantize(x, RECIPE, group_sizes=group_sizes, implementation="xla")
+  q_w = jaxfuse.quantize(jnp.swapaxes(kernel, 1, 2).reshape(-1, k), RECIPE,
+                         group_offsets=jnp.arange(len(sizes) + 1, dtype=jnp.int32) * n,
+                         implementation="xla")
+  x_q, x_s = helpers.as_f64(q_x.data), helpers.as_f64(q_x.scale_inv)
+  w_q, w_s = helpers.as_f64(q_w.data).reshape(len(sizes), n, k), helpers.as_f64(q_w.scale_inv)
+  expected = np.zeros((m, n))
+  for g, (start, end) in enumerate(group_rows(sizes, m)):
+    expected[start:end] = (x_q[start:end] @ w_q[g].T) * (x_s[g] * w_s[g])
+  assert_bf16_close(out, expected, case)
+  # Per-expert scales: every expert's largest |w| maps to the E4M3 maximum.
+  amax = np.abs(helpers.as_f64(kernel)).reshape(len(sizes), -1).max(axis=1)
+  np.testing.assert_allclose(w_s, amax / 448.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES)
+def test_ffi_matches_the_fp8_reference(backend, case):
+  m, k, n = shapes(backend)
+  sizes = sizes_cases(m)[case]
+  x, kernel = make_inputs(11, m, k, n, len(sizes), jnp.bfloat16)
+  x, kernel, group_sizes = on(backend, x, kernel, jnp.asarray(sizes, jnp.int32))
+  out = jax.jit(fp8_linear("ffi"))(x, kernel, group_sizes)
+  assert out.dtype == jnp.bfloat16 and out.shape == (m, n)
+  expected = jax.jit(fp8_linear("xla"))(x, kernel, group_sizes)
+  assert_bf16_close(out, expected, case)
+  covered = group_rows(sizes, m)[-1][1]
+  assert not np.asarray(out[covered:], np.float32).any(), "rows past the groups must be zero"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("implementation", ["ffi", "xla"])
+@pytest.mark.parametrize("case", ["uniform", "empty_groups", "sum_less_than_rows"])
+def test_accuracy_against_the_bf16_op(backend, implementation, case):
+  """E4M3 keeps 3 mantissa bits; over a K-term product of unit-variance data the errors
+  average out to a few percent of the norm. dgrad uses E5M2 (2 bits) for dy; wgrad is
+  16-bit."""
+  m, k, n = (128, 64, 48) if backend == "cpu" else (2048, 1024, 1024)
+  sizes = sizes_cases(m)[case]
+  x, kernel = make_inputs(12, m, k, n, len(sizes), jnp.bfloat16)
+  d_out = helpers.random_array(np.random.default_rng(13), (m, n), jnp.bfloat16)
+  x, kernel, d_out, group_sizes = on(backend, x, kernel, d_out, jnp.asarray(sizes, jnp.int32))
+  fp8 = lambda x, w: fp8_linear(implementation)(x, w, group_sizes)
+  bf16 = lambda x, w: jaxfuse.grouped_linear(x, w, group_sizes, implementation="xla")
+  out, vjp = jax.vjp(fp8, x, kernel)
+  want, want_vjp = jax.vjp(bf16, x, kernel)
+  assert relative_error(out, want) < 0.05
+  for name, got, expected in zip(("dx", "dkernel"), jax.jit(vjp)(d_out), want_vjp(d_out)):
+    assert got.dtype == jnp.bfloat16, name
+    assert relative_error(got, expected) < 0.1, name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["empty_groups", "sum_less_than_rows", "negative_sizes"])
+def test_gradients_of_empty_groups_and_uncovered_rows_are_zero(backend, case):
+  m, k, n = shapes(backend)
+  sizes = sizes_cases(m)[case]
+  x, kernel = make_inputs(14, m, k, n, len(sizes), jnp.bfloat16)
+  d_out = helpers.random_array(np.random.default_rng(15), (m, n), jnp.bfloat16)
+  x, kernel, d_out, group_sizes = on(backend, x, kernel, d_out, jnp.asarray(sizes, jnp.int32))
+  _, vjp = jax.vjp(lambda x, w: fp8_linear("ffi")(x, w, group_sizes), x, kernel)
+  d_x, d_kernel = jax.jit(vjp)(d_out)
+  bounds = group_rows(sizes, m)
+  for g, (start, end) in enumerate(bounds):
+    if start == end:
+      assert not np.asarray(d_kernel[g], np.float32).any(), f"dkernel[{g}] of an empty group"
+    else:
+      assert np.asarray(d_kernel[g], np.float32).any(), f"dkernel[{g}]"
+  assert not np.asarray(d_x[bounds[-1][1]:], np.float32).any(), "dx rows past the groups"
+  # dgrad in FP8 against float64 numpy on the dequantized E5M2 dy and E4M3 weights.
+  q_dy = jaxfuse.quantize(d_out, RECIPE, group_sizes=group_sizes, role="gradient",
+                          implementation="xla")
+  w_t, w_s = reference.quantize_experts_t(kernel, RECIPE, "xla")
+  dy_q, dy_s = helpers.as_f64(q_dy.data), helpers.as_f64(q_dy.scale_inv)
+  w_q = helpers.as_f64(w_t)
+  want = np.zeros((m, k))
+  for g, (start, end) in enumerate(bounds):
+    want[start:end] = dy_q[start:end] @ w_q[g] * (dy_s[g] * helpers.as_f64(w_s)[g])
+  assert_bf16_close(d_x, want, "dx")
+
+
+def test_fp8_gemms_forward_and_dgrad_16bit_wgrad():
+  x, kernel = make_inputs(16, 32, 32, 16, 2, jnp.bfloat16)
+  group_sizes = jnp.asarray([20, 12], jnp.int32)
+  loss = lambda x, w: jnp.sum(fp8_linear("ffi")(x, w, group_sizes).astype(jnp.float32))
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, kernel)
+  count = lambda target: helpers.count_primitives(jaxpr, helpers.ffi_target(target))
+  # platform_dependent lowers a cpu and a cuda branch: each GEMM appears twice.
+  assert count("jaxfuse_grouped_gemm_fp8") == 2 * 2
+  assert count("jaxfuse_grouped_gemm") == 2 * 1
+  # Offsets computed once: x's and dy's quantization and all three GEMMs share them.
+  assert helpers.count_primitives(jaxpr, lambda e: e.primitive.name == "cumsum") == 1
+
+
+def test_float16_x_gives_float16():
+  x, kernel = make_inputs(17, 32, 16, 16, 2, jnp.float16)
+  group_sizes = jnp.asarray([10, 22], jnp.int32)
+  out = fp8_linear("ffi")(x, kernel, group_sizes)
+  assert out.dtype == jnp.float16
+  assert_bf16_close(out, fp8_linear("xla")(x, kernel, group_sizes))
+
+
+def test_handler_rejects_fp8_wgrad_and_bad_scales():
+  a = jnp.ones((16, 16), jnp.float8_e4m3fn)
+  offsets = jnp.asarray([0, 8, 16], jnp.int32)
+  ones = jnp.ones((2,), jnp.float32)
+  with pytest.raises(Exception, match="no wgrad form"):
+    jax.block_until_ready(gemm_ffi.grouped_gemm(a, a, offsets, form=gemm_ffi.WGRAD,
+                                                a_scale_inv=ones, b_scale_inv=ones))
+  w_t = jnp.ones((2, 16, 16), jnp.float8_e4m3fn)
+  with pytest.raises(Exception, match=r"scale_inv must be float32 \[G = 2\]"):
+    jax.block_until_ready(gemm_ffi.grouped_gemm(a, w_t, offsets, form=gemm_ffi.FORWARD,
+                                                a_scale_inv=ones[:1], b_scale_inv=ones))
+
+
+def test_handler_decodes_fp8_exactly():
+  """Every E4M3 x E5M2 code pair (finite) through the dgrad form, one element per row."""
+  e4m3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+  e5m2 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e5m2)
+  finite4 = e4m3[np.isfinite(e4m3.astype(np.float32))]
+  finite5 = e5m2[np.isfinite(e5m2.astype(np.float32))]
+  a = np.zeros((finite5.size, 16), ml_dtypes.float8_e5m2)
+  a[:, 0] = finite5
+  w = np.zeros((1, finite4.size, 16), ml_dtypes.float8_e4m3fn)
+  w[0, :, 0] = finite4
+  out = gemm_ffi.grouped_gemm(jnp.asarray(a), jnp.asarray(w),
+                              jnp.asarray([0, finite5.size], jnp.int32), form=gemm_ffi.DGRAD,
+                              a_scale_inv=jnp.ones((1,), jnp.float32),
+                              b_scale_inv=jnp.ones((1,), jnp.float32))
+  expected = (finite5.astype(np.float32)[:, None] * finite4.astype(np.float32)[None, :])
+  np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                expected.astype(jnp.bfloat16).astype(np.float32))
+
+
+@pytest.mark.parametrize("recipe, shapes_, match", [
+    (jaxfuse.quantization.Float8CurrentScaling(per_group=False), ((32, 32), (2, 32, 32)),
+     r"supports recipe=Float8CurrentScaling\(per_group=True\)"),
+    (jaxfuse.quantization.Float8BlockScaling(), ((32, 32), (2, 32, 32)),
+     r"supports recipe=Float8CurrentScaling\(per_group=True\)"),
+    (jaxfuse.quantization.Float8CurrentScaling(forward_format="e5m2"), ((32, 32), (2, 32, 32)),
+     r"forward_format must be 'e4m3'"),
+    (RECIPE, ((32, 24), (2, 24, 32)), r"K \(x.shape\[1\]\) to be a multiple of 16 .*got 24"),
+    (RECIPE, ((32, 32), (2, 32, 40)), r"N \(kernel.shape\[2\]\) to be a multiple of 16 .*got 40"),
+])
+@pytest.mark.parametrize("implementation", ["ffi", "xla"])
+def test_errors(recipe, shapes_, match, implementation):
+  x_shape, k_shape = shapes_
+  with pytest.raises(ValueError, match=match):
+    jaxfuse.grouped_linear(jnp.ones(x_shape, jnp.bfloat16), jnp.ones(k_shape, jnp.bfloat16),
+                           jnp.ones((2,), jnp.int32), recipe=recipe,
+                           implementation=implementation)
+
+
+def test_shard_map_tokens_sharded_kernel_replicated():
+  """Per-device tokens and sizes; the replicated kernel's gradient is summed over devices.
+  FFI vs the FP8 reference: same forward (bf16-level), gradients within FP8 accuracy (the
+  FFI dgrad quantizes dy, the reference's gradients are straight-through)."""
+  from jax.sharding import Mesh, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jaxfuse._src import compat  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices("cpu")), ("data",))
+  devices = mesh.devices.size
+  m_local, k, n, groups = 32, 32, 16, 3
+  x, kernel = make_inputs(18, m_local * devices, k, n, groups, jnp.bfloat16)
+  rng = np.random.default_rng(19)
+  sizes = jnp.asarray(np.stack([rng.multinomial(m_local - 2, np.ones(groups) / groups)
+                                for _ in range(devices)]).astype(np.int32))
+
+  def layer(implementation):
+    f = lambda x, w, s: fp8_linear(implementation)(x, w, s[0])
+    return compat.shard_map(f, mesh=mesh, in_specs=(P("data"), P(), P("data")),
+                            out_specs=P("data"))
+
+  out = jax.jit(layer("ffi"))(x, kernel, sizes)
+  assert_bf16_close(out, jax.jit(layer("xla"))(x, kernel, sizes))
+  loss = lambda impl: lambda x, w: jnp.sum(jnp.sin(layer(impl)(x, w, sizes).astype(jnp.float32)))
+  got = jax.jit(jax.grad(loss("ffi"), argnums=(0, 1)))(x, kernel)
+  want = jax.jit(jax.grad(loss("xla"), argnums=(0, 1)))(x, kernel)
+  for name, g, w in zip(("dx", "dkernel"), got, want):
+    assert relative_error(g, w) < 0.1, name

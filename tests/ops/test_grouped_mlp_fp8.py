@@ -1,0 +1,133 @@
+"""grouped_mlp with Float8CurrentScaling(per_group=True): FFI vs the FP8 reference,
+accuracy of both against the 16-bit op, what runs (FP8 GEMMs, fused activation +
+quantization), empty groups, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxfuse
+from tests import helpers
+from tests.ops.test_grouped_mlp import (ACTIVATIONS, ALPHA, BACKENDS, LIMIT, LINEAR_OFFSET,
+                                        group_rows, make_inputs, on, sizes_cases)
+
+RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
+
+
+def relative_error(actual, expected) -> float:
+  actual, expected = helpers.as_f64(actual), helpers.as_f64(expected)
+  return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+def shapes(backend):
+  return (64, 32, 16) if backend == "cpu" else (1024, 512, 256)
+
+
+def call(impl, activation, recipe=RECIPE, save_activation=False):
+  return lambda x, k1, k2, sizes, scales: jaxfuse.grouped_mlp(
+      x, k1, k2, sizes, scales, activation, recipe=recipe, implementation=impl, limit=LIMIT,
+      alpha=ALPHA, linear_offset=LINEAR_OFFSET, save_activation=save_activation)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("case", list(sizes_cases(64)))
+def test_ffi_matches_the_fp8_reference(backend, activation, case):
+  """Same quantization and FP8 products; h may differ by one bf16 rounding, which can move
+  an activation across an FP8 rounding boundary, hence bf16-level (not bit) agreement."""
+  m, hidden, ffn = shapes(backend)
+  sizes = sizes_cases(m)[case]
+  x, k1, k2, scales = make_inputs(30, m, hidden, ffn, len(sizes), activation, jnp.bfloat16)
+  x, k1, k2, scales, group_sizes = on(backend, x, k1, k2, scales,
+                                      jnp.asarray(sizes, jnp.int32))
+  out = jax.jit(call("ffi", activation))(x, k1, k2, group_sizes, scales)
+  assert out.dtype == jnp.bfloat16 and out.shape == (m, hidden)
+  expected = jax.jit(call("xla", activation))(x, k1, k2, group_sizes, scales)
+  helpers.assert_close(out, helpers.as_f64(expected), jnp.bfloat16, msg=case)
+  assert relative_error(out, expected) < 1e-2
+  covered = list(group_rows(sizes, m))[-1][2]
+  assert not np.asarray(out[covered:], np.float32).any(), "rows past the groups must be zero"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("implementation", ["ffi", "xla"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_accuracy_against_the_bf16_op(backend, implementation, activation):
+  """Two chained FP8 GEMMs compound their errors: one E4M3 GEMM is ~3-5% relative
+  (Frobenius, see test_grouped_linear_fp8), the MLP forward measures 6-7% on CPU shapes.
+  dx goes through two E5M2-quantized gradients (dy, then dh) and two E4M3 weights; it
+  measures up to ~14% (clamped_swiglu). Budgets: 10% forward, 20% gradients."""
+  m, hidden, ffn = (128, 64, 32) if backend == "cpu" else (2048, 1024, 512)
+  sizes = sizes_cases(m)["empty_groups"]
+  x, k1, k2, scales = make_inputs(31, m, hidden, ffn, len(sizes), activation, jnp.bfloat16)
+  d_out = helpers.random_array(np.random.default_rng(32), (m, hidden), jnp.bfloat16)
+  x, k1, k2, scales, d_out, group_sizes = on(backend, x, k1, k2, scales, d_out,
+                                             jnp.asarray(sizes, jnp.int32))
+  fp8 = lambda *a: call(implementation, activation)(*a[:3], group_sizes, a[3])
+  bf16 = lambda *a: call("xla", activation, recipe=None)(*a[:3], group_sizes, a[3])
+  out, vjp = jax.vjp(fp8, x, k1, k2, scales)
+  want, want_vjp = jax.vjp(bf16, x, k1, k2, scales)
+  assert relative_error(out, want) < 0.10
+  got_grads = jax.jit(vjp)(d_out)
+  for name, got, expected in zip(("dx", "dkernel1", "dkernel2", "dscales"), got_grads,
+                                 want_vjp(d_out)):
+    assert got.dtype == expected.dtype, name
+    assert relative_error(got, expected) < 0.2, name
+  for g, start, end in group_rows(sizes, m):
+    if start == end:  # empty groups: exactly zero weight gradients
+      assert not np.asarray(got_grads[1][g], np.float32).any(), f"dkernel1[{g}]"
+      assert not np.asarray(got_grads[2][g], np.float32).any(), f"dkernel2[{g}]"
+
+
+def test_save_activation_gives_identical_gradients():
+  x, k1, k2, scales = make_inputs(33, 64, 32, 16, 4, "swiglu", jnp.bfloat16)
+  sizes = jnp.asarray([16, 0, 30, 10], jnp.int32)
+  grads = []
+  for save in (False, True):
+    loss = lambda *a, save=save: jnp.sum(jnp.sin(call("ffi", "swiglu", save_activation=save)(
+        *a[:3], sizes, a[3]).astype(jnp.float32)))
+    grads.append(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, k1, k2, scales))
+  for a, b in zip(*grads):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_fp8_gemms_and_fused_quantization_run():
+  x, k1, k2, scales = make_inputs(34, 32, 16, 16, 4, "swiglu", jnp.bfloat16)
+  sizes = jnp.asarray([8, 0, 16, 8], jnp.int32)
+  loss = lambda *a: jnp.sum(call("ffi", "swiglu")(*a[:3], sizes, a[3]).astype(jnp.float32))
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, k1, k2, scales)
+  count = lambda predicate: helpers.count_primitives(jaxpr, predicate)
+  name_is = lambda *names: lambda e: e.primitive.name in names
+  assert count(helpers.ffi_target("jaxfuse_group_offsets")) == 1
+  assert count(name_is("cumsum")) == 0
+  # FC1 fwd, FC2 fwd, FC2 dgrad, FC1 dgrad in FP8; the two wgrads in 16-bit; each in both
+  # platform branches of platform_dependent.
+  assert count(helpers.ffi_target("jaxfuse_grouped_gemm_fp8")) == 4 * 2
+  assert count(helpers.ffi_target("jaxfuse_grouped_gemm")) == 2 * 2
+  assert count(helpers.ffi_target("jaxfuse_scaled_activation_quantize")) == 1
+  assert count(helpers.ffi_target("jaxfuse_scaled_dactivation_quantize")) == 1
+  assert count(name_is("ragged_dot_general", "ragged_dot", "dot_general")) == 0
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(recipe=jaxfuse.quantization.Float8CurrentScaling(per_group=False)),
+     r"supports recipe=Float8CurrentScaling\(per_group=True\)"),
+    (dict(recipe=jaxfuse.quantization.MXFP8BlockScaling()),
+     r"supports recipe=Float8CurrentScaling\(per_group=True\)"),
+    (dict(x=(8, 24), k1=(2, 24, 32), k2=(2, 16, 24)), r"H \(x.shape\[1\]\) to be a multiple of 16"),
+    (dict(k1=(2, 16, 40), k2=(2, 20, 16)), r"kernel1.shape\[2\] to be a multiple of 16"),
+    (dict(k1=(2, 16, 48), k2=(2, 24, 16)), r"F \(kernel2.shape\[1\]\) to be a multiple of 16"),
+])
+@pytest.mark.parametrize("implementation", ["ffi", "xla"])
+def test_errors(change, match, implementation):
+  shapes_ = dict(x=(8, 16), k1=(2, 16, 32), k2=(2, 16, 16))
+  shapes_.update({k: v for k, v in change.items() if k in shapes_})
+  dtype = jnp.bfloat16
+  with pytest.raises(ValueError, match=match):
+    jaxfuse.grouped_mlp(jnp.ones(shapes_["x"], dtype), jnp.ones(shapes_["k1"], dtype),
+                        jnp.ones(shapes_["k2"], dtype), jnp.ones((2,), jnp.int32),
+                        jnp.ones((8,), jnp.float32), "swiglu",
+                        recipe=change.get("recipe", RECIPE), implementation=implementation)

@@ -209,7 +209,8 @@ class MoE(nnx.Module):
     dtype: compute dtype of x and the expert kernels (default: promote x and param_dtype).
     param_dtype: dtype of the parameters.
     kernel_init, router_init: initializers.
-    recipe: reserved for FP8 recipes (None).
+    recipe: None (bf16), or jaxfuse.quantization.Float8CurrentScaling(per_group=True) for
+      FP8 expert GEMMs (forward and dgrad in FP8, wgrad in bf16; see jaxfuse.grouped_mlp).
     implementation: None, "ffi" or "xla".
     rngs: NNX random streams (``params`` initializes the parameters).
   """

@@ -98,7 +98,7 @@ def _spec(factors, assignment) -> PartitionSpec:
 
 
 def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
-                reduction: Sequence[str] = (),
+                reduction: Sequence[str] = (), summed: Sequence[str] = (),
                 local: Callable | None = None) -> Callable:
   """Wraps ``fn(*arrays, **attrs)`` in custom_partitioning with a Shardy rule.
 
@@ -107,15 +107,21 @@ def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
     rule: gives the factor names of each operand and result dimension from the static
       attributes and the operand and result ranks.
     replicated: factors that must not be sharded (need_replication in Shardy).
-    reduction: contracted factors that may be sharded; when any is, ``local`` is used.
+    reduction: contracted factors (in operands only) that may be sharded; when any is,
+      ``local`` is used.
+    summed: factors that some results keep and others are summed over (the rows of a
+      norm's backward: dx keeps them, dgamma sums them); not declared to Shardy, but when
+      sharded ``local`` is used, like for ``reduction``.
     local: ``local(reduce_axes, *shards, **attrs)``, the per-device computation when some
-      reduction factor is sharded over the mesh axes ``reduce_axes`` (it must psum).
+      factor of ``reduction`` or ``summed`` is sharded over the mesh axes ``reduce_axes``
+      (it must psum what is summed).
 
   Returns:
     ``call(*arrays, **attrs)``: the partitioned op (the plain ``fn`` without Shardy).
   """
   replicated = frozenset(replicated)
   reduction = frozenset(reduction)
+  summed_or_reduced = reduction | frozenset(summed)
 
   def factors_for(attrs, in_ranks, out_ranks):
     in_factors, out_factors = rule(attrs, in_ranks, out_ranks)
@@ -148,7 +154,7 @@ def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
       sharding = arg.sharding
       specs.append(sharding.spec if isinstance(sharding, NamedSharding) else None)
     assignment = _assign_factors(in_factors, specs, replicated)
-    reduce_axes = tuple(axis for factor in sorted(reduction)
+    reduce_axes = tuple(axis for factor in sorted(summed_or_reduced)
                         for axis in assignment.get(factor, ()))
     arg_shardings = tuple(NamedSharding(mesh, _spec(f, assignment)) for f in in_factors)
     out_shardings = [NamedSharding(mesh, _spec(f, assignment)) for f in out_factors]

@@ -136,12 +136,13 @@ def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
     in_factors, out_factors = factors_for(
         dict(attr_items), [len(t.shape) for t in operand_types],
         [len(t.shape) for t in result_types])
-    used = {f for fs in in_factors + out_factors for f in fs}
+    # In order of first appearance: Shardy wants special factors' indices sorted.
+    order = list(dict.fromkeys(f for fs in in_factors + out_factors for f in fs))
     special = {}
-    if replicated & used:
-      special["need_replication_factors"] = tuple(sorted(replicated & used))
-    if reduction & used:
-      special["reduction_factors"] = tuple(sorted(reduction & used))
+    if replicated.intersection(order):
+      special["need_replication_factors"] = tuple(f for f in order if f in replicated)
+    if reduction.intersection(order):
+      special["reduction_factors"] = tuple(f for f in order if f in reduction)
     return rule_string(in_factors, out_factors), special
 
   def partition(attr_items, mesh, arg_shapes, result_shape):

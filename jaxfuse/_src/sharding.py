@@ -36,6 +36,7 @@ attributes are not part of the module text the cache key is computed from.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable, Sequence
 
@@ -43,13 +44,41 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxfuse._src import compat
+
 # rule(attrs: dict, in_ranks, out_ranks) -> (operand factor lists, result factor lists).
 RuleFn = Callable[[dict, Sequence[int], Sequence[int]],
                   tuple[Sequence[Sequence[str]], Sequence[Sequence[str]]]]
 
 
+_RULES = compat.traced_bool_flag(
+    "jaxfuse_sharding_rules", True,
+    "Whether jaxfuse's FFI calls carry custom_partitioning sharding rules.")
+
+
 def shardy_enabled() -> bool:
   return bool(jax.config.jax_use_shardy_partitioner)
+
+
+def rules_enabled() -> bool:
+  return bool(_RULES.value) and shardy_enabled()
+
+
+@contextlib.contextmanager
+def sharding_rules(enabled: bool):
+  """Turns jaxfuse's sharding rules on or off while tracing (this thread).
+
+  The setting is part of jax's jit and trace cache keys (the jax config flag
+  ``jaxfuse_sharding_rules``; ``jax.config.update("jaxfuse_sharding_rules", False)`` sets
+  it for the process), so a function traced with the rules is retraced without them.
+
+  Off, the ops are plain FFI calls: XLA gathers sharded operands (correct, not cheap).
+  Needed to ``jax.export`` a function with sharded inputs: custom_partitioning's Python
+  callbacks cannot be serialized ("serialization of host_callbacks is not yet
+  implemented").
+  """
+  with _RULES(bool(enabled)):
+    yield
 
 
 def rule_string(in_factors, out_factors) -> str:
@@ -172,7 +201,7 @@ def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
   op.def_partition(partition=partition, sharding_rule=sharding_rule)
 
   def call(*args, **attrs):
-    if not shardy_enabled():
+    if not rules_enabled():
       return fn(*args, **attrs)
     attr_items = tuple(sorted(attrs.items()))
     return _batchable(op, fn, attr_items)(*args)

@@ -207,6 +207,47 @@ def test_group_offsets_replicated(mesh):
   assert _all_gathers(lambda s: jaxfuse.group_offsets(s, **FFI), (sizes,), mesh, (P(),)) == 0
 
 
+# --- quantize ----------------------------------------------------------------------------------
+
+
+def _quantize_fn(recipe, kind="activation"):
+  def fn(x):
+    q = jaxfuse.quantize(x, recipe, kind=kind, **FFI)
+    return q.data.astype(jnp.float32), q.scale_inv.astype(jnp.float32)
+  return fn
+
+
+@pytest.mark.parametrize("recipe", [jaxfuse.quantization.MXFP8BlockScaling(),
+                                    jaxfuse.quantization.Float8BlockScaling()],
+                         ids=["mxfp8", "block_1d"])
+@pytest.mark.parametrize("spec", [P("data"), P(("data", "model"))], ids=["rows", "rows_2axes"])
+def test_quantize_rows_sharded(mesh, recipe, spec):
+  rng = np.random.default_rng(10)
+  x = helpers.random_array(rng, (64, 256), jnp.bfloat16, scale=3.0)
+  fn = _quantize_fn(recipe)
+  expected = fn(x)
+  actual = jax.jit(fn, in_shardings=NamedSharding(mesh, spec))(x)
+  for a, e in zip(actual, expected):  # same blocks, same scales: bitwise equal
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+  assert _all_gathers(fn, (x,), mesh, (spec,)) == 0
+
+
+@pytest.mark.parametrize("recipe,kind", [
+    (jaxfuse.quantization.Float8CurrentScaling(per_group=False), "activation"),
+    (jaxfuse.quantization.Float8BlockScaling(), "weight"),
+], ids=["per_tensor", "block_2d"])
+def test_quantize_replicated_modes_are_gathered_but_correct(mesh, recipe, kind):
+  # One amax over all rows (per tensor) / tiles spanning rows: x is kept replicated.
+  rng = np.random.default_rng(11)
+  x = helpers.random_array(rng, (256, 128), jnp.bfloat16, scale=3.0)
+  x = x.at[200, 5].set(40.0)  # the amax lives on one row shard
+  fn = _quantize_fn(recipe, kind)
+  expected = fn(x)
+  actual = jax.jit(fn, in_shardings=NamedSharding(mesh, P("data")))(x)
+  for a, e in zip(actual, expected):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
 # --- persistent compilation cache ---------------------------------------------------------------
 
 _CACHE_SCRIPT = textwrap.dedent("""

@@ -151,5 +151,5 @@ def all_targets() -> tuple[str, ...]:
 
 
 def export_disabled_checks() -> list:
-  """``jax.export.DisabledSafetyCheck`` for each jaxfuse target (see jaxfuse.EXPORT_DISABLED_CHECKS)."""
+  """jax.export.DisabledSafetyCheck for each target (jaxfuse.EXPORT_DISABLED_CHECKS)."""
   return [jax.export.DisabledSafetyCheck.custom_call(name) for name in all_targets()]

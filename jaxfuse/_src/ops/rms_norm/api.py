@@ -55,7 +55,8 @@ def _rms_norm_ffi(x, gamma, eps, zero_centered_gamma, varying_axes):
 
 def _rms_norm_forward(x, gamma, eps, zero_centered_gamma, varying_axes):
   del varying_axes
-  out, rsigma = sharding.rms_norm_fwd(x, gamma, eps=eps, zero_centered_gamma=zero_centered_gamma)
+  out, rsigma = sharding.rms_norm_fwd(x, gamma, eps=eps,
+                                      zero_centered_gamma=zero_centered_gamma)
   return out, (x, gamma, rsigma)
 
 
@@ -63,7 +64,7 @@ def _rms_norm_backward(eps, zero_centered_gamma, varying_axes, saved, d_out):
   del eps
   x, gamma, rsigma = saved
   d_x, d_gamma = sharding.rms_norm_bwd(d_out.astype(x.dtype), x, gamma, rsigma,
-                                  zero_centered_gamma=zero_centered_gamma)
+                                       zero_centered_gamma=zero_centered_gamma)
   # Inside shard_map, gamma's gradient from sharded rows is summed over the devices.
   return tuple(compat.match_varying_axes(c, axes)
                for c, axes in zip((d_x, d_gamma), varying_axes))
@@ -110,7 +111,7 @@ def rms_norm(x: jax.Array, gamma: jax.Array, eps: float = 1e-6, *,
 def _add_rms_norm_ffi(x, residual, gamma, eps, zero_centered_gamma, varying_axes):
   del varying_axes
   out, new_residual, _ = sharding.add_rms_norm_fwd(x, residual, gamma, eps=eps,
-                                              zero_centered_gamma=zero_centered_gamma)
+                                                   zero_centered_gamma=zero_centered_gamma)
   return out, new_residual
 
 
@@ -121,8 +122,8 @@ def _add_rms_norm_forward(x, residual, gamma, eps, zero_centered_gamma, varying_
   # the new residual to a fresh buffer costs nothing extra; XLA can still reuse a
   # donated residual's buffer for it. The primal (not differentiated) path aliases.
   out, new_residual, rsigma = sharding.add_rms_norm_fwd(x, residual, gamma, eps=eps,
-                                                   zero_centered_gamma=zero_centered_gamma,
-                                                   alias=False)
+                                                        zero_centered_gamma=zero_centered_gamma,
+                                                        alias=False)
   return (out, new_residual), (new_residual, gamma, rsigma)
 
 
@@ -132,9 +133,10 @@ def _add_rms_norm_backward(eps, zero_centered_gamma, varying_axes, saved, cotang
   d_out, d_new_residual = cotangents
   # One kernel: the normalization's input gradient plus the gradient flowing straight
   # into the new residual; it is the gradient of both x and residual.
-  d_s, d_gamma = sharding.add_rms_norm_bwd(d_out.astype(s.dtype), d_new_residual.astype(s.dtype),
-                                      s, gamma, rsigma,
-                                      zero_centered_gamma=zero_centered_gamma)
+  d_s, d_gamma = sharding.add_rms_norm_bwd(d_out.astype(s.dtype),
+                                           d_new_residual.astype(s.dtype),
+                                           s, gamma, rsigma,
+                                           zero_centered_gamma=zero_centered_gamma)
   return tuple(compat.match_varying_axes(c, axes)
                for c, axes in zip((d_s, d_s, d_gamma), varying_axes))
 
@@ -182,7 +184,8 @@ def rms_norm_inference(x, gamma, eps: float = 1e-6, *, zero_centered_gamma: bool
   eps = _validate(x, gamma, eps, zero_centered_gamma)
   if implementation_lib.resolve(implementation) == "xla":
     return reference.rms_norm(x, gamma, eps, bool(zero_centered_gamma))
-  out, _ = sharding.rms_norm_fwd(x, gamma, eps=eps, zero_centered_gamma=bool(zero_centered_gamma))
+  out, _ = sharding.rms_norm_fwd(x, gamma, eps=eps,
+                                 zero_centered_gamma=bool(zero_centered_gamma))
   return out
 
 
@@ -195,7 +198,7 @@ def add_rms_norm_inference(x, residual, gamma, eps: float = 1e-6, *,
   if implementation_lib.resolve(implementation) == "xla":
     return reference.add_rms_norm(x, residual, gamma, eps, bool(zero_centered_gamma))
   out, new_residual, _ = sharding.add_rms_norm_fwd(x, residual, gamma, eps=eps,
-                                              zero_centered_gamma=bool(zero_centered_gamma))
+                                                   zero_centered_gamma=bool(zero_centered_gamma))
   return out, new_residual
 
 

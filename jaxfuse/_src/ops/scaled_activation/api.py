@@ -37,13 +37,13 @@ def validate(x, scales, activation, limit, alpha, linear_offset):
 def _scaled_activation_ffi(x, scales, activation, limit, alpha, linear_offset, varying_axes):
   del varying_axes
   return sharding.forward(x, scales, activation=activation, limit=limit, alpha=alpha,
-                     linear_offset=linear_offset)
+                          linear_offset=linear_offset)
 
 
 def _forward(x, scales, activation, limit, alpha, linear_offset, varying_axes):
   del varying_axes
   out = sharding.forward(x, scales, activation=activation, limit=limit, alpha=alpha,
-                    linear_offset=linear_offset)
+                         linear_offset=linear_offset)
   return out, (x, scales)
 
 
@@ -52,8 +52,9 @@ def _backward(activation, limit, alpha, linear_offset, varying_axes, saved, dy):
   # One fused kernel reads dy, x and scales once and writes dx and dscales. dscales is
   # always computed (it costs a register reduction over data the kernel reads anyway);
   # JAX drops it when scales needs no gradient.
-  dx, dscales = sharding.backward(dy.astype(x.dtype), x, scales, activation=activation, limit=limit,
-                             alpha=alpha, linear_offset=linear_offset)
+  dx, dscales = sharding.backward(dy.astype(x.dtype), x, scales, activation=activation,
+                                  limit=limit,
+                                  alpha=alpha, linear_offset=linear_offset)
   dscales = dscales.astype(scales.dtype)
   return tuple(compat.match_varying_axes(c, axes)
                for c, axes in zip((dx, dscales), varying_axes))

@@ -333,6 +333,33 @@ def test_export_roundtrip():
   helpers.assert_close(restored.call(*args), helpers.as_f64(_block(*args)), jnp.float32)
 
 
+_DESERIALIZE_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, numpy as np
+    import jaxfuse
+    jaxfuse.register_handlers()
+    restored = jax.export.deserialize(bytearray(open(sys.argv[1], "rb").read()))
+    args = np.load(sys.argv[2])
+    out = restored.call(*(args[f"a{i}"] for i in range(4)))
+    np.save(sys.argv[3], np.asarray(out))
+""")
+
+
+def test_export_deserialized_in_a_fresh_process(tmp_path):
+  pytest.importorskip("flatbuffers")
+  args = _export_inputs()
+  exported = jax.export.export(jax.jit(_block),
+                               disabled_checks=jaxfuse.EXPORT_DISABLED_CHECKS)(*args)
+  (tmp_path / "blob").write_bytes(exported.serialize())
+  np.savez(tmp_path / "args.npz", **{f"a{i}": np.asarray(a) for i, a in enumerate(args)})
+  result = subprocess.run([sys.executable, "-c", _DESERIALIZE_SCRIPT, str(tmp_path / "blob"),
+                           str(tmp_path / "args.npz"), str(tmp_path / "out.npy")],
+                          capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  helpers.assert_close(np.load(tmp_path / "out.npy"), helpers.as_f64(_block(*args)),
+                       jnp.float32)
+
+
 def test_export_sharded_without_rules(mesh):
   pytest.importorskip("flatbuffers")
   args = _export_inputs()

@@ -89,6 +89,19 @@ def test_linear_scale_add(mesh, sharding, dtype):
   _check(fn, (x, kernel, residual), mesh, LSA_SPECS[sharding], dtype, grad_argnums=(0, 1, 2))
 
 
+@pytest.mark.parametrize("sharding", ["tokens", "tokens_and_contracting"])
+def test_linear_scale_add_explicit_mesh(sharding):
+  # jax.make_mesh's default axis types (Explicit in jax 0.11) work too.
+  explicit = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  rng = np.random.default_rng(13)
+  x = helpers.random_array(rng, (4, 8, 32), jnp.float32)
+  kernel = helpers.random_array(rng, (32, 24), jnp.float32)
+  residual = helpers.random_array(rng, (4, 8, 24), jnp.float32)
+  fn = lambda x, k, r: jaxfuse.linear_scale_add(x, k, r, 0.75, **FFI)
+  _check(fn, (x, kernel, residual), explicit, LSA_SPECS[sharding], jnp.float32,
+         grad_argnums=(0, 1, 2))
+
+
 def test_contracting_dimension_adds_the_residual_once(mesh):
   # With K sharded over 4 devices, adding the residual per partial product would add it
   # 4 times: compare against float64 numpy directly.
@@ -197,6 +210,25 @@ def test_grouped_linear_token_sharded_is_gathered_but_correct(mesh):
   fn = lambda x, k, s: jaxfuse.grouped_linear(x, k, s, **FFI)
   _check(fn, (x, kernel, sizes), mesh, (P("data"), P(None, None, "model"), P()),
          jnp.bfloat16, gathers_allowed=True, grad_argnums=(0, 1))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "srelu"])
+def test_grouped_mlp_output_features_sharded(mesh, activation):
+  # grouped_mlp runs the partitioned grouped GEMMs and activation: kernel2's output
+  # features (H) sharded.
+  rng = np.random.default_rng(12)
+  tokens, hidden, ffn, groups = 64, 32, 16, 4
+  width = 2 * ffn if activation == "swiglu" else ffn
+  x = helpers.random_array(rng, (tokens, hidden), jnp.bfloat16)
+  kernel1 = helpers.random_array(rng, (groups, hidden, width), jnp.bfloat16,
+                                 scale=1 / np.sqrt(hidden))
+  kernel2 = helpers.random_array(rng, (groups, ffn, hidden), jnp.bfloat16,
+                                 scale=1 / np.sqrt(ffn))
+  sizes = jnp.array([20, 0, 33, 11], jnp.int32)
+  scales = helpers.random_array(rng, (tokens,), jnp.float32)
+  fn = lambda x, k1, k2, s, sc: jaxfuse.grouped_mlp(x, k1, k2, s, sc, activation, **FFI)
+  _check(fn, (x, kernel1, kernel2, sizes, scales), mesh,
+         (P(), P(), P(None, None, "model"), P(), P()), jnp.bfloat16, grad_argnums=(0, 1, 2))
 
 
 def test_group_offsets_replicated(mesh):

@@ -27,20 +27,24 @@ is not partitioned by these rules.
 
 Persistent compilation cache: custom_partitioning puts a per-lowering Python callback key
 into the module, so its cache key changes each time a function is lowered, and entries are
-written but not found again by a new lowering (see ``tests/sharding/test_rules.py``). jax's
-``jax_remove_custom_partitioning_ptr_from_cache_key=True`` removes the key; it is safe for
-jaxfuse only when functions differing in an op's static attributes (alpha, eps,
-activation, ...) but otherwise identical are not compiled into the same cache: those
-attributes are not part of the module text the cache key is computed from.
+written but not found again by a new lowering (observed with jax 0.11.2, see
+``tests/sharding/test_rules.py``). jax's ``jax_remove_custom_partitioning_ptr_from_cache_key
+=True`` removes the key and restores hits. custom_partitioning keeps static arguments in
+Python only, so on its own that flag would let two programs differing only in an op's
+attributes (alpha, eps, activation, ...) share a cache entry and run the wrong one (the
+test shows it does); every partitioned call therefore takes a fingerprint of its attributes
+as an extra, unused int32 constant operand, which puts them in the module text and the key.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -148,16 +152,19 @@ def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
   Returns:
     ``call(*arrays, **attrs)``: the partitioned op (the plain ``fn`` without Shardy).
   """
-  replicated = frozenset(replicated)
+  replicated = frozenset(replicated) | {_FINGERPRINT}
   reduction = frozenset(reduction)
   summed_or_reduced = reduction | frozenset(summed)
 
   def factors_for(attrs, in_ranks, out_ranks):
-    in_factors, out_factors = rule(attrs, in_ranks, out_ranks)
-    return [list(f) for f in in_factors], [list(f) for f in out_factors]
+    # Operand 0 is the attributes' fingerprint (see _fingerprint).
+    in_factors, out_factors = rule(attrs, in_ranks[1:], out_ranks)
+    return ([[_FINGERPRINT]] + [list(f) for f in in_factors],
+            [list(f) for f in out_factors])
 
   @functools.partial(custom_partitioning, static_argnums=(0,))
-  def op(attr_items, *args):
+  def op(attr_items, fingerprint, *args):
+    del fingerprint
     return fn(*args, **dict(attr_items))
 
   def sharding_rule(attr_items, mesh, operand_types, result_types):
@@ -191,7 +198,8 @@ def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
     out_shardings = (tuple(out_shardings) if isinstance(result_shape, (tuple, list))
                      else out_shardings[0])
 
-    def lower_fn(*shards):
+    def lower_fn(fingerprint, *shards):
+      del fingerprint
       if reduce_axes:
         return local(reduce_axes, *shards, **attrs)
       return fn(*shards, **attrs)
@@ -204,24 +212,41 @@ def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
     if not rules_enabled():
       return fn(*args, **attrs)
     attr_items = tuple(sorted(attrs.items()))
-    return _batchable(op, fn, attr_items)(*args)
+    return _batchable(op, fn, attr_items)(_fingerprint(attr_items), *args)
 
   call.__wrapped__ = fn
   return call
+
+
+_FINGERPRINT = "attrs_fp"
+
+
+def _fingerprint(attr_items) -> np.ndarray:
+  """The static attributes as a small int32 constant operand of the partitioned call.
+
+  custom_partitioning keeps static arguments in Python only: two programs differing only
+  in an op's attributes (alpha, eps, ...) would lower to the same module text apart from
+  the callback key, which ``jax_remove_custom_partitioning_ptr_from_cache_key`` removes
+  from the persistent cache key. With the fingerprint in the module as a constant, they
+  get different cache keys, so that flag is safe with jaxfuse's ops. It is replicated,
+  unused by the computation, and removed by XLA.
+  """
+  digest = hashlib.sha256(repr(attr_items).encode()).digest()[:8]
+  return np.frombuffer(digest, dtype=np.int32).copy()
 
 
 def _batchable(op, fn, attr_items):
   """custom_partitioning has no batching rule: under vmap, batch the plain call."""
 
   @jax.custom_batching.custom_vmap
-  def batched(*args):
-    return op(attr_items, *args)
+  def batched(fingerprint, *args):
+    return op(attr_items, fingerprint, *args)
 
   @batched.def_vmap
-  def _rule(axis_size, in_batched, *args):
-    del axis_size
+  def _rule(axis_size, in_batched, fingerprint, *args):
+    del axis_size, fingerprint
     attrs = dict(attr_items)
-    axes = tuple(0 if b else None for b in in_batched)
+    axes = tuple(0 if b else None for b in in_batched[1:])
     out = jax.vmap(lambda *a: fn(*a, **attrs), in_axes=axes)(*args)
     out_batched = jax.tree.map(lambda _: True, out)
     return out, out_batched

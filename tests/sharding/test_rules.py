@@ -299,18 +299,20 @@ _CACHE_SCRIPT = textwrap.dedent("""
     k = jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)
     r = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
     rows = NamedSharding(mesh, P("data"))
-    def run():
-      f = jax.jit(lambda x, k, r: jaxfuse.linear_scale_add(x, k, r, 0.5, implementation="ffi"),
+    def run(alpha):
+      f = jax.jit(lambda x, k, r: jaxfuse.linear_scale_add(x, k, r, alpha, implementation="ffi"),
                   in_shardings=(rows, NamedSharding(mesh, P()), rows))
-      return np.asarray(f(x, k, r))
-    entries = lambda: sorted(n for n in os.listdir(cache_dir) if not n.endswith("-atime"))
-    first = run(); after_first = entries()
+      out = np.asarray(f(x, k, r))
+      return bool(np.allclose(out, np.asarray(r) + alpha * np.asarray(x) @ np.asarray(k),
+                              atol=1e-4))
+    entries = lambda: len([n for n in os.listdir(cache_dir) if not n.endswith("-atime")])
+    ok = run(0.5); first = entries()
     jax.clear_caches()
-    second = run(); after_second = entries()
-    expected = np.asarray(r) + 0.5 * np.asarray(x) @ np.asarray(k)
-    print(json.dumps(dict(first=len(after_first), second=len(after_second),
-                          ok=bool(np.allclose(first, expected, atol=1e-4)
-                                  and np.allclose(second, expected, atol=1e-4)))))
+    ok &= run(0.5); second = entries()
+    jax.clear_caches()
+    # Differs from the first program only in alpha (a static attribute).
+    ok &= run(0.25); third = entries()
+    print(json.dumps(dict(first=first, second=second, third=third, ok=ok)))
 """)
 
 
@@ -328,13 +330,15 @@ def _run_cache_script(tmp_path, remove_ptr: bool) -> dict:
 
 def test_persistent_cache_with_custom_partitioning(tmp_path):
   # Observed with jax 0.11.2: custom_partitioning puts a per-lowering callback key into the
-  # module, so a new lowering misses the cache and writes a second entry (correct, but
-  # no reuse). jax_remove_custom_partitioning_ptr_from_cache_key=True gives a hit.
+  # module, so a new lowering misses the cache and writes another entry (correct, but no
+  # reuse). jax_remove_custom_partitioning_ptr_from_cache_key=True gives a hit, and
+  # jaxfuse's attribute fingerprint keeps a program with another alpha from hitting it.
   default = _run_cache_script(tmp_path, remove_ptr=False)
   assert default["ok"] and default["first"] >= 1, default
   removed = _run_cache_script(tmp_path, remove_ptr=True)
   assert removed["ok"] and removed["first"] >= 1, removed
   assert removed["second"] == removed["first"], f"no cache hit: {removed}"
+  assert removed["third"] > removed["second"], f"alpha=0.25 hit alpha=0.5's entry: {removed}"
 
 
 # --- jax.export --------------------------------------------------------------------------------

@@ -251,4 +251,17 @@ def _batchable(op, fn, attr_items):
     out_batched = jax.tree.map(lambda _: True, out)
     return out, out_batched
 
-  return batched
+  # Differentiating the op itself (not through its api's custom_vjp) fails like a plain
+  # ffi_call does, with a ValueError, instead of custom_partitioning's NotImplementedError.
+  @jax.custom_jvp
+  def guarded(*args):
+    return batched(*args)
+
+  @guarded.defjvp
+  def _jvp(primals, tangents):
+    del primals, tangents
+    name = getattr(fn, "__qualname__", repr(fn))
+    raise ValueError(f"The FFI call `{name}` (jaxfuse) cannot be differentiated. Use the op's "
+                     "differentiable public function (it has a custom_vjp).")
+
+  return guarded

@@ -23,7 +23,9 @@ default in jax 0.11): under GSPMD the plain FFI call is used (XLA gathers, still
 Inside ``shard_map`` (all mesh axes manual) and on one device custom_partitioning inlines
 the plain call, so per-device code is unchanged. ``jax.vmap`` of a partitioned op batches
 the plain FFI call (custom_partitioning has no batching rule of its own), so a vmapped op
-is not partitioned by these rules.
+is not partitioned by these rules. ``with jaxfuse.sharding_rules(False):`` traces the plain
+calls (needed for ``jax.export`` of sharded functions: custom_partitioning's callbacks
+cannot be serialized).
 
 Persistent compilation cache: custom_partitioning puts a per-lowering Python callback key
 into the module, so its cache key changes each time a function is lowered, and entries are
@@ -31,8 +33,9 @@ written but not found again by a new lowering (observed with jax 0.11.2, see
 ``tests/sharding/test_rules.py``). jax's ``jax_remove_custom_partitioning_ptr_from_cache_key
 =True`` removes the key and restores hits. custom_partitioning keeps static arguments in
 Python only, so on its own that flag would let two programs differing only in an op's
-attributes (alpha, eps, activation, ...) share a cache entry and run the wrong one (the
-test shows it does); every partitioned call therefore takes a fingerprint of its attributes
+attributes (alpha, eps, activation, ...) share a cache entry and run the wrong one (checked
+with a constant fingerprint: the alpha=0.25 program ran alpha=0.5's executable); every
+partitioned call therefore takes a fingerprint of its attributes
 as an extra, unused int32 constant operand, which puts them in the module text and the key.
 """
 

@@ -73,3 +73,15 @@ def match_varying_axes(cotangent, primal_axes: frozenset):
   if missing:
     cotangent = jax.lax.pcast(cotangent, tuple(sorted(missing)), to="varying")
   return cotangent
+
+
+def traced_bool_flag(name: str, default: bool, help_text: str):
+  """A jax config flag that is part of the jit and trace caches' keys (private jax API).
+
+  Returns the flag's state: ``state.value`` reads it, ``with state(False):`` sets it in
+  this thread. A flag that changes what an op traces to must be part of those keys, or a
+  cached trace from before the change would be reused.
+  """
+  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+  return jax_config.bool_state(name, default, help_text, include_in_jit_key=True,
+                               include_in_trace_context=True)

@@ -140,3 +140,16 @@ def loaded_cublaslt_version() -> int:
     return 0
   _preload_cublaslt()
   return int(require_extension().loaded_cublaslt_version())
+
+
+def all_targets() -> tuple[str, ...]:
+  """Names of every FFI target the extension registers, on any platform (sorted)."""
+  if _extension is None:
+    return ()
+  return tuple(sorted({name for handlers in _extension.handlers().values()
+                       for name in handlers}))
+
+
+def export_disabled_checks() -> list:
+  """jax.export.DisabledSafetyCheck for each target (jaxfuse.EXPORT_DISABLED_CHECKS)."""
+  return [jax.export.DisabledSafetyCheck.custom_call(name) for name in all_targets()]

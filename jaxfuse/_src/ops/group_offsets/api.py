@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse._src import implementation as implementation_lib
-from jaxfuse._src.ops.group_offsets import ffi
+from jaxfuse._src.ops.group_offsets import sharding
 from jaxfuse._src.ops.group_offsets import reference
 
 INT32_LIMIT = 2**31
@@ -38,7 +38,7 @@ def group_offsets(group_sizes: jax.Array, *, implementation: str | None = None) 
   check_group_sizes(group_sizes)
   if implementation_lib.resolve(implementation) == "xla":
     return reference.group_offsets(group_sizes)
-  return ffi.group_offsets_multi(group_sizes, (1,), (jnp.int32,), None)[0]
+  return sharding.group_offsets_multi(group_sizes, (1,), (jnp.int32,), None)[0]
 
 
 def offsets_dtype(stride: int, row_capacity: int | None):
@@ -70,4 +70,4 @@ def group_offsets_multi(group_sizes: jax.Array, strides, *, row_capacity: int | 
   dtypes = tuple(offsets_dtype(s, row_capacity) for s in strides)
   if implementation_lib.resolve(implementation) == "xla":
     return reference.group_offsets_multi(group_sizes, strides, dtypes, row_capacity)
-  return ffi.group_offsets_multi(group_sizes, strides, dtypes, row_capacity)
+  return sharding.group_offsets_multi(group_sizes, strides, dtypes, row_capacity)

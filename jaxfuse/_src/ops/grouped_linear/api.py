@@ -16,6 +16,7 @@ from jaxfuse._src import compat
 from jaxfuse._src import implementation as implementation_lib
 from jaxfuse._src.ops.grouped_linear import ffi
 from jaxfuse._src.ops.grouped_linear import reference
+from jaxfuse._src.ops.grouped_linear import sharding
 
 # TMA (the Hopper copy engine the CUTLASS kernels use) needs 16-byte aligned rows.
 _FFI_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -63,20 +64,20 @@ def grouped_linear_with_offsets(x, kernel, group_offsets, varying_axes=(frozense
   offsets once and pass them to each; the backward pass reuses them as they are.
   `varying_axes` (static) holds shard_map's varying axes of (x, kernel, offsets).
   """
-  return ffi.grouped_gemm(x, kernel, group_offsets, form=ffi.FORWARD)
+  return sharding.grouped_gemm(x, kernel, group_offsets, form=ffi.FORWARD)
 
 
 def _forward(x, kernel, group_offsets, varying_axes):
   del varying_axes
-  out = ffi.grouped_gemm(x, kernel, group_offsets, form=ffi.FORWARD)
+  out = sharding.grouped_gemm(x, kernel, group_offsets, form=ffi.FORWARD)
   return out, (x, kernel, group_offsets)
 
 
 def _backward(varying_axes, saved, d_out):
   x, kernel, group_offsets = saved
   d_out = d_out.astype(x.dtype)
-  d_x = ffi.grouped_gemm(d_out, kernel, group_offsets, form=ffi.DGRAD)
-  d_kernel = ffi.grouped_gemm(x, d_out, group_offsets, form=ffi.WGRAD)
+  d_x = sharding.grouped_gemm(d_out, kernel, group_offsets, form=ffi.DGRAD)
+  d_kernel = sharding.grouped_gemm(x, d_out, group_offsets, form=ffi.WGRAD)
   # Integer offsets have no cotangent. Inside shard_map, the gradient of a replicated
   # kernel computed from sharded tokens is summed over the devices.
   return (compat.match_varying_axes(d_x, varying_axes[0]),

@@ -38,9 +38,10 @@ from jaxfuse._src.ops.group_offsets import api as offsets_api
 from jaxfuse._src.ops.grouped_linear import api as linear_api
 from jaxfuse._src.ops.grouped_linear import ffi as gemm_ffi
 from jaxfuse._src.ops.grouped_linear import reference as linear_reference
+from jaxfuse._src.ops.grouped_linear import sharding as gemm_sharding
 from jaxfuse._src.ops.grouped_mlp import reference
 from jaxfuse._src.ops.quantize import api as quantize_api
-from jaxfuse._src.ops.scaled_activation import ffi as act_ffi
+from jaxfuse._src.ops.scaled_activation import sharding as act_sharding
 from jaxfuse._src.ops.scaled_activation import reference as act_reference
 
 _FFI_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -116,11 +117,11 @@ def _validate(x, kernel1, kernel2, group_sizes, scales, activation, recipe,
 
 
 def _gemm(a, b, offsets, form):
-  return gemm_ffi.grouped_gemm(a, b, offsets, form=form)
+  return gemm_sharding.grouped_gemm(a, b, offsets, form=form)
 
 
 def _activation(h, scales, config: Config):
-  return act_ffi.forward(h, scales, **config.act_kwargs)
+  return act_sharding.forward(h, scales, **config.act_kwargs)
 
 
 class _Fp8:
@@ -223,7 +224,7 @@ def _backward(config, varying_axes, saved, dy):
   if a is None:
     a = _activation(h, scales, config)
   d_kernel2 = _gemm(a, dy, group_offsets, gemm_ffi.WGRAD)
-  dh, d_scales = act_ffi.backward(da, h, scales, **config.act_kwargs)
+  dh, d_scales = act_sharding.backward(da, h, scales, **config.act_kwargs)
   dx = _gemm(dh, kernel1, group_offsets, gemm_ffi.DGRAD)
   d_kernel1 = _gemm(x, dh, group_offsets, gemm_ffi.WGRAD)
   d_scales = d_scales.astype(scales.dtype)

@@ -13,6 +13,7 @@ from jaxfuse._src import compat
 from jaxfuse._src import implementation as implementation_lib
 from jaxfuse._src.ops.linear_scale_add import ffi
 from jaxfuse._src.ops.linear_scale_add import reference
+from jaxfuse._src.ops.linear_scale_add import sharding
 
 
 def _validate(x, kernel, residual, alpha, recipe) -> float:
@@ -69,7 +70,8 @@ def _linear_scale_add_ffi(x, kernel, residual, alpha, varying_axes):
 def _forward(x, kernel, residual, alpha, varying_axes):
   del varying_axes  # used by the backward pass only
   # residual goes in with its own shape: a reshape of an aliased operand costs a copy.
-  out = ffi.linear_scale_add(x, kernel, residual, alpha=alpha)
+  out = sharding.linear_scale_add(x, kernel, residual, alpha=alpha, transpose_a=False,
+                                  transpose_b=False)
   return out, (x, kernel)
 
 
@@ -79,8 +81,8 @@ def _backward(alpha, varying_axes, saved, d_out):
   # Both backward GEMMs carry alpha in their epilogue (TransformerEngine's
   # BackwardLinearScale); the cotangent is cast to the compute dtype as TE does.
   d_out_compute = d_out.astype(x.dtype)
-  d_x = ffi.scaled_matmul(d_out_compute, kernel, alpha=alpha, transpose_b=True)
-  d_kernel = ffi.scaled_matmul(x.reshape(-1, k), d_out_compute.reshape(-1, n), alpha=alpha,
+  d_x = sharding.scaled_matmul(d_out_compute, kernel, alpha=alpha, transpose_b=True)
+  d_kernel = sharding.scaled_matmul(x.reshape(-1, k), d_out_compute.reshape(-1, n), alpha=alpha,
                                transpose_a=True)
   # Inside shard_map, gradients of replicated operands are summed over the devices.
   return tuple(compat.match_varying_axes(cotangent, axes)

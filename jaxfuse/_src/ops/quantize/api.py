@@ -16,6 +16,7 @@ from jaxfuse._src import checks
 from jaxfuse._src import implementation as implementation_lib
 from jaxfuse._src.ops.group_offsets import api as offsets_api
 from jaxfuse._src.ops.quantize import ffi
+from jaxfuse._src.ops.quantize import sharding
 from jaxfuse._src.ops.quantize import reference
 from jaxfuse._src.ops.scaled_activation import api as act_api
 from jaxfuse.quantization import recipes
@@ -104,7 +105,8 @@ def quantize(x: jax.Array, recipe, *, group_sizes=None, group_offsets=None,
   if impl == "xla":
     data, scale_inv = reference.quantize_values(x, scaling_mode, block, offsets, fmt)
   else:
-    data, scale_inv = ffi.quantize(x, offsets, scaling_mode=scaling_mode, block=block, fmt=fmt)
+    data, scale_inv = sharding.quantize(x, offsets, scaling_mode=scaling_mode, block=block,
+                                        fmt=fmt)
   return _wrap(data, scale_inv, offsets, recipe, scaling_mode, block, x.dtype, role)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from jaxfuse._src import checks
 from jaxfuse._src import compat
 from jaxfuse._src import implementation as implementation_lib
-from jaxfuse._src.ops.rms_norm import ffi
+from jaxfuse._src.ops.rms_norm import sharding
 from jaxfuse._src.ops.rms_norm import reference
 
 
@@ -49,21 +49,22 @@ def _validate(x, gamma, eps, zero_centered_gamma, residual=None) -> float:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _rms_norm_ffi(x, gamma, eps, zero_centered_gamma, varying_axes):
   del varying_axes
-  out, _ = ffi.rms_norm_fwd(x, gamma, eps=eps, zero_centered_gamma=zero_centered_gamma)
+  out, _ = sharding.rms_norm_fwd(x, gamma, eps=eps, zero_centered_gamma=zero_centered_gamma)
   return out
 
 
 def _rms_norm_forward(x, gamma, eps, zero_centered_gamma, varying_axes):
   del varying_axes
-  out, rsigma = ffi.rms_norm_fwd(x, gamma, eps=eps, zero_centered_gamma=zero_centered_gamma)
+  out, rsigma = sharding.rms_norm_fwd(x, gamma, eps=eps,
+                                      zero_centered_gamma=zero_centered_gamma)
   return out, (x, gamma, rsigma)
 
 
 def _rms_norm_backward(eps, zero_centered_gamma, varying_axes, saved, d_out):
   del eps
   x, gamma, rsigma = saved
-  d_x, d_gamma = ffi.rms_norm_bwd(d_out.astype(x.dtype), x, gamma, rsigma,
-                                  zero_centered_gamma=zero_centered_gamma)
+  d_x, d_gamma = sharding.rms_norm_bwd(d_out.astype(x.dtype), x, gamma, rsigma,
+                                       zero_centered_gamma=zero_centered_gamma)
   # Inside shard_map, gamma's gradient from sharded rows is summed over the devices.
   return tuple(compat.match_varying_axes(c, axes)
                for c, axes in zip((d_x, d_gamma), varying_axes))
@@ -109,8 +110,8 @@ def rms_norm(x: jax.Array, gamma: jax.Array, eps: float = 1e-6, *,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _add_rms_norm_ffi(x, residual, gamma, eps, zero_centered_gamma, varying_axes):
   del varying_axes
-  out, new_residual, _ = ffi.add_rms_norm_fwd(x, residual, gamma, eps=eps,
-                                              zero_centered_gamma=zero_centered_gamma)
+  out, new_residual, _ = sharding.add_rms_norm_fwd(x, residual, gamma, eps=eps,
+                                                   zero_centered_gamma=zero_centered_gamma)
   return out, new_residual
 
 
@@ -120,9 +121,9 @@ def _add_rms_norm_forward(x, residual, gamma, eps, zero_centered_gamma, varying_
   # for its backward pass), and an aliased output would make XLA copy it first. Writing
   # the new residual to a fresh buffer costs nothing extra; XLA can still reuse a
   # donated residual's buffer for it. The primal (not differentiated) path aliases.
-  out, new_residual, rsigma = ffi.add_rms_norm_fwd(x, residual, gamma, eps=eps,
-                                                   zero_centered_gamma=zero_centered_gamma,
-                                                   alias=False)
+  out, new_residual, rsigma = sharding.add_rms_norm_fwd(x, residual, gamma, eps=eps,
+                                                        zero_centered_gamma=zero_centered_gamma,
+                                                        alias=False)
   return (out, new_residual), (new_residual, gamma, rsigma)
 
 
@@ -132,9 +133,10 @@ def _add_rms_norm_backward(eps, zero_centered_gamma, varying_axes, saved, cotang
   d_out, d_new_residual = cotangents
   # One kernel: the normalization's input gradient plus the gradient flowing straight
   # into the new residual; it is the gradient of both x and residual.
-  d_s, d_gamma = ffi.add_rms_norm_bwd(d_out.astype(s.dtype), d_new_residual.astype(s.dtype),
-                                      s, gamma, rsigma,
-                                      zero_centered_gamma=zero_centered_gamma)
+  d_s, d_gamma = sharding.add_rms_norm_bwd(d_out.astype(s.dtype),
+                                           d_new_residual.astype(s.dtype),
+                                           s, gamma, rsigma,
+                                           zero_centered_gamma=zero_centered_gamma)
   return tuple(compat.match_varying_axes(c, axes)
                for c, axes in zip((d_s, d_s, d_gamma), varying_axes))
 
@@ -182,7 +184,8 @@ def rms_norm_inference(x, gamma, eps: float = 1e-6, *, zero_centered_gamma: bool
   eps = _validate(x, gamma, eps, zero_centered_gamma)
   if implementation_lib.resolve(implementation) == "xla":
     return reference.rms_norm(x, gamma, eps, bool(zero_centered_gamma))
-  out, _ = ffi.rms_norm_fwd(x, gamma, eps=eps, zero_centered_gamma=bool(zero_centered_gamma))
+  out, _ = sharding.rms_norm_fwd(x, gamma, eps=eps,
+                                 zero_centered_gamma=bool(zero_centered_gamma))
   return out
 
 
@@ -194,8 +197,8 @@ def add_rms_norm_inference(x, residual, gamma, eps: float = 1e-6, *,
   eps = _validate(x, gamma, eps, zero_centered_gamma, residual=residual)
   if implementation_lib.resolve(implementation) == "xla":
     return reference.add_rms_norm(x, residual, gamma, eps, bool(zero_centered_gamma))
-  out, new_residual, _ = ffi.add_rms_norm_fwd(x, residual, gamma, eps=eps,
-                                              zero_centered_gamma=bool(zero_centered_gamma))
+  out, new_residual, _ = sharding.add_rms_norm_fwd(x, residual, gamma, eps=eps,
+                                                   zero_centered_gamma=bool(zero_centered_gamma))
   return out, new_residual
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxfuse._src import checks
 from jaxfuse._src import compat
 from jaxfuse._src import implementation as implementation_lib
-from jaxfuse._src.ops.scaled_activation import ffi
+from jaxfuse._src.ops.scaled_activation import sharding
 from jaxfuse._src.ops.scaled_activation import reference
 
 
@@ -36,14 +36,14 @@ def validate(x, scales, activation, limit, alpha, linear_offset):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def _scaled_activation_ffi(x, scales, activation, limit, alpha, linear_offset, varying_axes):
   del varying_axes
-  return ffi.forward(x, scales, activation=activation, limit=limit, alpha=alpha,
-                     linear_offset=linear_offset)
+  return sharding.forward(x, scales, activation=activation, limit=limit, alpha=alpha,
+                          linear_offset=linear_offset)
 
 
 def _forward(x, scales, activation, limit, alpha, linear_offset, varying_axes):
   del varying_axes
-  out = ffi.forward(x, scales, activation=activation, limit=limit, alpha=alpha,
-                    linear_offset=linear_offset)
+  out = sharding.forward(x, scales, activation=activation, limit=limit, alpha=alpha,
+                         linear_offset=linear_offset)
   return out, (x, scales)
 
 
@@ -52,8 +52,9 @@ def _backward(activation, limit, alpha, linear_offset, varying_axes, saved, dy):
   # One fused kernel reads dy, x and scales once and writes dx and dscales. dscales is
   # always computed (it costs a register reduction over data the kernel reads anyway);
   # JAX drops it when scales needs no gradient.
-  dx, dscales = ffi.backward(dy.astype(x.dtype), x, scales, activation=activation, limit=limit,
-                             alpha=alpha, linear_offset=linear_offset)
+  dx, dscales = sharding.backward(dy.astype(x.dtype), x, scales, activation=activation,
+                                  limit=limit,
+                                  alpha=alpha, linear_offset=linear_offset)
   dscales = dscales.astype(scales.dtype)
   return tuple(compat.match_varying_axes(c, axes)
                for c, axes in zip((dx, dscales), varying_axes))

@@ -20,6 +20,9 @@ from benchmarks import common
 
 ALPHA = 0.5
 SHAPES = [(tokens, features) for tokens in (4096, 16384, 65536) for features in (4096, 8192)]
+# FP8 (per-tensor current scaling) against the bf16 XLA baseline: issue 3's two shapes.
+FP8_SHAPES = [(8192, 8192), (65536, 4096)]
+FP8_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=False)
 
 
 def xla_linear_scale_add(x, kernel, residual):
@@ -27,11 +30,12 @@ def xla_linear_scale_add(x, kernel, residual):
   return residual + ALPHA * (x @ kernel)
 
 
-def make_step(implementation: str, backward: bool):
+def make_step(implementation: str, backward: bool, recipe=None):
   def forward(x, kernel, residual):
     if implementation == "xla":
       return xla_linear_scale_add(x, kernel, residual)
-    return jaxfuse.linear_scale_add(x, kernel, residual, ALPHA, implementation=implementation)
+    return jaxfuse.linear_scale_add(x, kernel, residual, ALPHA, recipe=recipe,
+                                    implementation=implementation)
 
   if not backward:
     return jax.jit(forward, donate_argnums=2)
@@ -41,6 +45,33 @@ def make_step(implementation: str, backward: bool):
     return out, *vjp(d_out)
 
   return jax.jit(forward_backward, donate_argnums=2)
+
+
+def time_fp8(shapes, calls) -> list[dict]:
+  """FP8 linear_scale_add (forward, forward + backward) against bf16 XLA, same run."""
+  rows = []
+  for tokens, features in shapes:
+    kx, kk, kr = jax.random.split(jax.random.key(tokens * 7 + features), 3)
+    x = jax.random.normal(kx, (tokens, features), jnp.bfloat16)
+    kernel = (jax.random.normal(kk, (features, features)) / features**0.5).astype(jnp.bfloat16)
+    d_out = jax.random.normal(kr, (tokens, features), jnp.bfloat16)
+    flops = 2 * tokens * features * features
+    for backward in (False, True):
+      row = {"tokens": tokens, "features": features, "pass": "fwd+bwd" if backward else "fwd"}
+      for implementation, recipe, label in (("ffi", FP8_RECIPE, "jaxfuse_fp8"),
+                                            ("xla", None, "xla_bf16")):
+        step = make_step(implementation, backward, recipe)
+        residuals = [jax.random.normal(jax.random.key(i), (tokens, features), jnp.bfloat16)
+                     for i in range(calls)]
+        arg_tuples = [(x, kernel, r, d_out) if backward else (x, kernel, r) for r in residuals]
+        ms = common.time_fn(step, arg_tuples)["median_ms"]
+        del residuals, arg_tuples
+        row[f"{label}_ms"] = ms
+        row[f"{label}_tflops"] = flops * (3 if backward else 1) / (ms * 1e-3) / 1e12
+      row["fp8_speedup_vs_xla_bf16"] = row["xla_bf16_ms"] / row["jaxfuse_fp8_ms"]
+      rows.append(row)
+      print(row, flush=True)
+  return rows
 
 
 def main():
@@ -75,6 +106,12 @@ def main():
       print(row, flush=True)
   common.print_table(rows, ["tokens", "features", "pass", "jaxfuse_ms", "xla_ms",
                             "jaxfuse_tflops", "xla_tflops", "speedup_vs_xla"])
+  fp8_rows = time_fp8(FP8_SHAPES[:1] if args.quick else FP8_SHAPES, calls)
+  common.print_table(fp8_rows, ["tokens", "features", "pass", "jaxfuse_fp8_ms", "xla_bf16_ms",
+                                "jaxfuse_fp8_tflops", "fp8_speedup_vs_xla_bf16"])
+  common.write_results("linear_scale_add_fp8", fp8_rows, alpha=ALPHA, recipe=repr(FP8_RECIPE),
+                       baseline="XLA lowering of residual + alpha * (x @ kernel) in bf16, "
+                                "same run")
   common.write_results("linear_scale_add", rows, alpha=ALPHA, dtype="bfloat16",
                        baseline="XLA lowering of residual + alpha * (x @ kernel) in bf16, same run")
 

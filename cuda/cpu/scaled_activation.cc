@@ -38,22 +38,11 @@ ffi::Error BackwardCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer scale
                        ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dscales,
                        int32_t activation, float limit, float alpha, float linear_offset) {
   ActivationProblem problem;
-  if (auto error = ParseActivationProblem(x, scales, activation, limit, alpha, linear_offset,
-                                          &problem);
+  if (auto error = ParseActivationBackward(dy, x, scales, *dx, *dscales, activation, limit,
+                                           alpha, linear_offset, /*dx_optional=*/false,
+                                           &problem);
       error.failure()) {
     return error;
-  }
-  if (auto error = CheckActivationOutput(problem, dy, x.element_type(), problem.out_cols, "dy");
-      error.failure()) {
-    return error;
-  }
-  if (auto error = CheckActivationOutput(problem, *dx, x.element_type(), problem.in_cols, "dx");
-      error.failure()) {
-    return error;
-  }
-  if (dscales->element_type() != ffi::DataType::F32 ||
-      dscales->element_count() != static_cast<size_t>(problem.rows)) {
-    return InvalidArgument("dscales must be float32 with ", problem.rows, " elements");
   }
   const int64_t f = problem.out_cols, w = problem.in_cols;
   const bool glu = IsGlu(problem.params.kind);

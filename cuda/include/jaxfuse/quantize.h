@@ -217,23 +217,10 @@ inline ffi::Error ParseDactivationQuantize(
     const ffi::AnyBuffer& dx, const ffi::AnyBuffer& dscales, const ffi::AnyBuffer& amax,
     int32_t activation, float limit, float alpha, float linear_offset, int32_t mode,
     int32_t block, ActivationProblem* act, QuantizeProblem* problem) {
-  if (auto error = ParseActivationProblem(x, scales, activation, limit, alpha, linear_offset, act);
+  if (auto error = ParseActivationBackward(dy, x, scales, dx, dscales, activation, limit, alpha,
+                                           linear_offset, /*dx_optional=*/true, act);
       error.failure()) {
     return error;
-  }
-  if (auto error = CheckActivationOutput(*act, dy, x.element_type(), act->out_cols, "dy");
-      error.failure()) {
-    return error;
-  }
-  if (dx.element_count() != 0) {
-    if (auto error = CheckActivationOutput(*act, dx, x.element_type(), act->in_cols, "dx");
-        error.failure()) {
-      return error;
-    }
-  }
-  if (dscales.element_type() != ffi::DataType::F32 ||
-      dscales.element_count() != static_cast<size_t>(act->rows)) {
-    return InvalidArgument("dscales must be float32 with ", act->rows, " elements");
   }
   if (mode == static_cast<int32_t>(ScalingMode::kBlock2D)) {
     return InvalidArgument("2-D block scaling is for weights, not activation gradients");

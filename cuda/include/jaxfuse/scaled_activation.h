@@ -59,4 +59,33 @@ inline ffi::Error CheckActivationOutput(const ActivationProblem& problem, const 
   return ffi::Error::Success();
 }
 
+// The backward's buffers, as both backends check them: dy [rows, F], dx (x's shape; may be
+// empty when `dx_optional`, i.e. not requested), dscales float32 [rows].
+inline ffi::Error ParseActivationBackward(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x,
+                                          const ffi::AnyBuffer& scales, const ffi::AnyBuffer& dx,
+                                          const ffi::AnyBuffer& dscales, int32_t activation,
+                                          float limit, float alpha, float linear_offset,
+                                          bool dx_optional, ActivationProblem* problem) {
+  if (auto error = ParseActivationProblem(x, scales, activation, limit, alpha, linear_offset,
+                                          problem);
+      error.failure()) {
+    return error;
+  }
+  if (auto error = CheckActivationOutput(*problem, dy, x.element_type(), problem->out_cols, "dy");
+      error.failure()) {
+    return error;
+  }
+  if (!dx_optional || dx.element_count() != 0) {
+    if (auto error = CheckActivationOutput(*problem, dx, x.element_type(), problem->in_cols, "dx");
+        error.failure()) {
+      return error;
+    }
+  }
+  if (dscales.element_type() != ffi::DataType::F32 ||
+      dscales.element_count() != static_cast<size_t>(problem->rows)) {
+    return InvalidArgument("dscales must be float32 with ", problem->rows, " elements");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace jaxfuse

@@ -53,7 +53,7 @@ for stage in "${stages[@]}"; do
     test)
       # GPU_TESTS narrows the run (e.g. "tests/ops/test_quantize.py"); default: all tests.
       log "pytest -m gpu ${GPU_TESTS:-tests}"
-      $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs ${GPU_TESTS:-tests} 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40
+      timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=15 ${GPU_TESTS:-tests} 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40
       [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; log "GPU TESTS FAILED"; }
       ;;
     bench)
@@ -70,11 +70,16 @@ for stage in "${stages[@]}"; do
       done
       ;;
     sanitize)
-      log "compute-sanitizer memcheck (gpu tests marked sanitize)"
-      compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
-        $PY -m pytest -m "gpu and sanitize" -q -p no:cacheprovider tests \
+      # Edge-case GPU tests (hostile or empty group sizes, zero rows, NaN/Inf, many groups)
+      # of every kernel family under memcheck. SANITIZE_K narrows or widens the selection;
+      # -k also matches markers, so tests marked `sanitize` always run.
+      sel=${SANITIZE_K:-"sanitize or hostile or empty_groups or rows_past or zero_rows or nan or many_groups or multi_uses or errors_name"}
+      log "compute-sanitizer memcheck: -m gpu -k '$sel'"
+      timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+        $PY -m pytest -m gpu -k "$sel" -q -p no:cacheprovider tests/ops \
         >"$LOGS/sanitizer.log" 2>&1
       rc=$?; tail -30 "$LOGS/sanitizer.log"
+      grep -E "ERROR SUMMARY|passed|failed" "$LOGS/sanitizer.log" | tail -5 | tee -a "$OUT/summary.txt"
       [ $rc -eq 0 ] || { status=1; log "SANITIZER FAILED rc=$rc"; }
       ;;
     check)

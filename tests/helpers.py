@@ -59,3 +59,15 @@ def count_primitives(jaxpr, predicate) -> int:
 def ffi_target(name: str):
   """Predicate for count_primitives: an ffi_call of the given target."""
   return lambda eqn: eqn.primitive.name == "ffi_call" and eqn.params.get("target_name") == name
+
+
+def on_cpu(fn, *args):
+  """jit(fn)(*args) evaluated on the CPU, where XLA's arithmetic is IEEE-exact.
+
+  References that quantize must run here: XLA's GPU lowering may round fp8_max / amax
+  differently in the last bit, which moves a scale by an ulp and some FP8 values by one
+  step, far more than the bf16 tolerance of an exact comparison.
+  """
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    return jax.jit(fn)(*[jax.device_put(a, cpu) for a in args])

@@ -135,7 +135,7 @@ def _spec(factors, assignment) -> PartitionSpec:
 
 def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
                 reduction: Sequence[str] = (), summed: Sequence[str] = (),
-                local: Callable | None = None) -> Callable:
+                local: Callable | None = None, local_factors: bool = False) -> Callable:
   """Wraps ``fn(*arrays, **attrs)`` in custom_partitioning with a Shardy rule.
 
   Args:
@@ -151,6 +151,10 @@ def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
     local: ``local(reduce_axes, *shards, **attrs)``, the per-device computation when some
       factor of ``reduction`` or ``summed`` is sharded over the mesh axes ``reduce_axes``
       (it must psum what is summed).
+    local_factors: call ``local(factor_axes, *shards, **attrs)`` instead, with
+      ``factor_axes`` a dict from every sharded factor to its mesh axes (for a local
+      function that needs to know which dimension is sharded how, e.g. to turn global row
+      offsets into local ones with ``jax.lax.axis_index``).
 
   Returns:
     ``call(*arrays, **attrs)``: the partitioned op (the plain ``fn`` without Shardy).
@@ -204,6 +208,8 @@ def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
     def lower_fn(fingerprint, *shards):
       del fingerprint
       if reduce_axes:
+        if local_factors:
+          return local(dict(assignment), *shards, **attrs)
         return local(reduce_axes, *shards, **attrs)
       return fn(*shards, **attrs)
 
@@ -268,3 +274,52 @@ def _batchable(op, fn, attr_items):
                      "differentiable public function (it has a custom_vjp).")
 
   return guarded
+
+
+# --- helpers for local functions (called inside the partitioned computation) ---------------
+
+
+def all_axes(factor_axes: dict, factors: Sequence[str]) -> tuple[str, ...]:
+  """The mesh axes of `factors` in a ``local_factors`` assignment, in factor order."""
+  return tuple(axis for f in factors for axis in factor_axes.get(f, ()))
+
+
+def shard_start(axes: Sequence[str], local_size: int):
+  """Global index of this device's first element along a dimension sharded over `axes`.
+
+  For a dimension split over several mesh axes (``PartitionSpec(("a", "b"))``), the
+  blocks are ordered major-to-minor like the axes, as ``jax.lax.axis_index`` counts them.
+  """
+  if not axes:
+    return jax.numpy.int32(0)
+  return jax.lax.axis_index(tuple(axes)).astype(np.int32) * np.int32(local_size)
+
+
+def axes_size(axes: Sequence[str]) -> int:
+  """Number of devices along `axes` (1 for none)."""
+  size = 1
+  for axis in axes:
+    size *= jax.lax.axis_size(axis)
+  return size
+
+
+def global_row_ids(shape: Sequence[int], factor_axes: dict, factors: Sequence[str]):
+  """int32 [prod(shape)]: the row-major global index of each local element of a block.
+
+  `shape` is the local block's shape (the leading, row dimensions of an operand),
+  `factors` their factor names; each dimension sharded over some mesh axes contributes
+  its shard's offset. Rows of a device are not contiguous globally when more than one
+  dimension is sharded; this gives each its global row number (the one group offsets
+  refer to).
+  """
+  jnp = jax.numpy
+  ids = jnp.zeros(tuple(shape), np.int32)
+  stride = 1
+  for dim in reversed(range(len(shape))):
+    axes = factor_axes.get(factors[dim], ())
+    index = jnp.arange(shape[dim], dtype=np.int32) + shard_start(axes, shape[dim])
+    bshape = [1] * len(shape)
+    bshape[dim] = shape[dim]
+    ids = ids + index.reshape(bshape) * np.int32(stride)
+    stride *= shape[dim] * axes_size(axes)
+  return ids.reshape(-1)

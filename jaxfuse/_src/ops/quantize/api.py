@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from jaxfuse._src import checks
 from jaxfuse._src import implementation as implementation_lib
 from jaxfuse._src.ops.group_offsets import api as offsets_api
-from jaxfuse._src.ops.quantize import ffi
 from jaxfuse._src.ops.quantize import sharding
 from jaxfuse._src.ops.quantize import reference
 from jaxfuse._src.ops.scaled_activation import api as act_api
@@ -152,7 +151,7 @@ def scaled_activation_quantize(x: jax.Array, scales: jax.Array, group_sizes=None
     data, scale_inv = reference.scaled_activation_quantize(
         x, scales, offsets, activation, limit, alpha, linear_offset, scaling_mode, block, fmt)
   else:
-    data, scale_inv = ffi.scaled_activation_quantize(
+    data, scale_inv = sharding.scaled_activation_quantize(
         x, scales, offsets, activation=activation, limit=limit, alpha=alpha,
         linear_offset=linear_offset, scaling_mode=scaling_mode, block=block, fmt=fmt)
   return _wrap(data, scale_inv, offsets, recipe, scaling_mode, block, x.dtype, "forward")
@@ -200,7 +199,7 @@ def scaled_dactivation_quantize(dy: jax.Array, x: jax.Array, scales: jax.Array,
         dy, x, scales, offsets, activation, limit, alpha, linear_offset, scaling_mode, block, fmt)
     dx = dx32.astype(x.dtype) if return_dx else None
   else:
-    data, scale_inv, dx, dscales = ffi.scaled_dactivation_quantize(
+    data, scale_inv, dx, dscales = sharding.scaled_dactivation_quantize(
         dy, x, scales, offsets, activation=activation, limit=limit, alpha=alpha,
         linear_offset=linear_offset, scaling_mode=scaling_mode, block=block, fmt=fmt,
         return_dx=return_dx)

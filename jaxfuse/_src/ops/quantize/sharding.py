@@ -1,23 +1,85 @@
-"""Sharding rule for the FP8 quantize FFI call (see jaxfuse/_src/sharding.py).
+"""Sharding rules for the FP8 quantize FFI calls (see jaxfuse/_src/sharding.py).
+
+``quantize``:
 
 * Blocks along K only ("block_1d", 1 x 128, and "mxfp8", 1 x 32): every row has its own
   scales, so rows (x's leading dimensions, and scale_inv's) may be sharded; K and the
   scale columns stay replicated (a block must not be split).
-* Current scaling ("per_tensor", "per_group"): the scale comes from the amax of the whole
-  tensor (or of each group of rows). A device holding a block of rows would need a global
-  amax (a pmax over the row shards) *before* quantizing, and the handler computes its amax
-  itself from the rows it sees, so x is kept replicated: Shardy gathers sharded rows
-  first. (A partitioned version would take the amax as an operand: a handler change.)
+* Current scaling ("per_tensor", "per_group"): every dimension of x may be sharded. The
+  scale comes from the amax of the whole tensor (or of each group of rows), so a device
+  holding a block of x computes the amax of its block per group, the amaxes are combined
+  with ``pmax`` over the mesh axes sharding x (a [G] float32 all-reduce), and the block is
+  quantized with the global scale: the result is bit-identical to the unsharded op.
+  group offsets describe the rows of the *whole* x viewed as [rows, K] (global row
+  numbers); each device derives the global row number of its rows from its shard position
+  (``jax.lax.axis_index``), so offsets stay replicated and mean the same as unsharded.
+  Cost: the handler computes the amax from the rows it sees and has no "given scale"
+  operand, so the sharded path is XLA-fused jnp (the reference math: one pass for the
+  amax, one for the FP8 values) instead of the FFI kernel. Unsharded, the kernel runs.
 * "block_2d" (128 x 128 tiles of [R, K]): tiles span rows; x is kept replicated.
+
+``scaled_activation_quantize`` / ``scaled_dactivation_quantize``: rows may be sharded (x,
+scales, dy, dx, dscales and the data keep the row sharding). The feature dimension may be
+sharded for "srelu" (elementwise) under current scaling (dscales is then a per-device
+partial summed with ``psum``); gated activations pair feature j with j + F/2 and blocks
+must not be split, so otherwise features stay replicated. Block scaling / MXFP8: each
+device runs the fused kernel on its rows. Current scaling with a sharded dimension: each
+device computes the activation (or its gradient) of its block in float32 with the
+scaled_activation kernels (the same per-element math as the fused kernels, so the same
+values), then amax, ``pmax`` and quantization as above. That writes the float32 values
+once more than the fused two-pass kernel chain.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
 from jaxfuse._src import sharding
 from jaxfuse._src.ops.quantize import ffi
+from jaxfuse._src.ops.quantize import reference
+from jaxfuse._src.ops.scaled_activation import ffi as act_ffi
+from jaxfuse.quantization import recipes
 
 _ROW_MODES = ("block_1d", "mxfp8")
+_CURRENT = ("per_tensor", "per_group")
 _MAX_RANK = 8
+_ROW_FACTORS = tuple(sharding.leading("b", _MAX_RANK))
+
+
+def quantize_current_local(values, offsets, factor_axes, row_factors, col_factor, fmt):
+  """(data, scale_inv [G]) of a block of float32 values [..., K] with the global amax.
+
+  Runs inside a partitioned computation: `factor_axes` says which mesh axes shard each
+  dimension (rows: `row_factors`, columns: `col_factor`); `offsets` int32 [G + 1] are in
+  global row numbers. Same math as ``reference.quantize_values`` (bit-identical results).
+  """
+  fp8_max = recipes.FP8_MAX[fmt]
+  shape = values.shape
+  k = shape[-1]
+  row_axes = sharding.all_axes(factor_axes, row_factors)
+  total_rows = 1
+  for dim, factor in enumerate(row_factors):
+    total_rows *= shape[dim] * sharding.axes_size(factor_axes.get(factor, ()))
+  flat = values.reshape(-1, k)
+  row_ids = sharding.global_row_ids(shape[:-1], factor_axes, row_factors)
+  num_groups = offsets.shape[0] - 1
+  clamped = jnp.clip(offsets, 0, total_rows)
+  group = jnp.searchsorted(clamped[1:], row_ids, side="right")
+  row_amax = jnp.max(jnp.where(jnp.isnan(flat), 0.0, jnp.abs(flat)), axis=1, initial=0.0)
+  amax = jax.ops.segment_max(row_amax, group, num_segments=num_groups + 1)[:num_groups]
+  amax = jnp.maximum(amax, 0.0)
+  axes = row_axes + tuple(factor_axes.get(col_factor, ()))
+  if axes:
+    amax = jax.lax.pmax(amax, axes)
+  scale = reference.scale_from_amax(amax, fp8_max)
+  row_scale = jnp.concatenate([scale, jnp.ones((1,), jnp.float32)])[group]
+  data = reference.to_fp8(flat * row_scale[:, None], fmt)
+  data = jnp.where((group < num_groups)[:, None], data, jnp.zeros_like(data))
+  return data.reshape(shape), (1.0 / scale).astype(jnp.float32)
+
+
+# --- quantize --------------------------------------------------------------------------
 
 
 def _rule(attrs, in_ranks, out_ranks):
@@ -33,12 +95,127 @@ def _rule(attrs, in_ranks, out_ranks):
   return [[*rows, "k"], ["o"]], [[*rows, "k"], scale]
 
 
+def _current_local(factor_axes, x, offsets, *, scaling_mode, block, fmt):
+  del scaling_mode, block
+  rows = sharding.leading("b", x.ndim - 1)
+  return quantize_current_local(x.astype(jnp.float32), offsets, factor_axes, rows, "k", fmt)
+
+
 _by_rows = sharding.partitioned(ffi.quantize, _rule, replicated=("k", "o", "s"))
+_current = sharding.partitioned(ffi.quantize, _rule, replicated=("o", "g"),
+                                summed=(*_ROW_FACTORS, "k"), local=_current_local,
+                                local_factors=True)
 _replicated = sharding.partitioned(
     ffi.quantize, _rule,
-    replicated=("k", "o", "s", "g", "sr", "sk", *sharding.leading("b", _MAX_RANK)))
+    replicated=("k", "o", "s", "g", "sr", "sk", *_ROW_FACTORS))
 
 
 def quantize(x, offsets, *, scaling_mode, block, fmt):
-  fn = _by_rows if scaling_mode in _ROW_MODES else _replicated
+  if scaling_mode in _ROW_MODES:
+    fn = _by_rows
+  elif scaling_mode in _CURRENT:
+    fn = _current
+  else:
+    fn = _replicated
   return fn(x, offsets, scaling_mode=scaling_mode, block=int(block), fmt=fmt)
+
+
+# --- scaled_activation_quantize ------------------------------------------------------------
+
+
+def _features(attrs):
+  """(input, output) feature factors: shared (shardable) only for srelu, current scaling."""
+  if attrs["activation"] == "srelu" and attrs["scaling_mode"] in _CURRENT:
+    return "f", "f"
+  return "w", "f"
+
+
+def _scale_factors(attrs, rows):
+  mode = attrs["scaling_mode"]
+  return ["g"] if mode in _CURRENT else [*rows, "s"]
+
+
+def _act_rule(attrs, in_ranks, out_ranks):
+  del out_ranks
+  rows = sharding.leading("b", in_ranks[0] - 1)
+  f_in, f_out = _features(attrs)
+  return ([[*rows, f_in], rows, ["o"]], [[*rows, f_out], _scale_factors(attrs, rows)])
+
+
+def _act_attrs(attrs):
+  return {k: attrs[k] for k in ("activation", "limit", "alpha", "linear_offset")}
+
+
+def _act_local(factor_axes, x, scales, offsets, **attrs):
+  rows = sharding.leading("b", x.ndim - 1)
+  # The fused kernel's values: act(x) * scale in float32 (same per-element math).
+  values = act_ffi.forward(x.astype(jnp.float32), scales.astype(jnp.float32),
+                           **_act_attrs(attrs))
+  return quantize_current_local(values, offsets, factor_axes, rows, "f", attrs["fmt"])
+
+
+def _dact_rule(attrs, in_ranks, out_ranks):
+  rows = sharding.leading("b", in_ranks[1] - 1)
+  f_in, f_out = _features(attrs)
+  del out_ranks
+  dx = [*rows, f_in] if attrs["return_dx"] else ["z"]
+  return ([[*rows, f_out], [*rows, f_in], rows, ["o"]],
+          [[*rows, f_in], _scale_factors(attrs, rows), dx, rows])
+
+
+def _dact_local(factor_axes, dy, x, scales, offsets, **attrs):
+  rows = sharding.leading("b", x.ndim - 1)
+  dx32, dscales = act_ffi.backward(dy.astype(jnp.float32), x.astype(jnp.float32),
+                                   scales.astype(jnp.float32), **_act_attrs(attrs))
+  feature_axes = tuple(factor_axes.get("f", ()))
+  if feature_axes:  # srelu with sharded features: per-device partial sums of each row
+    dscales = jax.lax.psum(dscales, feature_axes)
+  data, scale_inv = quantize_current_local(dx32, offsets, factor_axes, rows, "f", attrs["fmt"])
+  dx = dx32.astype(x.dtype) if attrs["return_dx"] else jnp.zeros((0,), x.dtype)
+  return data, scale_inv, dx, dscales
+
+
+def _act_call(x, scales, offsets, **attrs):
+  return ffi.scaled_activation_quantize(x, scales, offsets, **attrs)
+
+
+def _dact_call(dy, x, scales, offsets, **attrs):
+  data, scale_inv, dx, dscales = ffi.scaled_dactivation_quantize(dy, x, scales, offsets,
+                                                                 **attrs)
+  if dx is None:
+    dx = jnp.zeros((0,), x.dtype)
+  return data, scale_inv, dx, dscales
+
+
+_ACT_REPLICATED = ("w", "o", "s", "g", "z")
+_act_by_rows = sharding.partitioned(_act_call, _act_rule, replicated=("f", *_ACT_REPLICATED))
+_act_current = sharding.partitioned(_act_call, _act_rule, replicated=_ACT_REPLICATED,
+                                    summed=(*_ROW_FACTORS, "f"), local=_act_local,
+                                    local_factors=True)
+_dact_by_rows = sharding.partitioned(_dact_call, _dact_rule,
+                                     replicated=("f", *_ACT_REPLICATED))
+_dact_current = sharding.partitioned(_dact_call, _dact_rule, replicated=_ACT_REPLICATED,
+                                     summed=(*_ROW_FACTORS, "f"), local=_dact_local,
+                                     local_factors=True)
+
+
+def _static(attrs):
+  out = dict(attrs)
+  for key in ("limit", "alpha", "linear_offset"):
+    out[key] = float(out[key])
+  out["block"] = int(out["block"])
+  return out
+
+
+def scaled_activation_quantize(x, scales, offsets, **attrs):
+  fn = _act_current if attrs["scaling_mode"] in _CURRENT else _act_by_rows
+  return fn(x, scales, offsets, **_static(attrs))
+
+
+def scaled_dactivation_quantize(dy, x, scales, offsets, **attrs):
+  """(data, scale_inv, dx or None, dscales float32), as ffi.scaled_dactivation_quantize."""
+  fn = _dact_current if attrs["scaling_mode"] in _CURRENT else _dact_by_rows
+  attrs = _static(attrs)
+  attrs["return_dx"] = bool(attrs["return_dx"])
+  data, scale_inv, dx, dscales = fn(dy, x, scales, offsets, **attrs)
+  return data, scale_inv, (dx if attrs["return_dx"] else None), dscales

@@ -110,8 +110,8 @@ def validate_fp8(recipe, k: int, n: int, op: str, names=("K", "N")) -> None:
 
 def fp8_gemm(a_data, a_scale_inv, b_data, b_scale_inv, group_offsets, form, dtype):
   """One FP8 grouped GEMM form (bfloat16 result) cast to `dtype`."""
-  out = ffi.grouped_gemm(a_data, b_data, group_offsets, form=form, a_scale_inv=a_scale_inv,
-                         b_scale_inv=b_scale_inv)
+  out = sharding.grouped_gemm(a_data, b_data, group_offsets, form=form,
+                              a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv)
   return out.astype(dtype)
 
 
@@ -145,7 +145,7 @@ def _fp8_backward(recipe, varying_axes, saved, d_out):
                                                   "ffi")
   d_x = fp8_gemm(dy_data, dy_scale_inv, jnp.swapaxes(w_t_data, 1, 2), w_scale_inv,
                  group_offsets, ffi.DGRAD, x.dtype)
-  d_kernel = ffi.grouped_gemm(x, d_out, group_offsets, form=ffi.WGRAD)
+  d_kernel = sharding.grouped_gemm(x, d_out, group_offsets, form=ffi.WGRAD)
   return (compat.match_varying_axes(d_x, varying_axes[0]),
           compat.match_varying_axes(d_kernel, varying_axes[1]), None)
 

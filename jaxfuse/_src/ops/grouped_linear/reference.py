@@ -43,11 +43,12 @@ def quantize_experts_t(kernel: jax.Array, recipe, implementation: str):
   expert g gets one scale from its own amax.
   """
   from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
-  groups, k, n = kernel.shape
-  kernel_t = jnp.swapaxes(kernel, 1, 2).reshape(groups * n, k)
+  groups, _, n = kernel.shape
+  # [G, N, K] quantized as G * N rows (no reshape, so a sharded N stays sharded).
+  kernel_t = jnp.swapaxes(kernel, 1, 2)
   q = quantize_api.quantize(kernel_t, recipe, group_offsets=expert_offsets(groups, n),
                             role="forward", implementation=implementation)
-  return q.data.reshape(groups, n, k), q.scale_inv
+  return q.data, q.scale_inv
 
 
 def quantize_rows(value: jax.Array, recipe, offsets: jax.Array, role: str,

@@ -1,24 +1,29 @@
 """Sharding rules for the grouped GEMM FFI calls (see jaxfuse/_src/sharding.py).
 
-What is shardable: N, the kernel's output features (tensor parallelism of an expert
-layer). Tokens (rows), K, the groups and the group offsets stay replicated.
+Shardable: the tokens (rows M of x, dy and the results) and N, the kernel's output
+features (tensor parallelism of an expert layer). K, the groups and the group offsets
+stay replicated (a sharded K is gathered by Shardy).
 
-Why tokens are not: group_sizes / group_offsets describe the rows of the *whole* x (rows
-sorted by group, group g at rows offsets[g]:offsets[g+1]). A device holding a block of
-rows would need the sizes of the groups within its own block, which are not a slice of the
-global sizes; under jit with a NamedSharding there is no way to derive them without
-communication. So a token-sharded x is gathered by Shardy before the grouped GEMM (correct,
-not cheap). For token (data/expert) parallelism, sort the tokens per shard and call
-grouped_linear inside ``jax.shard_map`` with per-shard group sizes (shape [shards, G]
-sharded like the tokens, each shard passing its own row): inside shard_map no rule is
-involved and every device runs the kernel on its own rows and sizes.
+What group_sizes / group_offsets mean with tokens sharded: they describe the rows of the
+*whole* x (global row numbers; group g is rows offsets[g]:offsets[g+1] of the unsharded x,
+rows sorted by group), exactly as without sharding. Each device holds a contiguous block
+of rows starting at ``start = jax.lax.axis_index(token axes) * local_rows`` and runs the
+kernel on its block with local offsets ``clip(offsets - start, 0, local_rows)``: the part
+of each group that falls in its block (empty for the others). Rows past the last group
+stay zeros. No communication is needed for that: offsets are replicated ([G + 1] int32).
 
-Forms: forward [m, k] x [G, k, n] -> [m, n] and wgrad [m, k] x [m, n] -> [G, k, n] keep N
-sharded with no communication; dgrad [m, n] x [G, k, n] -> [m, k] contracts N, so with N
-sharded each device computes a partial dx that is summed with ``psum`` (in float32, after
-the handler's rounding of each partial to dx's dtype).
+Forms:
+* forward [m, k] x [G, k, n] -> [m, n]: local (tokens and N sharded, no communication);
+* dgrad [m, n] x [G, k, n] -> [m, k]: contracts N, so with N sharded each device's partial
+  dx is summed with ``psum`` (in float32, after the handler rounds each partial to dx's
+  dtype); tokens stay local;
+* wgrad [m, k] x [m, n] -> [G, k, n]: contracts the tokens, so with tokens sharded each
+  device's partial dkernel (its rows of each group) is summed with ``psum`` over the token
+  axes (float32, after the handler's rounding of each partial); N stays sharded.
 
-The FP8 grouped GEMM (scale operands) is not partitioned: XLA gathers its operands.
+The FP8 grouped GEMM (forward a [m, k] x w^T [G, n, k], dgrad dy [m, n] x [G, k, n], with
+float32 [G] scale operands, replicated) follows the same rules. Its per-group current
+scaling needs global amaxes; the quantization calls do that (quantize/sharding.py).
 """
 
 from __future__ import annotations
@@ -29,36 +34,59 @@ import jax.numpy as jnp
 from jaxfuse._src import sharding
 from jaxfuse._src.ops.grouped_linear import ffi
 
-_REPLICATED = ("m", "k", "g", "o")
+_REPLICATED = ("k", "g", "o")
 
 
 def _rule(attrs, in_ranks, out_ranks):
-  del in_ranks, out_ranks
+  del out_ranks
   form = attrs["form"]
+  scales = [["g"], ["g"]] if len(in_ranks) == 5 else []
   if form == ffi.FORWARD:
-    return [["m", "k"], ["g", "k", "n"], ["o"]], [["m", "n"]]
+    w = ["g", "n", "k"] if scales else ["g", "k", "n"]
+    return [["m", "k"], w, ["o"], *scales], [["m", "n"]]
   if form == ffi.DGRAD:
-    return [["m", "n"], ["g", "k", "n"], ["o"]], [["m", "k"]]
-  return [["m", "k"], ["m", "n"], ["o"]], [["g", "k", "n"]]
+    return [["m", "n"], ["g", "k", "n"], ["o"], *scales], [["m", "k"]]
+  return [["m", "k"], ["m", "n"], ["o"], *scales], [["g", "k", "n"]]
 
 
-def _local(reduce_axes, a, b, offsets, **attrs):
-  partial = ffi.grouped_gemm(a, b, offsets, **attrs)
-  return jax.lax.psum(partial.astype(jnp.float32), reduce_axes).astype(partial.dtype)
+def _gemm(a, b, offsets, *scales, form, out_dtype):
+  a_scale_inv, b_scale_inv = scales if scales else (None, None)
+  return ffi.grouped_gemm(a, b, offsets, form=form, a_scale_inv=a_scale_inv,
+                          b_scale_inv=b_scale_inv, out_dtype=out_dtype)
 
 
-_grouped_gemm = sharding.partitioned(ffi.grouped_gemm, _rule, replicated=_REPLICATED)
-# dgrad contracts N: a sharded N is summed (only this form; forward and wgrad keep N).
-_grouped_gemm_dgrad = sharding.partitioned(ffi.grouped_gemm, _rule, replicated=_REPLICATED,
-                                           summed=("n",), local=_local)
+def _local(factor_axes, a, b, offsets, *scales, form, out_dtype):
+  token_axes = tuple(factor_axes.get("m", ()))
+  if token_axes:
+    rows = a.shape[0]
+    start = sharding.shard_start(token_axes, rows)
+    offsets = jnp.clip(offsets - start, 0, rows).astype(jnp.int32)
+  out = _gemm(a, b, offsets, *scales, form=form, out_dtype=out_dtype)
+  summed = {ffi.DGRAD: tuple(factor_axes.get("n", ())), ffi.WGRAD: token_axes}.get(form, ())
+  if summed:
+    out = jax.lax.psum(out.astype(jnp.float32), summed).astype(out.dtype)
+  return out
+
+
+# Forward: tokens and N stay sharded (tokens need local offsets).
+_forward = sharding.partitioned(_gemm, _rule, replicated=_REPLICATED, summed=("m",),
+                                local=_local, local_factors=True)
+# dgrad contracts N (summed), tokens need local offsets.
+_dgrad = sharding.partitioned(_gemm, _rule, replicated=_REPLICATED, summed=("m", "n"),
+                              local=_local, local_factors=True)
+# wgrad contracts the tokens.
+_wgrad = sharding.partitioned(_gemm, _rule, replicated=_REPLICATED, reduction=("m",),
+                              local=_local, local_factors=True)
+_BY_FORM = {ffi.FORWARD: _forward, ffi.DGRAD: _dgrad, ffi.WGRAD: _wgrad}
 
 
 def grouped_gemm(a, b, group_offsets, *, form, a_scale_inv=None, b_scale_inv=None,
                  out_dtype=None):
-  """ffi.grouped_gemm with the sharding rule above (FP8: the plain call)."""
+  """ffi.grouped_gemm with the sharding rules above (16-bit and FP8)."""
+  fn = _BY_FORM[int(form)]
   if a_scale_inv is not None:
-    return ffi.grouped_gemm(a, b, group_offsets, form=form, a_scale_inv=a_scale_inv,
-                            b_scale_inv=b_scale_inv, out_dtype=out_dtype)
+    out_dtype = jnp.dtype(out_dtype or jnp.bfloat16)
+    return fn(a, b, group_offsets, a_scale_inv, b_scale_inv, form=int(form),
+              out_dtype=out_dtype)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
-  fn = _grouped_gemm_dgrad if form == ffi.DGRAD else _grouped_gemm
   return fn(a, b, group_offsets, form=int(form), out_dtype=out_dtype)

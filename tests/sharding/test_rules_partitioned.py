@@ -217,3 +217,28 @@ def test_grouped_mlp_tokens_sharded(mesh, activation, sharding, fp8):
   _check(fn, (x, kernel1, kernel2, sizes, scales), mesh,
          (P("data"), P(), k2_spec, P(), P("data")), jnp.bfloat16, grad_argnums=(0, 1, 2, 4),
          grad_rtol=grad_rtol)
+
+
+# --- FP8 linear_scale_add --------------------------------------------------------------------
+
+LSA_FP8_SPECS = {  # (x, kernel, residual)
+    "tokens": (P("data"), P(), P("data")),
+    "tokens_2d": (P("data", "model"), P(), P("data", "model")),
+    "features": (P(), P(None, "model"), P(None, None, "model")),
+    "tokens_and_features": (P("data"), P(None, "model"), P("data", None, "model")),
+}
+
+
+@pytest.mark.parametrize("sharding", list(LSA_FP8_SPECS))
+def test_linear_scale_add_fp8(mesh, sharding):
+  rng = np.random.default_rng(27)
+  # The FP8 path views x as [rows, K]: with both leading dimensions sharded, that view is
+  # a block sharding only when the first one has one row per device (else XLA reshards
+  # the reshape itself, not an op), hence 2 x 32 tokens on the 2 x 4 mesh.
+  x = helpers.random_array(rng, (2, 32, 32), jnp.bfloat16)
+  x = x.at[1, 30, 2].set(12.0)  # the amax lives on one shard
+  kernel = helpers.random_array(rng, (32, 64), jnp.bfloat16, scale=1 / np.sqrt(32))
+  residual = helpers.random_array(rng, (2, 32, 64), jnp.bfloat16)
+  fn = lambda x, k, r: jaxfuse.linear_scale_add(x, k, r, 0.75, recipe=PER_TENSOR, **FFI)
+  _check(fn, (x, kernel, residual), mesh, LSA_FP8_SPECS[sharding], jnp.bfloat16,
+         grad_argnums=(0, 1, 2))

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 from jaxfuse._src import checks
 from jaxfuse._src import compat
 from jaxfuse._src import implementation as implementation_lib
-from jaxfuse._src.ops.linear_scale_add import ffi
 from jaxfuse._src.ops.linear_scale_add import reference
 from jaxfuse._src.ops.linear_scale_add import sharding
 
@@ -113,8 +112,9 @@ def _fp8_forward(x, kernel, residual, alpha, recipe, varying_axes):
   # E4M3 with one scale per tensor; the kernel goes in transposed ([N, K], K-major).
   x_fp8, x_scale_inv = _quantize(x.reshape(-1, k), recipe, "forward")
   kernel_t_fp8, kernel_scale_inv = _quantize(kernel.T, recipe, "forward")
-  out = ffi.linear_scale_add_fp8(x_fp8.reshape(x.shape), kernel_t_fp8, residual, x_scale_inv,
-                                 kernel_scale_inv, alpha=alpha, fast_accumulation=True)
+  out = sharding.linear_scale_add_fp8(x_fp8.reshape(x.shape), kernel_t_fp8, residual,
+                                      x_scale_inv, kernel_scale_inv, alpha=alpha,
+                                      fast_accumulation=True)
   saved = (x_fp8, x_scale_inv, kernel_t_fp8, kernel_scale_inv,
            jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
   return out, saved
@@ -125,10 +125,10 @@ def _fp8_backward(alpha, recipe, varying_axes, saved, d_out):
   n, k = kernel_t_fp8.shape
   # Gradients in E5M2; split (non-fast) accumulation in both backward GEMMs, as TE does.
   dy_fp8, dy_scale_inv = _quantize(d_out.reshape(-1, n), recipe, "gradient")
-  d_x = ffi.scaled_matmul_fp8(dy_fp8, kernel_t_fp8.T, dy_scale_inv, kernel_scale_inv,
-                              alpha=alpha, out_dtype=x_like.dtype)
-  d_kernel = ffi.scaled_matmul_fp8(x_fp8.T, dy_fp8.T, x_scale_inv, dy_scale_inv,
-                                   alpha=alpha, out_dtype=kernel_like.dtype)
+  d_x = sharding.scaled_matmul_fp8(dy_fp8, kernel_t_fp8.T, dy_scale_inv, kernel_scale_inv,
+                                   alpha=alpha, out_dtype=x_like.dtype)
+  d_kernel = sharding.scaled_matmul_fp8(x_fp8.T, dy_fp8.T, x_scale_inv, dy_scale_inv,
+                                        alpha=alpha, out_dtype=kernel_like.dtype)
   return tuple(compat.match_varying_axes(cotangent, axes) for cotangent, axes in
                zip((d_x.reshape(*d_out.shape[:-1], k), d_kernel, d_out), varying_axes))
 

@@ -14,6 +14,14 @@ Backward GEMMs (scaled_matmul): dx = alpha * dy @ kernel^T contracts N, dkernel 
 alpha * x^T @ dy contracts the rows; a sharded contracted dimension is reduced the same
 way (float32 partials, psum, one rounding). This is what makes the weight gradient of a
 token-sharded (data-parallel) layer come out right without gathering the activations.
+
+FP8 (per-tensor current scaling): the quantization of x, kernel^T and dy takes a global
+amax (``pmax``, quantize/sharding.py), so every device gets the same scales as unsharded.
+Forward c + alpha * s_a * s_b * a @ b^T, a [..., K] FP8, b [N, K] FP8, float32 [1] scales
+(replicated): rows and N may be sharded; K stays replicated (Shardy gathers a sharded K of
+the FP8 operands: the fused in-place FP8 kernel has no partial-product form). Backward
+``scaled_matmul_fp8`` (a [..., P] x b [N, P]^T): a sharded contracted P (N for dgrad, the
+rows for wgrad) gives float32 partials summed with ``psum``, rounded once.
 """
 
 from __future__ import annotations
@@ -53,6 +61,44 @@ def _matmul_local(reduce_axes, a, b, *, alpha, transpose_a, transpose_b, out_dty
   partial = ffi.scaled_matmul(a, b, alpha=alpha, transpose_a=transpose_a,
                               transpose_b=transpose_b, out_dtype=jnp.float32)
   return jax.lax.psum(partial, reduce_axes).astype(out_dtype)
+
+
+def _fp8_forward_rule(attrs, in_ranks, out_ranks):
+  del attrs, out_ranks
+  rows = sharding.leading("b", in_ranks[0] - 1)
+  return [[*rows, "k"], ["n", "k"], [*rows, "n"], ["sa"], ["sb"]], [[*rows, "n"]]
+
+
+def _fp8_matmul_rule(attrs, in_ranks, out_ranks):
+  del attrs, out_ranks
+  rows = sharding.leading("b", in_ranks[0] - 1)
+  return [[*rows, "p"], ["n", "p"], ["sa"], ["sb"]], [[*rows, "n"]]
+
+
+def _fp8_matmul_local(reduce_axes, a, b, a_scale_inv, b_scale_inv, *, alpha, out_dtype,
+                      fast_accumulation):
+  partial = ffi.scaled_matmul_fp8(a, b, a_scale_inv, b_scale_inv, alpha=alpha,
+                                  out_dtype=jnp.float32, fast_accumulation=fast_accumulation)
+  return jax.lax.psum(partial, reduce_axes).astype(out_dtype)
+
+
+_linear_scale_add_fp8 = sharding.partitioned(ffi.linear_scale_add_fp8, _fp8_forward_rule,
+                                             replicated=("k", "sa", "sb"))
+_scaled_matmul_fp8 = sharding.partitioned(ffi.scaled_matmul_fp8, _fp8_matmul_rule,
+                                          replicated=("sa", "sb"), reduction=("p",),
+                                          local=_fp8_matmul_local)
+
+
+def linear_scale_add_fp8(a, b, c, a_scale_inv, b_scale_inv, *, alpha, fast_accumulation):
+  return _linear_scale_add_fp8(a, b, c, a_scale_inv, b_scale_inv, alpha=float(alpha),
+                               fast_accumulation=bool(fast_accumulation))
+
+
+def scaled_matmul_fp8(a, b, a_scale_inv, b_scale_inv, *, alpha, out_dtype,
+                      fast_accumulation=False):
+  return _scaled_matmul_fp8(a, b, a_scale_inv, b_scale_inv, alpha=float(alpha),
+                            out_dtype=jnp.dtype(out_dtype),
+                            fast_accumulation=bool(fast_accumulation))
 
 
 linear_scale_add = sharding.partitioned(ffi.linear_scale_add, _forward_rule, reduction=("k",),

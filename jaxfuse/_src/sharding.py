@@ -4,7 +4,8 @@ An ``ffi_call`` has no partitioning rule of its own: XLA gathers its operands on
 device and runs the whole op everywhere. :func:`partitioned` wraps an FFI-level function
 (arrays in, arrays out, static attributes as keywords) in
 ``jax.experimental.custom_partitioning`` with a Shardy sharding rule written in einsum-like
-notation (one factor name per dimension, e.g. ``"r k, k n, r n -> r n"``).
+notation (one factor name per dimension, e.g. ``"r k, k n, r n -> r n"``; a compound
+dimension such as ``"(t j)"``, t major, is one entry of a factor list).
 
 How a rule is applied (the same for every op):
 
@@ -135,7 +136,8 @@ def _spec(factors, assignment) -> PartitionSpec:
 
 def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
                 reduction: Sequence[str] = (), summed: Sequence[str] = (),
-                local: Callable | None = None, local_factors: bool = False) -> Callable:
+                local: Callable | None = None, local_factors: bool = False,
+                result_axes_from: dict[str, str] | None = None) -> Callable:
   """Wraps ``fn(*arrays, **attrs)`` in custom_partitioning with a Shardy rule.
 
   Args:
@@ -155,6 +157,10 @@ def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
       ``factor_axes`` a dict from every sharded factor to its mesh axes (for a local
       function that needs to know which dimension is sharded how, e.g. to turn global row
       offsets into local ones with ``jax.lax.axis_index``).
+    result_axes_from: {factor: source factor}, applied in order: when the source factor is
+      sharded, the factor gets the same mesh axes (overriding its own): e.g. the sorted
+      rows of a permutation sharded like the tokens they come from (``local`` moves the
+      data between the two layouts).
 
   Returns:
     ``call(*arrays, **attrs)``: the partitioned op (the plain ``fn`` without Shardy).
@@ -180,7 +186,9 @@ def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
         dict(attr_items), [len(t.shape) for t in operand_types],
         [len(t.shape) for t in result_types])
     # In order of first appearance: Shardy wants special factors' indices sorted.
-    order = list(dict.fromkeys(f for fs in in_factors + out_factors for f in fs))
+    # A compound dimension "(t j)" counts as its factors t, j.
+    order = list(dict.fromkeys(name for fs in in_factors + out_factors for f in fs
+                               for name in f.strip("()").split()))
     special = {}
     if replicated.intersection(order):
       special["need_replication_factors"] = tuple(f for f in order if f in replicated)
@@ -198,6 +206,9 @@ def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
       sharding = arg.sharding
       specs.append(sharding.spec if isinstance(sharding, NamedSharding) else None)
     assignment = _assign_factors(in_factors, specs, replicated)
+    for target, source in (result_axes_from or {}).items():
+      if source in assignment:
+        assignment[target] = assignment[source]
     reduce_axes = tuple(axis for factor in sorted(summed_or_reduced)
                         for axis in assignment.get(factor, ()))
     arg_shardings = tuple(NamedSharding(mesh, _spec(f, assignment)) for f in in_factors)

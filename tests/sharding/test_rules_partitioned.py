@@ -242,3 +242,74 @@ def test_linear_scale_add_fp8(mesh, sharding):
   fn = lambda x, k, r: jaxfuse.linear_scale_add(x, k, r, 0.75, recipe=PER_TENSOR, **FFI)
   _check(fn, (x, kernel, residual), mesh, LSA_FP8_SPECS[sharding], jnp.bfloat16,
          grad_argnums=(0, 1, 2))
+
+
+# --- moe_permute / moe_unpermute --------------------------------------------------------------
+
+HIDDEN = 48  # distinct from every other dimension: all-gathers of activations end in 48
+
+
+def _activation_gathers(fn, args, mesh, specs) -> list[str]:
+  """all-gathers in the compiled program whose result has the hidden size last."""
+  compiled = jax.jit(fn, in_shardings=_shardings(mesh, specs)).lower(*args).compile()
+  lines = [l for l in compiled.as_text().splitlines() if "all-gather(" in l]
+  return [l for l in lines if f",{HIDDEN}]" in l.split("all-gather(")[0]]
+
+
+def _moe_inputs(rng, tokens=32, topk=2, experts=5):
+  x = helpers.random_array(rng, (tokens, HIDDEN), jnp.float32)
+  logits = rng.standard_normal((tokens, experts))
+  indices = jnp.asarray(np.argsort(-logits, axis=1)[:, :topk], jnp.int32)
+  weights = helpers.random_array(rng, (tokens, topk), jnp.float32)
+  return x, indices, weights
+
+
+MOE_SPECS = {"tokens": P("data"), "tokens_2axes": P(("data", "model")),
+             "hidden": P(None, "model"), "tokens_and_hidden": P("data", "model")}
+
+
+@pytest.mark.parametrize("sharding", list(MOE_SPECS))
+def test_moe_permute(mesh, sharding):
+  rng = np.random.default_rng(28)
+  x, indices, _ = _moe_inputs(rng)
+  spec = MOE_SPECS[sharding]
+  token_spec = P(spec[0]) if len(spec) else P()
+
+  def fn(x, idx):
+    x_sorted, row_map, sizes = jaxfuse.moe_permute(x, idx, 5, **FFI)
+    return x_sorted, row_map, sizes
+
+  expected = fn(x, indices)
+  actual = jax.jit(fn, in_shardings=_shardings(mesh, (spec, token_spec)))(x, indices)
+  for a, e in zip(actual, expected):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+  assert not _activation_gathers(fn, (x, indices), mesh, (spec, token_spec))
+  # The gradient (an unpermute of the sorted cotangent) too.
+  loss = lambda x, idx: jnp.sum(jnp.sin(fn(x, idx)[0]) * jnp.arange(HIDDEN))
+  grad = jax.grad(loss)
+  helpers.assert_close(jax.jit(grad, in_shardings=_shardings(mesh, (spec, token_spec)))(
+      x, indices), helpers.as_f64(grad(x, indices)), jnp.float32)
+  assert not _activation_gathers(grad, (x, indices), mesh, (spec, token_spec))
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("sharding", list(MOE_SPECS))
+def test_moe_unpermute(mesh, sharding, weighted):
+  rng = np.random.default_rng(29)
+  x, indices, weights = _moe_inputs(rng)
+  _, row_map, _ = jaxfuse.moe_permute(x, indices, 5, **FFI)
+  y_sorted = helpers.random_array(rng, (64, HIDDEN), jnp.bfloat16)
+  spec = MOE_SPECS[sharding]  # y_sorted's rows; row_map and weights replicated
+
+  def fn(y, w):
+    return jaxfuse.moe_unpermute(y, row_map, w if weighted else None, **FFI)
+
+  specs = (spec, P())
+  # row_map and the weights (the full index set, [T, k]) are replicated: only gathers of
+  # activations ([..., H]) are ruled out.
+  _check(fn, (y_sorted, weights), mesh, specs, jnp.bfloat16, gathers_allowed=True,
+         grad_argnums=(0, 1) if weighted else (0,))
+  assert not _activation_gathers(fn, (y_sorted, weights), mesh, specs)
+  grad = jax.grad(lambda y, w: jnp.sum(jnp.sin(fn(y, w).astype(jnp.float32))),
+                  argnums=(0, 1))
+  assert not _activation_gathers(grad, (y_sorted, weights), mesh, specs)

@@ -24,7 +24,7 @@ import numpy as np
 from jaxfuse._src import checks
 from jaxfuse._src import compat
 from jaxfuse._src import implementation as implementation_lib
-from jaxfuse._src.ops.moe_permute import ffi
+from jaxfuse._src.ops.moe_permute import sharding
 from jaxfuse._src.ops.moe_permute import reference
 
 
@@ -38,17 +38,17 @@ def _check_row_map(row_map) -> None:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _permute_rows(x, row_map, varying_axes):
   del varying_axes
-  return ffi.permute(x, row_map)
+  return sharding.permute(x, row_map)
 
 
 def _permute_fwd(x, row_map, varying_axes):
   del varying_axes
-  return ffi.permute(x, row_map), row_map
+  return sharding.permute(x, row_map), row_map
 
 
 def _permute_bwd(varying_axes, row_map, d_sorted):
   ones = jnp.ones(row_map.shape, jnp.float32)
-  d_x = ffi.unpermute(d_sorted, row_map, ones)
+  d_x = sharding.unpermute(d_sorted, row_map, ones)
   return compat.match_varying_axes(d_x, varying_axes), None
 
 
@@ -58,17 +58,17 @@ _permute_rows.defvjp(_permute_fwd, _permute_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _unpermute_unweighted(y_sorted, row_map, varying_axes):
   del varying_axes
-  return ffi.unpermute(y_sorted, row_map, jnp.ones(row_map.shape, jnp.float32))
+  return sharding.unpermute(y_sorted, row_map, jnp.ones(row_map.shape, jnp.float32))
 
 
 def _unpermute_unweighted_fwd(y_sorted, row_map, varying_axes):
   del varying_axes
-  out = ffi.unpermute(y_sorted, row_map, jnp.ones(row_map.shape, jnp.float32))
+  out = sharding.unpermute(y_sorted, row_map, jnp.ones(row_map.shape, jnp.float32))
   return out, row_map
 
 
 def _unpermute_unweighted_bwd(varying_axes, row_map, d_out):
-  d_y = ffi.permute(d_out, row_map)
+  d_y = sharding.permute(d_out, row_map)
   return compat.match_varying_axes(d_y, varying_axes), None
 
 
@@ -78,17 +78,17 @@ _unpermute_unweighted.defvjp(_unpermute_unweighted_fwd, _unpermute_unweighted_bw
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _unpermute_weighted(y_sorted, row_map, weights, varying_axes):
   del varying_axes
-  return ffi.unpermute(y_sorted, row_map, weights)
+  return sharding.unpermute(y_sorted, row_map, weights)
 
 
 def _unpermute_weighted_fwd(y_sorted, row_map, weights, varying_axes):
   del varying_axes
-  return ffi.unpermute(y_sorted, row_map, weights), (y_sorted, row_map, weights)
+  return sharding.unpermute(y_sorted, row_map, weights), (y_sorted, row_map, weights)
 
 
 def _unpermute_weighted_bwd(varying_axes, saved, d_out):
   y_sorted, row_map, weights = saved
-  d_y, d_w = ffi.unpermute_backward(d_out.astype(y_sorted.dtype), y_sorted, row_map, weights)
+  d_y, d_w = sharding.unpermute_backward(d_out.astype(y_sorted.dtype), y_sorted, row_map, weights)
   y_axes, _, w_axes = varying_axes
   return (compat.match_varying_axes(d_y, y_axes), None, compat.match_varying_axes(d_w, w_axes))
 

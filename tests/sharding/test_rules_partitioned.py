@@ -313,3 +313,26 @@ def test_moe_unpermute(mesh, sharding, weighted):
   grad = jax.grad(lambda y, w: jnp.sum(jnp.sin(fn(y, w).astype(jnp.float32))),
                   argnums=(0, 1))
   assert not _activation_gathers(grad, (y_sorted, weights), mesh, specs)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_moe_layer_tokens_sharded(mesh, fp8):
+  # The whole layer under token sharding: router (jnp), permute (tokens -> row blocks),
+  # grouped MLP on row blocks (local offsets), unpermute (row blocks -> tokens).
+  rng = np.random.default_rng(30)
+  tokens, experts, ffn = 64, 4, 32
+  x = helpers.random_array(rng, (tokens, HIDDEN), jnp.bfloat16)
+  router = helpers.random_array(rng, (HIDDEN, experts), jnp.float32)
+  kernel1 = helpers.random_array(rng, (experts, HIDDEN, 2 * ffn), jnp.bfloat16,
+                                 scale=1 / np.sqrt(HIDDEN))
+  kernel2 = helpers.random_array(rng, (experts, ffn, HIDDEN), jnp.bfloat16,
+                                 scale=1 / np.sqrt(ffn))
+  recipe = PER_GROUP if fp8 else None
+  fn = lambda x, r, k1, k2: jaxfuse.moe(x, r, k1, k2, top_k=2, recipe=recipe, **FFI)[0]
+  specs = (P("data"), P(), P(), P())
+  _check(fn, (x, router, kernel1, kernel2), mesh, specs, jnp.bfloat16, gathers_allowed=True,
+         grad_argnums=(0, 2, 3), grad_rtol=0.1 if fp8 else None)
+  args = (x, router, kernel1, kernel2)
+  assert not _activation_gathers(fn, args, mesh, specs)
+  grad = jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32))), argnums=(0, 2, 3))
+  assert not _activation_gathers(grad, args, mesh, specs)

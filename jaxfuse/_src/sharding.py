@@ -18,6 +18,15 @@ How a rule is applied (the same for every op):
   mesh axes of the first operand dimension that carries it (an axis is used by one factor
   only), and builds consistent operand and result shardings from them. The FFI call then
   runs on each device's shard.
+* Ops whose per-device work depends on where a shard lies use a ``local`` function with
+  ``local_factors=True``: it gets each sharded factor's mesh axes and uses
+  ``jax.lax.axis_index`` (``shard_start``, ``global_row_ids``) and collectives. So grouped
+  GEMMs with sharded tokens turn the global group offsets into their row block's
+  (wgrad psums over the token axes), and current-scaling quantization combines per-device
+  amaxes with ``pmax`` before quantizing with the global scale.
+* ``result_axes_from`` gives a result dimension the mesh axes of an operand factor: the
+  expert-sorted rows of ``moe_permute`` (the compound factor ``(t j)``) come out sharded
+  over the tokens' axes, and the local function moves the rows (``psum_scatter``).
 
 Only used when Shardy is the partitioner (``jax.config.jax_use_shardy_partitioner``, the
 default in jax 0.11): under GSPMD the plain FFI call is used (XLA gathers, still correct).
@@ -216,11 +225,19 @@ def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
     out_shardings = (tuple(out_shardings) if isinstance(result_shape, (tuple, list))
                      else out_shardings[0])
 
+    sizes = {}
+    for factors, arg in zip(in_factors, arg_shapes):
+      for factor, size in zip(factors, arg.shape):
+        sizes.setdefault(factor, int(size))
+    for factors, res in zip(out_factors, results):
+      for factor, size in zip(factors, res.shape):
+        sizes.setdefault(factor, int(size))
+
     def lower_fn(fingerprint, *shards):
       del fingerprint
       if reduce_axes:
         if local_factors:
-          return local(dict(assignment), *shards, **attrs)
+          return local(FactorAxes(assignment, sizes), *shards, **attrs)
         return local(reduce_axes, *shards, **attrs)
       return fn(*shards, **attrs)
 
@@ -239,6 +256,18 @@ def partitioned(fn: Callable, rule: RuleFn, *, replicated: Sequence[str] = (),
 
 
 _FINGERPRINT = "attrs_fp"
+
+
+class FactorAxes(dict):
+  """{factor: mesh axes} of the sharded factors, with ``sizes``: {factor: global size}.
+
+  A local function sees per-device blocks; when a dimension does not divide evenly, XLA
+  pads the last blocks, and ``sizes`` tells which rows or columns are padding.
+  """
+
+  def __init__(self, assignment, sizes):
+    super().__init__(assignment)
+    self.sizes = dict(sizes)
 
 
 def _fingerprint(attr_items) -> np.ndarray:
@@ -314,23 +343,42 @@ def axes_size(axes: Sequence[str]) -> int:
   return size
 
 
+def global_index(size: int, factor_axes, factor: str):
+  """int32 [size]: the global index of each element of a local block along one dimension."""
+  axes = factor_axes.get(factor, ())
+  return jax.numpy.arange(size, dtype=np.int32) + shard_start(axes, size)
+
+
+def global_size(local_size: int, factor_axes, factor: str) -> int:
+  """The dimension's global size (without XLA's padding of uneven blocks)."""
+  sizes = getattr(factor_axes, "sizes", {})
+  if factor in sizes:
+    return sizes[factor]
+  return local_size * axes_size(factor_axes.get(factor, ()))
+
+
 def global_row_ids(shape: Sequence[int], factor_axes: dict, factors: Sequence[str]):
-  """int32 [prod(shape)]: the row-major global index of each local element of a block.
+  """(int32 [prod(shape)] row ids, total rows): row-major global row of each local row.
 
   `shape` is the local block's shape (the leading, row dimensions of an operand),
   `factors` their factor names; each dimension sharded over some mesh axes contributes
   its shard's offset. Rows of a device are not contiguous globally when more than one
   dimension is sharded; this gives each its global row number (the one group offsets
-  refer to).
+  refer to). Padding rows of uneven blocks get the id ``total`` (past every row).
   """
   jnp = jax.numpy
+  total = 1
+  for dim, factor in enumerate(factors):
+    total *= global_size(shape[dim], factor_axes, factor)
   ids = jnp.zeros(tuple(shape), np.int32)
+  valid = jnp.ones(tuple(shape), bool)
   stride = 1
   for dim in reversed(range(len(shape))):
-    axes = factor_axes.get(factors[dim], ())
-    index = jnp.arange(shape[dim], dtype=np.int32) + shard_start(axes, shape[dim])
+    index = global_index(shape[dim], factor_axes, factors[dim])
+    size = global_size(shape[dim], factor_axes, factors[dim])
     bshape = [1] * len(shape)
     bshape[dim] = shape[dim]
     ids = ids + index.reshape(bshape) * np.int32(stride)
-    stride *= shape[dim] * axes_size(axes)
-  return ids.reshape(-1)
+    valid = valid & (index < size).reshape(bshape)
+    stride *= size
+  return jnp.where(valid, ids, np.int32(total)).reshape(-1), total

@@ -336,3 +336,39 @@ def test_moe_layer_tokens_sharded(mesh, fp8):
   assert not _activation_gathers(fn, args, mesh, specs)
   grad = jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32))), argnums=(0, 2, 3))
   assert not _activation_gathers(grad, args, mesh, specs)
+
+
+# --- uneven blocks ----------------------------------------------------------------------------
+
+
+def test_uneven_row_blocks(mesh):
+  # 62 rows over 4 devices: XLA pads the last block; padding rows must count in no group,
+  # no amax and no weight gradient (sizes sum past the rows too).
+  rng = np.random.default_rng(31)
+  x = helpers.random_array(rng, (64, 32), jnp.bfloat16)
+  x = x.at[62:].set(1000.0)  # sliced away: must not reach any amax
+  kernel = helpers.random_array(rng, (3, 32, 16), jnp.bfloat16, scale=1 / np.sqrt(32))
+  sizes = jnp.array([20, 30, 40], jnp.int32)
+
+  def fn(x, k, s, constrain=False):
+    y = x[:62] * 1
+    if constrain:
+      y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P("model")))
+    q = jaxfuse.quantize(y, PER_GROUP, group_sizes=s, **FFI)
+    out = jaxfuse.grouped_linear(y, k, s, **FFI)
+    return q.data.astype(jnp.float32), q.scale_inv, out
+
+  def loss(x, k, s, constrain=False):
+    return jnp.sum(fn(x, k, s, constrain)[2].astype(jnp.float32) ** 2)
+
+  shardings = _shardings(mesh, (P("model"), P(), P()))
+  expected = fn(x, kernel, sizes)
+  actual = jax.jit(lambda *a: fn(*a, constrain=True), in_shardings=shardings)(x, kernel, sizes)
+  for a, e in zip(actual[:2], expected[:2]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+  helpers.assert_close(actual[2], helpers.as_f64(expected[2]), jnp.bfloat16)
+  grad = jax.grad(loss, argnums=(0, 1))
+  actual = jax.jit(lambda *a: jax.grad(loss, argnums=(0, 1))(*a, constrain=True),
+                   in_shardings=shardings)(x, kernel, sizes)
+  for a, e in zip(actual, grad(x, kernel, sizes)):
+    helpers.assert_close(a, helpers.as_f64(e), jnp.bfloat16)

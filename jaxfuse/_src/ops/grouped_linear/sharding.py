@@ -60,7 +60,9 @@ def _local(factor_axes, a, b, offsets, *scales, form, out_dtype):
   if token_axes:
     rows = a.shape[0]
     start = sharding.shard_start(token_axes, rows)
-    offsets = jnp.clip(offsets - start, 0, rows).astype(jnp.int32)
+    # Offsets past the global M (and padding rows of uneven blocks) belong to no group.
+    total = sharding.global_size(rows, factor_axes, "m")
+    offsets = jnp.clip(jnp.clip(offsets, 0, total) - start, 0, rows).astype(jnp.int32)
   out = _gemm(a, b, offsets, *scales, form=form, out_dtype=out_dtype)
   summed = {ffi.DGRAD: tuple(factor_axes.get("n", ())), ffi.WGRAD: token_axes}.get(form, ())
   if summed:

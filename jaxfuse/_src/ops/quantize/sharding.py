@@ -58,15 +58,15 @@ def quantize_current_local(values, offsets, factor_axes, row_factors, col_factor
   shape = values.shape
   k = shape[-1]
   row_axes = sharding.all_axes(factor_axes, row_factors)
-  total_rows = 1
-  for dim, factor in enumerate(row_factors):
-    total_rows *= shape[dim] * sharding.axes_size(factor_axes.get(factor, ()))
   flat = values.reshape(-1, k)
-  row_ids = sharding.global_row_ids(shape[:-1], factor_axes, row_factors)
+  # Padding rows (uneven blocks) get the id total_rows: no group, no amax.
+  row_ids, total_rows = sharding.global_row_ids(shape[:-1], factor_axes, row_factors)
   num_groups = offsets.shape[0] - 1
   clamped = jnp.clip(offsets, 0, total_rows)
   group = jnp.searchsorted(clamped[1:], row_ids, side="right")
-  row_amax = jnp.max(jnp.where(jnp.isnan(flat), 0.0, jnp.abs(flat)), axis=1, initial=0.0)
+  cols = sharding.global_index(k, factor_axes, col_factor)
+  counted = ~jnp.isnan(flat) & (cols < sharding.global_size(k, factor_axes, col_factor))
+  row_amax = jnp.max(jnp.where(counted, jnp.abs(flat), 0.0), axis=1, initial=0.0)
   amax = jax.ops.segment_max(row_amax, group, num_segments=num_groups + 1)[:num_groups]
   amax = jnp.maximum(amax, 0.0)
   axes = row_axes + tuple(factor_axes.get(col_factor, ()))

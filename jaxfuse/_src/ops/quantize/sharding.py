@@ -170,7 +170,8 @@ def _dact_local(factor_axes, dy, x, scales, offsets, **attrs):
   feature_axes = tuple(factor_axes.get("f", ()))
   if feature_axes:  # srelu with sharded features: per-device partial sums of each row
     dscales = jax.lax.psum(dscales, feature_axes)
-  data, scale_inv = quantize_current_local(dx32, offsets, factor_axes, rows, "f", attrs["fmt"])
+  data, scale_inv = quantize_current_local(dx32, offsets, factor_axes, rows,
+                                           _features(attrs)[0], attrs["fmt"])
   dx = dx32.astype(x.dtype) if attrs["return_dx"] else jnp.zeros((0,), x.dtype)
   return data, scale_inv, dx, dscales
 

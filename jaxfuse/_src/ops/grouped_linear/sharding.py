@@ -24,6 +24,8 @@ Forms:
 The FP8 grouped GEMM (forward a [m, k] x w^T [G, n, k], dgrad dy [m, n] x [G, k, n], with
 float32 [G] scale operands, replicated) follows the same rules. Its per-group current
 scaling needs global amaxes; the quantization calls do that (quantize/sharding.py).
+On GPU a sharded N must stay TMA-aligned per device (N / devices a multiple of 8 for
+16-bit, 16 for FP8); rows per device need no alignment.
 """
 
 from __future__ import annotations

@@ -21,7 +21,9 @@ Forward c + alpha * s_a * s_b * a @ b^T, a [..., K] FP8, b [N, K] FP8, float32 [
 (replicated): rows and N may be sharded; K stays replicated (Shardy gathers a sharded K of
 the FP8 operands: the fused in-place FP8 kernel has no partial-product form). Backward
 ``scaled_matmul_fp8`` (a [..., P] x b [N, P]^T): a sharded contracted P (N for dgrad, the
-rows for wgrad) gives float32 partials summed with ``psum``, rounded once.
+rows for wgrad) gives float32 partials summed with ``psum``, rounded once. On GPU each
+device's block must meet cuBLASLt's FP8 alignment as the whole tensors must (the number
+of rows per device, K and N per device multiples of 16): the op validates global shapes.
 """
 
 from __future__ import annotations

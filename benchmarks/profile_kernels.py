@@ -7,7 +7,10 @@ the step's wall time, the summed kernel time and the span from the first kernel'
 to the last kernel's end: wall >> span means the step waits on the host (launches,
 handler work), span >> summed kernels means gaps between kernels on the device.
 
-    python -m benchmarks.profile_kernels [--cases NAME ...]
+    python -m benchmarks.profile_kernels [--cases NAME ...] [--tag TAG]
+
+Run it again with XLA_FLAGS (e.g. "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL
+--xla_gpu_graph_min_graph_size=1") and a --tag to see what CUDA graphs change.
 
 A diagnostic, not a benchmark: the speed claims come from the bench_*.py scripts.
 """
@@ -129,7 +132,9 @@ def profile(step, args):
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--cases", nargs="*", default=list(CASES), help="names in CASES")
-  names = parser.parse_args().cases
+  parser.add_argument("--tag", default="", help="suffix of the results file name")
+  args = parser.parse_args()
+  names = args.cases
   results = []
   for name in names:
     step, args = CASES[name]()
@@ -140,7 +145,8 @@ def main():
     results.append({"case": name, "wall_ms": wall_ms, "kernel_ms": total_ms,
                     "span_ms": span_ms, "kernels": rows})
     del step, args
-  common.write_results("profile_kernels", results)
+  common.write_results("profile_kernels" + (f"_{args.tag}" if args.tag else ""), results,
+                       xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
 if __name__ == "__main__":

@@ -133,6 +133,7 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--cases", nargs="*", default=list(CASES), help="names in CASES")
   parser.add_argument("--tag", default="", help="suffix of the results file name")
+  parser.add_argument("--quick", action="store_true", help="accepted for gpu_run.sh; no-op")
   args = parser.parse_args()
   names = args.cases
   results = []

@@ -76,11 +76,16 @@ PYEOF
       ;;
     bench)
       # BENCHMARKS narrows the set (e.g. "bench_grouped_mlp"); default: every bench_*.py.
-      for script in ${BENCHMARKS:-benchmarks/bench_*.py}; do
+      # An entry NAME:ARGS passes its own arguments (commas for spaces), e.g.
+      # "bench_moe:--quick profile_kernels:--tag,default"; otherwise BENCH_ARGS.
+      for entry in ${BENCHMARKS:-benchmarks/bench_*.py}; do
+        script=${entry%%:*}
+        script_args=${BENCH_ARGS:-}
+        [[ "$entry" == *:* ]] && script_args=${entry#*:} && script_args=${script_args//,/ }
         [[ "$script" == */* ]] || script="benchmarks/$script.py"
         name=$(basename "$script" .py)
-        log "benchmark $name"
-        timeout ${BENCH_TIMEOUT:-300} $PY -m "benchmarks.$name" ${BENCH_ARGS:-} 2>&1 | tee "$LOGS/$name.log" | tail -25
+        log "benchmark $name $script_args"
+        timeout ${BENCH_TIMEOUT:-300} $PY -m "benchmarks.$name" $script_args 2>&1 | tee -a "$LOGS/$name.log" | tail -25
         [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; log "BENCHMARK $name FAILED"; }
         # Copy results as they appear: they come back even if a later step runs out of time.
         find benchmarks/results -newer /tmp/gpu_run_started \( -name '*.json' -o -name '*.png' \) \

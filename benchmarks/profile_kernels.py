@@ -138,14 +138,14 @@ def main():
   names = args.cases
   results = []
   for name in names:
-    step, args = CASES[name]()
-    rows, wall_ms, total_ms, span_ms = profile(step, args)
+    step, step_args = CASES[name]()
+    rows, wall_ms, total_ms, span_ms = profile(step, step_args)
     print(f"\n== {name}: wall {wall_ms:.3f} ms/step, kernels {total_ms:.3f} ms, "
           f"span {span_ms:.3f} ms, {sum(r['per_step'] for r in rows):.0f} kernels/step")
     common.print_table(rows[:25], ["kernel", "per_step", "us_per_step"])
     results.append({"case": name, "wall_ms": wall_ms, "kernel_ms": total_ms,
                     "span_ms": span_ms, "kernels": rows})
-    del step, args
+    del step, step_args
   common.write_results("profile_kernels" + (f"_{args.tag}" if args.tag else ""), results,
                        xla_flags=os.environ.get("XLA_FLAGS", ""))
 

@@ -189,7 +189,10 @@ def run(ops, params, x, extras: dict, *, fuse: bool = True, implementation: str 
       step = (chosen.name, tuple(range(i, i + width)))
     else:
       width = 1
-      x, out = ops[i].apply(params[i], x, extras)
+      if getattr(ops[i], "takes_implementation", False):
+        x, out = ops[i].apply(params[i], x, extras, implementation=implementation)
+      else:
+        x, out = ops[i].apply(params[i], x, extras)
       step = (type(ops[i]).__name__, (i,))
     outputs.update(out)
     if plan is not None:
@@ -236,6 +239,19 @@ def _scales_ok(ctx: Context, act: basic.ScaledActivation) -> str | None:
 
 def _first_reason(*reasons):
   return next((r for r in reasons if r is not None), None)
+
+
+def _fp8_ok(recipe, k: int, n: int) -> str | None:
+  """None for a 16-bit GEMM (recipe None) or an FP8 grouped GEMM [*, k] x [k, n] the
+  kernels can run (Float8CurrentScaling(per_group=True), E4M3 forward, k and n multiples
+  of 16); otherwise grouped_linear's error message."""
+  if recipe is None:
+    return None
+  try:
+    grouped_linear_api.validate_fp8(recipe, k, n, "grouped_linear")
+  except ValueError as e:
+    return str(e)
+  return None
 
 
 def _kernel(params, x):
@@ -321,6 +337,9 @@ def _grouped_mlp_condition(ops, ctx):
     return "the two GroupedLinear ops read different group sizes"
   if fc1.num_groups != fc2.num_groups:
     return "the two GroupedLinear ops have different numbers of groups"
+  if fc1.recipe != fc2.recipe:
+    return (f"the two GroupedLinear ops have different recipes ({fc1.recipe!r} and "
+            f"{fc2.recipe!r}); grouped_mlp takes one recipe for both GEMMs")
   hidden = jnp.shape(ctx.x)[-1] if jnp.ndim(ctx.x) else 0
   try:
     ffn = act.out_features(fc1.features)
@@ -328,6 +347,8 @@ def _grouped_mlp_condition(ops, ctx):
     return str(e)
   return _first_reason(_float_input(ctx.x),
                        _grouped_ffi_ok(ctx, (hidden, fc1.features, ffn, fc2.features)),
+                       _fp8_ok(fc1.recipe, hidden, fc1.features),
+                       _fp8_ok(fc1.recipe, ffn, fc2.features),
                        _scales_ok(ctx, act))
 
 
@@ -335,20 +356,32 @@ def _grouped_mlp_apply(ops, params, x, extras, ctx):
   fc1, act, fc2 = ops
   y = grouped_mlp_api.grouped_mlp(x, _kernel(params[0], x), _kernel(params[2], x),
                                   extras[fc1.group_sizes], extras[act.scales], act.activation,
-                                  implementation=ctx.implementation, **_act_kwargs(act))
+                                  recipe=fc1.recipe, implementation=ctx.implementation,
+                                  **_act_kwargs(act))
   return y, {}
+
+
+def _activation_width(ops, ctx):
+  """(width of the activation's output, None) or (None, reason)."""
+  act = ops[0]
+  reason = _first_reason(_float_input(ctx.x),
+                         None if jnp.ndim(ctx.x) == 2 else "x must be [M, K]")
+  if reason:
+    return None, reason
+  try:
+    return act.out_features(jnp.shape(ctx.x)[-1]), None
+  except ValueError as e:
+    return None, str(e)
 
 
 def _activation_grouped_linear_condition(ops, ctx):
   act, linear = ops
-  reason = _first_reason(_float_input(ctx.x),
-                         None if jnp.ndim(ctx.x) == 2 else "x must be [M, K]")
+  if linear.recipe is not None:
+    return ("GroupedLinear has an FP8 recipe: the FP8 path "
+            "(ScaledActivationGroupedLinearFP8) applies instead")
+  width, reason = _activation_width(ops, ctx)
   if reason:
     return reason
-  try:
-    width = act.out_features(jnp.shape(ctx.x)[-1])
-  except ValueError as e:
-    return str(e)
   return _first_reason(_grouped_ffi_ok(ctx, (width, linear.features)), _scales_ok(ctx, act))
 
 
@@ -367,23 +400,86 @@ def _activation_grouped_linear_apply(ops, params, x, extras, ctx):
   return grouped_linear_api.grouped_linear_with_offsets(h, kernel, offsets, varying_axes), {}
 
 
+def _quantize_matches_linear(quant, linear) -> str | None:
+  if quant.group_sizes != linear.group_sizes:
+    return "Quantize and GroupedLinear read different group sizes"
+  return None
+
+
 def _activation_quantize_grouped_linear_condition(ops, ctx):
   from jaxfuse.quantization import Float8CurrentScaling  # pylint: disable=g-import-not-at-top
   act, quant, linear = ops
   recipe = quant.recipe
   if not (isinstance(recipe, Float8CurrentScaling) and recipe.per_group):
     return f"the Quantize recipe is not Float8CurrentScaling(per_group=True): {recipe!r}"
-  if quant.group_sizes != linear.group_sizes:
-    return "Quantize and GroupedLinear read different group sizes"
-  return _activation_grouped_linear_condition((act, linear), ctx)
+  if linear.recipe is not None:
+    return ("GroupedLinear has an FP8 recipe: the FP8 path "
+            "(ScaledActivationQuantizeGroupedLinearFP8) applies instead")
+  return _first_reason(_quantize_matches_linear(quant, linear),
+                       _activation_grouped_linear_condition((act, linear), ctx))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _act_quant_grouped_linear(x, scales, kernel, offsets, act, recipe, implementation):
-  return _aqgl_forward(x, scales, kernel, offsets, act, recipe, implementation)[0]
+def _fp8_activation_condition(act, linear, ctx) -> str | None:
+  """The FP8 path: scaled_activation_quantize feeding the FP8 grouped GEMM."""
+  width, reason = _activation_width((act, linear), ctx)
+  if reason:
+    return reason
+  if ctx.implementation == "ffi" and _dtype(ctx.x) not in _HALF:
+    return f"the FP8 grouped GEMM kernels take bfloat16/float16 x, x is {_dtype(ctx.x)}"
+  return _first_reason(_fp8_ok(linear.recipe, width, linear.features), _scales_ok(ctx, act))
 
 
-def _aqgl_forward(x, scales, kernel, offsets, act, recipe, implementation):
+def _activation_quantize_grouped_linear_fp8_condition(ops, ctx):
+  act, quant, linear = ops
+  if linear.recipe is None:
+    return ("GroupedLinear.recipe is None (16-bit GEMM): the dequantizing path "
+            "(ScaledActivationQuantizeGroupedLinear) applies instead")
+  if quant.recipe != linear.recipe:
+    return (f"the Quantize recipe {quant.recipe!r} differs from the GroupedLinear recipe "
+            f"{linear.recipe!r}")
+  return _first_reason(_quantize_matches_linear(quant, linear),
+                       _fp8_activation_condition(act, linear, ctx))
+
+
+def _activation_grouped_linear_fp8_condition(ops, ctx):
+  act, linear = ops
+  if linear.recipe is None:
+    return "GroupedLinear.recipe is None (16-bit GEMM)"
+  return _fp8_activation_condition(act, linear, ctx)
+
+
+def _varying(*values):
+  return tuple(compat.varying_axes(v) for v in values)
+
+
+def _match(values, axes):
+  return tuple(compat.match_varying_axes(v, a) for v, a in zip(values, axes))
+
+
+def _activation_vjp(act, x, scales, dh, implementation, varying_axes):
+  """(dx, dscales) of scaled_activation at (x, scales) for the cotangent dh: the fused
+  backward kernel ("ffi") or autodiff of the jnp reference ("xla")."""
+  if implementation == "xla":
+    _, act_vjp = jax.vjp(lambda a, s: activation_api.scaled_activation(
+        a, s, act.activation, implementation="xla", **_act_kwargs(act)), x, scales)
+    return act_vjp(dh.astype(x.dtype))
+  return activation_api._backward(  # pylint: disable=protected-access
+      act.activation, act.limit, act.alpha, act.linear_offset, varying_axes[:2], (x, scales),
+      dh.astype(x.dtype))
+
+
+# 16-bit path: activation + per-group fake quantization in one kernel, 16-bit grouped GEMM.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _act_quant_grouped_linear(x, scales, kernel, offsets, act, recipe, implementation,
+                              varying_axes):
+  return _aqgl_forward(x, scales, kernel, offsets, act, recipe, implementation,
+                       varying_axes)[0]
+
+
+def _aqgl_forward(x, scales, kernel, offsets, act, recipe, implementation, varying_axes):
+  del varying_axes
   q = quantize_api.scaled_activation_quantize(
       x, scales, activation=act.activation, recipe=recipe, group_offsets=offsets,
       implementation=implementation, **_act_kwargs(act))
@@ -397,7 +493,7 @@ def _aqgl_forward(x, scales, kernel, offsets, act, recipe, implementation):
   return y, (x, scales, kernel, offsets, h)
 
 
-def _aqgl_backward(act, recipe, implementation, saved, dy):
+def _aqgl_backward(act, recipe, implementation, varying_axes, saved, dy):
   del recipe
   x, scales, kernel, offsets, h = saved
   dy = dy.astype(x.dtype)
@@ -405,19 +501,14 @@ def _aqgl_backward(act, recipe, implementation, saved, dy):
     _, gemm_vjp = jax.vjp(
         lambda a, w: grouped_linear_reference.grouped_linear(a, w, jnp.diff(offsets)), h, kernel)
     dh, d_kernel = gemm_vjp(dy)
-    _, act_vjp = jax.vjp(lambda a, s: activation_api.scaled_activation(
-        a, s, act.activation, implementation="xla", **_act_kwargs(act)), x, scales)
-    dx, d_scales = act_vjp(dh)
   else:
     ffi = grouped_linear_api.ffi
     dh = ffi.grouped_gemm(dy, kernel, offsets, form=ffi.DGRAD)
     d_kernel = ffi.grouped_gemm(h, dy, offsets, form=ffi.WGRAD)
-    # The activation's gradient is straight-through the quantization (as the unfused
-    # Quantize op): the fused dact kernel at x with the dequantized activation's cotangent.
-    dx, d_scales = activation_api._backward(  # pylint: disable=protected-access
-        act.activation, act.limit, act.alpha, act.linear_offset,
-        (frozenset(), frozenset()), (x, scales), dh)
-  return dx, d_scales, d_kernel, None
+  # The activation's gradient is straight-through the quantization (as the unfused
+  # Quantize op): the fused dact kernel at x with the dequantized activation's cotangent.
+  dx, d_scales = _activation_vjp(act, x, scales, dh, implementation, varying_axes)
+  return (*_match((dx, d_scales, d_kernel), varying_axes), None)
 
 
 _act_quant_grouped_linear.defvjp(_aqgl_forward, _aqgl_backward)
@@ -426,11 +517,109 @@ _act_quant_grouped_linear.defvjp(_aqgl_forward, _aqgl_backward)
 def _activation_quantize_grouped_linear_apply(ops, params, x, extras, ctx):
   act, quant, linear = ops
   kernel = _kernel(params[2], x)
+  scales = extras[act.scales]
   offsets = offsets_api.group_offsets(extras[linear.group_sizes],
                                       implementation=ctx.implementation)
-  y = _act_quant_grouped_linear(x, extras[act.scales], kernel, offsets, act, quant.recipe,
-                                ctx.implementation)
+  y = _act_quant_grouped_linear(x, scales, kernel, offsets, act, quant.recipe,
+                                ctx.implementation, _varying(x, scales, kernel))
   return y, {}
+
+
+# FP8 path: activation + per-group FP8 quantization in one kernel (one QuantizedArray), fed
+# as it is to the FP8 grouped GEMM; the kernel quantized per expert as grouped_linear does.
+
+
+def _fp8_gemm_reference(a_data, a_scale_inv, w_t_data, w_scale_inv, offsets, dtype):
+  """What the FP8 forward kernel computes (see grouped_linear's reference): exact FP8
+  products in fp32 times a_scale_inv[g] * w_scale_inv[g], one bfloat16 rounding; rows past
+  the groups are zero."""
+  m = a_data.shape[0]
+  offsets = jnp.minimum(offsets, m)
+  row_group = jnp.searchsorted(offsets[1:], jnp.arange(m, dtype=jnp.int32), side="right")
+  alpha = jnp.concatenate([a_scale_inv * w_scale_inv, jnp.zeros((1,), jnp.float32)])
+  exact = jax.lax.ragged_dot(a_data.astype(jnp.float32),
+                             jnp.swapaxes(w_t_data, 1, 2).astype(jnp.float32),
+                             jnp.diff(offsets), precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+  return (exact * alpha[row_group][:, None]).astype(jnp.bfloat16).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _act_quant_grouped_linear_fp8(x, scales, kernel, offsets, act, recipe, implementation,
+                                  varying_axes):
+  return _aqgl8_forward(x, scales, kernel, offsets, act, recipe, implementation,
+                        varying_axes)[0]
+
+
+def _aqgl8_forward(x, scales, kernel, offsets, act, recipe, implementation, varying_axes):
+  del varying_axes
+  # One pass over x: act(x) * scales in fp32, quantized to E4M3 per group (never rounded
+  # to 16-bit, never dequantized).
+  q = quantize_api.scaled_activation_quantize(
+      x, scales, activation=act.activation, recipe=recipe, group_offsets=offsets,
+      implementation=implementation, **_act_kwargs(act))
+  w_t, w_scale_inv = grouped_linear_reference.quantize_experts_t(kernel, recipe,
+                                                                 implementation)
+  if implementation == "xla":
+    y = _fp8_gemm_reference(q.data, q.scale_inv, w_t, w_scale_inv, offsets, x.dtype)
+  else:
+    y = grouped_linear_api.fp8_gemm(q.data, q.scale_inv, w_t, w_scale_inv, offsets,
+                                    grouped_linear_api.ffi.FORWARD, x.dtype)
+  return y, (x, scales, q, w_t, w_scale_inv, offsets, kernel if implementation == "xla"
+             else None)
+
+
+def _aqgl8_backward(act, recipe, implementation, varying_axes, saved, dy):
+  x, scales, q, w_t, w_scale_inv, offsets, kernel = saved
+  dy = dy.astype(x.dtype)
+  # The 16-bit activation for wgrad (the grouped kernels have no FP8 wgrad): the FP8
+  # activation dequantized, i.e. what the unfused GroupedLinear saves (its input, the
+  # Quantize op's output).
+  h = quantize_api.dequantize(q).astype(x.dtype)
+  if implementation == "xla":
+    # The jnp FP8 reference's gradients: straight-through the quantization of h and the
+    # kernel (the products of the dequantized operands).
+    _, gemm_vjp = jax.vjp(lambda a, w: grouped_linear_reference.grouped_linear_fp8(
+        a, w, jnp.diff(jnp.minimum(offsets, x.shape[0])), recipe), h, kernel)
+    dh, d_kernel = gemm_vjp(dy)
+  else:
+    ffi = grouped_linear_api.ffi
+    # FP8 dgrad as grouped_linear's: dy in E5M2 per group, the saved FP8 kernel^T.
+    dy_data, dy_scale_inv = grouped_linear_reference.quantize_rows(dy, recipe, offsets,
+                                                                   "gradient", "ffi")
+    dh = grouped_linear_api.fp8_gemm(dy_data, dy_scale_inv, jnp.swapaxes(w_t, 1, 2),
+                                     w_scale_inv, offsets, ffi.DGRAD, x.dtype)
+    d_kernel = ffi.grouped_gemm(h, dy, offsets, form=ffi.WGRAD)
+  # Straight-through the quantization of the activation (the unfused Quantize op and
+  # grouped_linear's FP8 input): the fused dact kernel at x. dx is not quantized: the op
+  # before the window decides its own precision.
+  dx, d_scales = _activation_vjp(act, x, scales, dh, implementation, varying_axes)
+  return (*_match((dx, d_scales, d_kernel), varying_axes), None)
+
+
+_act_quant_grouped_linear_fp8.defvjp(_aqgl8_forward, _aqgl8_backward)
+
+
+def _fp8_activation_apply(act, linear, params, x, extras, ctx):
+  kernel = _kernel(params, x)
+  scales = extras[act.scales]
+  # Offsets once: the fused quantization, the FP8 GEMM and, in the backward pass, the
+  # quantization of dy, dgrad and wgrad all read them.
+  offsets = offsets_api.group_offsets(extras[linear.group_sizes],
+                                      implementation=ctx.implementation)
+  y = _act_quant_grouped_linear_fp8(x, scales, kernel, offsets, act, linear.recipe,
+                                    ctx.implementation, _varying(x, scales, kernel))
+  return y, {}
+
+
+def _activation_quantize_grouped_linear_fp8_apply(ops, params, x, extras, ctx):
+  act, _, linear = ops
+  return _fp8_activation_apply(act, linear, params[2], x, extras, ctx)
+
+
+def _activation_grouped_linear_fp8_apply(ops, params, x, extras, ctx):
+  act, linear = ops
+  return _fp8_activation_apply(act, linear, params[1], x, extras, ctx)
 
 
 # --- registration -------------------------------------------------------------------------
@@ -449,6 +638,12 @@ register_fusion(Fusion(
     _activation_quantize_grouped_linear_condition, _activation_quantize_grouped_linear_apply,
     "fused activation + per-group FP8 quantization feeding the grouped GEMM"))
 register_fusion(Fusion(
+    "ScaledActivationQuantizeGroupedLinearFP8",
+    (basic.ScaledActivation, basic.Quantize, basic.GroupedLinear),
+    _activation_quantize_grouped_linear_fp8_condition,
+    _activation_quantize_grouped_linear_fp8_apply,
+    "fused activation + per-group FP8 quantization feeding the FP8 grouped GEMM directly"))
+register_fusion(Fusion(
     "LinearScale", (basic.Linear, basic.ConstantScale),
     _linear_scale_condition, _linear_scale_apply,
     "TE BackwardLinearScale: alpha in the epilogues of the forward, dgrad and wgrad GEMMs"))
@@ -460,3 +655,8 @@ register_fusion(Fusion(
     "ScaledActivationGroupedLinear", (basic.ScaledActivation, basic.GroupedLinear),
     _activation_grouped_linear_condition, _activation_grouped_linear_apply,
     "scaled activation kernel feeding the grouped GEMM (offsets computed once)"))
+register_fusion(Fusion(
+    "ScaledActivationGroupedLinearFP8", (basic.ScaledActivation, basic.GroupedLinear),
+    _activation_grouped_linear_fp8_condition, _activation_grouped_linear_fp8_apply,
+    "fused activation + per-group FP8 quantization feeding the FP8 grouped GEMM "
+    "(GroupedLinear with an FP8 recipe)"))

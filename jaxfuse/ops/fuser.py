@@ -19,30 +19,51 @@ Registered fusions (``registered_fusions()``):
 * ``GroupedMLP`` [GroupedLinear, ScaledActivation, GroupedLinear] -> ``jaxfuse.grouped_mlp``.
   This is how the FC1 -> activation pair gets its backward fusion (dact fused with FC1's
   backward): grouped_mlp's custom_vjp owns both GEMM pairs and the activation, with one
-  set of group offsets. A lone [GroupedLinear, ScaledActivation] pair is not fused.
+  set of group offsets. Both GroupedLinear ops must have the same ``recipe`` (None, or FP8:
+  grouped_mlp's FP8 path, with the activation quantized by the fused
+  ``scaled_activation_quantize`` and dact fused with the quantization of FC1's dgrad input).
 * ``LinearScaleAdd`` [Linear, ConstantScale, AddExtraInput] -> ``jaxfuse.linear_scale_add``
   (TE's ForwardLinearScaleAdd + BackwardLinearScale): only when the add is in place and
   the linear is not row tensor-parallel.
-* ``ScaledActivationQuantizeGroupedLinear`` [ScaledActivation, Quantize, GroupedLinear]:
-  activation and per-group FP8 quantization in one kernel
-  (``jaxfuse.scaled_activation_quantize``), feeding the grouped GEMM with the same group
-  offsets. Only Float8CurrentScaling(per_group=True) reading the GroupedLinear's group sizes.
+* ``ScaledActivationQuantizeGroupedLinear`` [ScaledActivation, Quantize, GroupedLinear]
+  with ``GroupedLinear.recipe=None``: activation and per-group FP8 fake quantization in one
+  kernel (``jaxfuse.scaled_activation_quantize``), dequantized and fed to the 16-bit grouped
+  GEMM with the same group offsets: exactly the unfused semantics (fake quantization, then a
+  16-bit GEMM). Only Float8CurrentScaling(per_group=True) reading the GroupedLinear's group
+  sizes.
+* ``ScaledActivationQuantizeGroupedLinearFP8`` [ScaledActivation, Quantize, GroupedLinear]
+  with ``GroupedLinear.recipe`` equal to the Quantize recipe
+  (Float8CurrentScaling(per_group=True)): TE's fused MoE hand-off. Forward: one
+  ``scaled_activation_quantize`` (the fp32 activation quantized to E4M3 per group), whose
+  FP8 data and scales feed the FP8 grouped GEMM as they are (no dequantization, no
+  re-quantization), the kernel quantized per expert as ``grouped_linear(recipe=...)`` does;
+  offsets computed once for the whole step. Backward: FP8 dgrad (dy in E5M2 per group),
+  16-bit wgrad from the saved FP8 activation dequantized (the kernels have no FP8 wgrad),
+  then the fused dact kernel (straight-through the quantization, as the unfused ops). Needs
+  the activation width and the output width to be multiples of 16 and, with "ffi", a
+  bfloat16/float16 x. The unfused ops agree to FP8 accuracy: re-quantizing the Quantize
+  op's output with the same per-group current scaling is idempotent; the fused kernel
+  quantizes the fp32 activation where the unfused ops quantize its 16-bit rounding.
 * ``LinearScale`` [Linear, ConstantScale] -> ``jaxfuse.ops.linear_scale`` (alpha in the
   epilogue of the forward, dgrad and wgrad GEMMs: TE's BackwardLinearScale).
 * ``AddRMSNorm`` [AddExtraInput, RMSNorm] -> ``jaxfuse.add_rms_norm``; the new residual
   is the add's extra output.
-* ``ScaledActivationGroupedLinear`` [ScaledActivation, GroupedLinear] -> the scaled
-  activation kernel feeding ``grouped_linear_with_offsets`` (offsets from
+* ``ScaledActivationGroupedLinear`` [ScaledActivation, GroupedLinear(recipe=None)] -> the
+  scaled activation kernel feeding ``grouped_linear_with_offsets`` (offsets from
   ``jaxfuse.group_offsets``, reused by the backward pass).
+* ``ScaledActivationGroupedLinearFP8`` [ScaledActivation, GroupedLinear(recipe=FP8)]: the
+  FP8 path above (the GroupedLinear quantizes its input anyway).
+
+Each 16-bit / FP8 pair refuses the other's case with a reason naming the path that applies,
+so ``explain`` and ``fusions()`` show which path was taken.
 
 Fusion can be switched off per Sequential (``fuse=False``) or for a block of code with
 ``with jaxfuse.ops.fusion_disabled(): ...`` (read at trace time); ``jaxfuse.ops.explain``
 lists, for each fusion considered, why it was refused.
 
-Limitation: the ScaledActivationQuantizeGroupedLinear custom_vjp does not track
-shard_map's varying axes (use it outside shard_map or with sharded operands only), and it
-feeds the dequantized activation to the 16-bit grouped GEMM: the FP8 grouped GEMM exists
-at the FFI level on CUDA only and is not wired in yet (CPU has no FP8 grouped handler).
+The custom_vjps of the fused windows capture shard_map's varying axes in the forward pass
+and give each cotangent its primal's (summing a replicated kernel's gradient over the
+devices), as the jaxfuse ops do.
 """
 
 from __future__ import annotations

@@ -616,3 +616,33 @@ def test_fp8_fusion_feeds_the_fp8_activation_to_the_fp8_gemm():
   assert count(forward, "jaxfuse_grouped_gemm_fp8") == 2
   assert count(forward, "jaxfuse_quantize") == 2
   assert helpers.count_primitives(forward, fp8_to_wide) >= 1
+
+
+def test_fp8_fusion_in_shard_map():
+  """Tokens and routings per device, kernel replicated: the fused FP8 window's kernel
+  gradient is summed over the devices, as autodiff of the unfused ops sums it."""
+  mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("data",))
+  rng = np.random.default_rng(15)
+  x = helpers.random_array(rng, (2 * M, 2 * FFN8), BF16)
+  scales = jnp.asarray(rng.uniform(0.2, 1.0, 2 * M), F32)
+  sizes = jnp.stack([_routing(rng, G, M) for _ in range(2)])
+  kernel = helpers.random_array(rng, (G, FFN8, H), F32)
+  dy = helpers.random_array(rng, (2 * M, H), F32)
+
+  def loss(fuse):
+    def local(x, scales, sizes, kernel, dy):
+      y, _ = ops.fuser.run(ACT_Q_GL8, ({}, {}, {"kernel": kernel}), x,
+                           dict(scales=scales, group_sizes=sizes[0]), fuse=fuse,
+                           implementation="ffi")
+      return jax.lax.psum(jnp.sum(y.astype(F32) * dy), "data")
+    sharded = compat.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data"), P("data"),
+                                                           P(), P("data")), out_specs=P())
+    return lambda x, scales, kernel: sharded(x, scales, sizes, kernel, dy)
+
+  got = jax.jit(jax.value_and_grad(loss(True), argnums=(0, 1, 2)))(x, scales, kernel)
+  want = jax.jit(jax.value_and_grad(loss(False), argnums=(0, 1, 2)))(x, scales, kernel)
+  for name, a, b in zip(("loss", "dx", "dscales", "dkernel"), jax.tree.leaves(got),
+                        jax.tree.leaves(want)):
+    expected = helpers.as_f64(b)
+    helpers.assert_close(a, expected, BF16, msg=name,
+                         scale=FP8_ATOL_SCALE * max(np.abs(expected).max(), 1e-30))

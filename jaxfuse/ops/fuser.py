@@ -53,6 +53,13 @@ Registered fusions (``registered_fusions()``):
   ``jaxfuse.group_offsets``, reused by the backward pass).
 * ``ScaledActivationGroupedLinearFP8`` [ScaledActivation, GroupedLinear(recipe=FP8)]: the
   FP8 path above (the GroupedLinear quantizes its input anyway).
+* ``GroupedLinearScaledActivation`` [GroupedLinear, ScaledActivation] (the backward fusion
+  of FC1 and the activation outside a GroupedMLP): the grouped GEMM (16-bit or FP8 per
+  the GroupedLinear's recipe) and the activation kernel on one set of offsets; backward:
+  the fused dact kernel (FP8: ``scaled_dactivation_quantize``, whose per-group E5M2 dh
+  feeds the FP8 dgrad directly, dh in 16-bit for wgrad), dgrad, wgrad. Refused when a
+  GroupedLinear or Quantize follows the activation, so the activation's forward fusion
+  with the next grouped GEMM (ScaledActivation[Quantize]GroupedLinear[FP8]) wins.
 
 Each 16-bit / FP8 pair refuses the other's case with a reason naming the path that applies,
 so ``explain`` and ``fusions()`` show which path was taken.
@@ -101,6 +108,9 @@ class Context:
   x: Any
   extras: dict
   implementation: str
+  # The ops from the window's first op to the end of the sequence (what follows the window
+  # is remaining[len(window):]), for conditions that defer to a fusion further on.
+  remaining: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +202,7 @@ def run(ops, params, x, extras: dict, *, fuse: bool = True, implementation: str 
   outputs = {}
   i = 0
   while i < len(ops):
-    ctx = Context(x=x, extras=extras, implementation=implementation)
+    ctx = Context(x=x, extras=extras, implementation=implementation, remaining=ops[i:])
     chosen = None
     for fusion in fusions:
       window = ops[i:i + len(fusion.window)]
@@ -643,6 +653,95 @@ def _activation_grouped_linear_fp8_apply(ops, params, x, extras, ctx):
   return _fp8_activation_apply(act, linear, params[1], x, extras, ctx)
 
 
+# --- GroupedLinearScaledActivation (backward: dact fused with the GEMM's backward) -------
+
+
+def _grouped_linear_activation_condition(ops, ctx):
+  linear, act = ops
+  following = ctx.remaining[len(ops):]
+  if following and isinstance(following[0], (basic.GroupedLinear, basic.Quantize)):
+    return (f"the activation is followed by {type(following[0]).__name__}: its forward "
+            "fusion with the next grouped GEMM (ScaledActivation[Quantize]GroupedLinear) "
+            "is preferred")
+  reason = _first_reason(_float_input(ctx.x),
+                         None if jnp.ndim(ctx.x) == 2 else "x must be [M, K]")
+  if reason:
+    return reason
+  k = jnp.shape(ctx.x)[-1]
+  try:
+    width = act.out_features(linear.features)
+  except ValueError as e:
+    return str(e)
+  reason = _first_reason(_grouped_ffi_ok(ctx, (k, linear.features, width)),
+                         _fp8_ok(linear.recipe, k, linear.features), _scales_ok(ctx, act))
+  if reason is None and linear.recipe is not None and ctx.implementation == "ffi" and \
+      _dtype(ctx.x) not in _HALF:
+    reason = f"the FP8 grouped GEMM kernels take bfloat16/float16 x, x is {_dtype(ctx.x)}"
+  return reason
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _grouped_linear_act(x, kernel, scales, offsets, act, recipe, varying_axes):
+  return _glact_forward(x, kernel, scales, offsets, act, recipe, varying_axes)[0]
+
+
+def _glact_forward(x, kernel, scales, offsets, act, recipe, varying_axes):
+  del varying_axes
+  ffi = grouped_linear_api.ffi
+  if recipe is None:
+    h = ffi.grouped_gemm(x, kernel, offsets, form=ffi.FORWARD)
+    weights = (kernel,)
+  else:
+    x_data, x_scale_inv = grouped_linear_reference.quantize_rows(x, recipe, offsets,
+                                                                 "forward", "ffi")
+    w_t, w_scale_inv = grouped_linear_reference.quantize_experts_t(kernel, recipe, "ffi")
+    h = grouped_linear_api.fp8_gemm(x_data, x_scale_inv, w_t, w_scale_inv, offsets,
+                                    ffi.FORWARD, x.dtype)
+    weights = (w_t, w_scale_inv)
+  a = activation_api.scaled_activation(h, scales, act.activation, implementation="ffi",
+                                       **_act_kwargs(act))
+  return a, (x, weights, scales, offsets, h)
+
+
+def _glact_backward(act, recipe, varying_axes, saved, da):
+  x, weights, scales, offsets, h = saved
+  ffi = grouped_linear_api.ffi
+  x_axes, _, s_axes = varying_axes
+  if recipe is None:
+    # One fused dact kernel, then dgrad and wgrad on the forward's offsets.
+    dh, d_scales = activation_api._backward(  # pylint: disable=protected-access
+        act.activation, act.limit, act.alpha, act.linear_offset, (x_axes, s_axes),
+        (h, scales), da.astype(h.dtype))
+    dx = ffi.grouped_gemm(dh, weights[0], offsets, form=ffi.DGRAD)
+  else:
+    # dact fused with the per-group E5M2 quantization of dh: the FP8 dgrad's input comes
+    # out of the activation backward kernel (TE's dact + quantize), dh in 16-bit for wgrad.
+    w_t, w_scale_inv = weights
+    dh_q, dh, d_scales = quantize_api.scaled_dactivation_quantize(
+        da, h, scales, activation=act.activation, recipe=recipe, group_offsets=offsets,
+        return_dx=True, implementation="ffi", **_act_kwargs(act))
+    dx = grouped_linear_api.fp8_gemm(dh_q.data, dh_q.scale_inv, jnp.swapaxes(w_t, 1, 2),
+                                     w_scale_inv, offsets, ffi.DGRAD, x.dtype)
+  d_kernel = ffi.grouped_gemm(x, dh, offsets, form=ffi.WGRAD)
+  return (*_match((dx, d_kernel, d_scales.astype(scales.dtype)), varying_axes), None)
+
+
+_grouped_linear_act.defvjp(_glact_forward, _glact_backward)
+
+
+def _grouped_linear_activation_apply(ops, params, x, extras, ctx):
+  linear, act = ops
+  if ctx.implementation == "xla":  # the references: the unfused ops
+    h, _ = linear.apply(params[0], x, extras, implementation="xla")
+    return act.apply(params[1], h, extras)
+  kernel = _kernel(params[0], x)
+  scales = extras[act.scales]
+  offsets = offsets_api.group_offsets(extras[linear.group_sizes], implementation="ffi")
+  y = _grouped_linear_act(x, kernel, scales, offsets, act, linear.recipe,
+                          _varying(x, kernel, scales))
+  return y, {}
+
+
 # --- registration -------------------------------------------------------------------------
 
 register_fusion(Fusion(
@@ -681,3 +780,8 @@ register_fusion(Fusion(
     _activation_grouped_linear_fp8_condition, _activation_grouped_linear_fp8_apply,
     "fused activation + per-group FP8 quantization feeding the FP8 grouped GEMM "
     "(GroupedLinear with an FP8 recipe)"))
+register_fusion(Fusion(
+    "GroupedLinearScaledActivation", (basic.GroupedLinear, basic.ScaledActivation),
+    _grouped_linear_activation_condition, _grouped_linear_activation_apply,
+    "grouped GEMM (16-bit or FP8) + scaled activation; backward: fused dact (+ E5M2 "
+    "quantization feeding the FP8 dgrad), dgrad and wgrad on the forward's offsets"))

@@ -97,9 +97,13 @@ def test_grouped_fusions():
   assert plan(MLP, XG, **GROUP_EXTRAS) == [("GroupedMLP", (0, 1, 2))]
   assert plan(MLP[1:], S((M, 2 * FFN), BF16), **GROUP_EXTRAS) == [
       ("ScaledActivationGroupedLinear", (0, 1))]
-  # A lone FC1 -> activation pair is not fused (see fuser docs).
-  assert plan(MLP[:2], XG, **GROUP_EXTRAS) == [("GroupedLinear", (0,)),
-                                               ("ScaledActivation", (1,))]
+  # A lone FC1 -> activation pair: the backward fusion (dact fused with FC1's backward).
+  assert plan(MLP[:2], XG, **GROUP_EXTRAS) == [("GroupedLinearScaledActivation", (0, 1))]
+  # ... unless the activation can fuse forward with a following grouped GEMM.
+  log = ops.Sequential(MLP[:2] + (ops.Quantize(Float8CurrentScaling()), MLP[2]),
+                       implementation="ffi").explain(XG, **GROUP_EXTRAS)
+  assert log[0][1] == "GroupedLinearScaledActivation" and "followed by Quantize" in log[0][2]
+  assert log[-1] == (1, "ScaledActivationQuantizeGroupedLinear", None)
   # Different routings: no GroupedMLP, but the activation still fuses with FC2.
   split = (ops.GroupedLinear(G, 2 * FFN, group_sizes="a"), MLP[1],
            ops.GroupedLinear(G, H, group_sizes="b"))
@@ -646,3 +650,67 @@ def test_fp8_fusion_in_shard_map():
     expected = helpers.as_f64(b)
     helpers.assert_close(a, expected, BF16, msg=name,
                          scale=FP8_ATOL_SCALE * max(np.abs(expected).max(), 1e-30))
+
+
+# --- GroupedLinearScaledActivation: the backward fusion of FC1 and the activation ----------
+
+
+@pytest.mark.parametrize("case", ["followed_by_grouped_linear", "float32_ffi", "fp8_k_not_16",
+                                  "scales_shape"])
+def test_grouped_linear_activation_refusals(case):
+  linear, act = ops.GroupedLinear(G, 2 * FFN8), ops.ScaledActivation()
+  x, extras, remaining, match = S((M, H), BF16), {}, (), None
+  if case == "followed_by_grouped_linear":
+    remaining, match = (ops.GroupedLinear(G, H),), "followed by GroupedLinear"
+  elif case == "float32_ffi":
+    x, match = S((M, H), F32), "bfloat16/float16"
+  elif case == "fp8_k_not_16":
+    linear, x = ops.GroupedLinear(G, 2 * FFN8, recipe=FP8), S((M, 24), BF16)
+    match = r"K to be a multiple of 16 .*got 24"
+  else:
+    extras, match = dict(scales=S((M, 1), F32)), "scales shape"
+  ctx = ops.fuser.Context(x=x, extras={**GROUP_EXTRAS, **extras}, implementation="ffi",
+                          remaining=(linear, act) + remaining)
+  reason = _fusion("GroupedLinearScaledActivation").condition((linear, act), ctx)
+  assert reason is not None and re.search(match, reason), reason
+  ok = ops.fuser.Context(x=S((M, H), BF16), extras=GROUP_EXTRAS, implementation="ffi",
+                         remaining=(linear, act, ops.RMSNorm()))
+  assert _fusion("GroupedLinearScaledActivation").condition((linear, act), ok) is None
+
+
+@pytest.mark.parametrize("implementation,recipe", [("ffi", None), ("xla", None), ("ffi", FP8),
+                                                   ("xla", FP8)])
+def test_grouped_linear_activation_matches_unfused(implementation, recipe):
+  rng = np.random.default_rng(16)
+  x = helpers.random_array(rng, (M, H), BF16)
+  scales = jnp.asarray(rng.uniform(0.2, 1.0, M), F32)
+  op_list = (ops.GroupedLinear(G, 2 * FFN8, recipe=recipe), ops.ScaledActivation("swiglu"))
+  # 16-bit: the same GEMMs and the dact kernel (bf16 tolerance). FP8: the forward is the
+  # same FP8 GEMM; the fused dact quantizes the fp32 dh to E5M2 where the unfused
+  # GroupedLinear quantizes its bf16 rounding: ~1 element in 2^(9-3) = 64 moves one E5M2
+  # step (<= 2^-2 relative), i.e. dx within ~2 bf16 budgets of its largest value.
+  _compare(op_list, x, dict(scales=scales, group_sizes=_routing(rng, G, M)), BF16,
+           diff_extras=("scales",), implementation=implementation,
+           atol_scale=1.0 if recipe is None else FP8_ATOL_SCALE,
+           fusions=[("GroupedLinearScaledActivation", (0, 1))])
+
+
+def test_grouped_linear_activation_fp8_backward_quantizes_in_the_dact_kernel():
+  rng = np.random.default_rng(17)
+  x = helpers.random_array(rng, (M, H), BF16)
+  extras = dict(scales=jnp.asarray(rng.uniform(0.2, 1.0, M), F32),
+                group_sizes=_routing(rng, G, M))
+  count = lambda jaxpr, target: helpers.count_primitives(jaxpr, helpers.ffi_target(target))
+  for fuse in (True, False):
+    seq = ops.Sequential((ops.GroupedLinear(G, 2 * FFN8, recipe=FP8), ops.ScaledActivation()),
+                         implementation="ffi", fuse=fuse)
+    params = seq.init(jax.random.key(0), x, **extras)
+    grad = jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(
+        seq.apply(p, x, **extras).astype(F32)), argnums=(0, 1)))(params, x)
+    assert count(grad, "jaxfuse_grouped_gemm_fp8") == 2 * 2  # forward + dgrad
+    assert count(grad, "jaxfuse_grouped_gemm") == 2 * 1  # wgrad
+    # Fused: dh quantized by the dact kernel; x and the kernel by quantize. Unfused: dh
+    # (the jnp activation's gradient) by a separate quantize.
+    assert count(grad, "jaxfuse_scaled_dactivation_quantize") == (1 if fuse else 0)
+    assert count(grad, "jaxfuse_quantize") == (2 if fuse else 3)
+    assert count(grad, "jaxfuse_group_offsets") == (1 if fuse else 0)

@@ -106,14 +106,14 @@ def main():
       print(row, flush=True)
   common.print_table(rows, ["tokens", "features", "pass", "jaxfuse_ms", "xla_ms",
                             "jaxfuse_tflops", "xla_tflops", "speedup_vs_xla"])
+  common.write_results("linear_scale_add", rows, alpha=ALPHA, dtype="bfloat16",
+                       baseline="XLA lowering of residual + alpha * (x @ kernel) in bf16, same run")
   fp8_rows = time_fp8(FP8_SHAPES[:1] if args.quick else FP8_SHAPES, calls)
   common.print_table(fp8_rows, ["tokens", "features", "pass", "jaxfuse_fp8_ms", "xla_bf16_ms",
                                 "jaxfuse_fp8_tflops", "fp8_speedup_vs_xla_bf16"])
   common.write_results("linear_scale_add_fp8", fp8_rows, alpha=ALPHA, recipe=repr(FP8_RECIPE),
                        baseline="XLA lowering of residual + alpha * (x @ kernel) in bf16, "
                                 "same run")
-  common.write_results("linear_scale_add", rows, alpha=ALPHA, dtype="bfloat16",
-                       baseline="XLA lowering of residual + alpha * (x @ kernel) in bf16, same run")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 SERIES = (  # (row key, label, style)
     ("jaxfuse_tflops", "jaxfuse.grouped_mlp", dict(color="tab:green", marker="o", lw=2.5)),
+    ("jaxfuse_fp8_tflops", "jaxfuse.grouped_mlp, FP8 per-group",
+     dict(color="tab:olive", marker="D", ls="--")),
     ("torch_tflops", "torch._grouped_mm + eager SwiGLU", dict(color="tab:red", marker="s")),
     ("ragged_dot_tflops", "jax.lax.ragged_dot + jnp SwiGLU", dict(color="tab:blue", marker="^")),
 )
@@ -49,7 +51,7 @@ def plot(results: dict, out: pathlib.Path, pass_name: str = "fwd+bwd") -> pathli
   ax.set_xlabel("tokens (routed rows)")
   ax.set_ylabel("TFLOP/s")
   first = rows[0]
-  ax.set_title(f"Grouped MLP {pass_name}, {first['experts']} experts, SwiGLU, bf16, "
+  ax.set_title(f"Grouped MLP {pass_name}, {first['experts']} experts, SwiGLU, "
                f"H={first['hidden']} F={first['ffn']}", fontsize=10)
   ax.set_ylim(bottom=0)
   ax.grid(True, alpha=0.3)

@@ -3,7 +3,7 @@
 # jaxlib, run the gpu-marked tests, the benchmarks and the stand-alone checks, and leave
 # logs and result JSON under $OUT (at most 8 files come back: everything is tarred).
 #
-#   scripts/gpu_run.sh [build] [test] [bench] [sanitize] [check] [NAME.py ...]
+#   scripts/gpu_run.sh [build|prebuilt] [test] [bench] [sanitize] [check] [NAME.py ...]
 #
 # With no stage named, runs build test bench. Wheels missing on the machine (nvidia-cutlass)
 # travel in .whl/ (carry it). Every later GPU claim in this repository comes from this script.
@@ -18,6 +18,7 @@ if [ -f .gpu_src/head.tar ] && [ "${GPU_RUN_FROM_WORKTREE:-0}" != 1 ]; then
   rm -rf /tmp/jaxfuse-head && mkdir -p /tmp/jaxfuse-head
   tar xf .gpu_src/head.tar -C /tmp/jaxfuse-head
   [ -d .whl ] && cp -r .whl /tmp/jaxfuse-head/
+  [ -d .gpu_src/prebuilt ] && mkdir -p /tmp/jaxfuse-head/.gpu_src && cp -r .gpu_src/prebuilt /tmp/jaxfuse-head/.gpu_src/
   # Keep the build directory between calls on a warm machine.
   mkdir -p build && ln -sfn "$PWD/build" /tmp/jaxfuse-head/build
   cd /tmp/jaxfuse-head && exec env GPU_RUN_FROM_WORKTREE=1 OUT="$OUT" bash scripts/gpu_run.sh "$@"
@@ -50,6 +51,23 @@ for stage in "${stages[@]}"; do
         || { status=1; log "BUILD FAILED"; tail -50 "$LOGS/build.log"; break; }
       $PY -c "import jaxfuse, json; print(json.dumps(jaxfuse.build_info()))" | tee -a "$OUT/summary.txt"
       ;;
+    prebuilt)
+      # The extension built on the dev machine (scripts/prepare_gpu_run.sh --prebuilt: the
+      # same nvcc and jaxlib headers; it saves the ~4 min CUDA build of a cold machine).
+      # It lands next to the sources, which take precedence on sys.path over any install.
+      whl=$(ls .gpu_src/prebuilt/jaxfuse-*.whl 2>/dev/null | head -1)
+      [ -n "$whl" ] || { status=1; log "no prebuilt wheel in .gpu_src/prebuilt"; break; }
+      log "prebuilt extension from $(basename "$whl") (cuda/ tree $(cat .gpu_src/prebuilt/CUDA_TREE))"
+      $PY - "$whl" <<'PYEOF' || { status=1; log "PREBUILT FAILED"; break; }
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+  for name in wheel.namelist():
+    if name.startswith("jaxfuse/") and name.endswith(".so"):
+      wheel.extract(name, ".")
+      print("extracted", name)
+PYEOF
+      $PY -c "import jaxfuse, json; print(json.dumps(jaxfuse.build_info()))" | tee -a "$OUT/summary.txt"
+      ;;
     test)
       # GPU_TESTS narrows the run (e.g. "tests/ops/test_quantize.py"); default: all tests.
       log "pytest -m gpu ${GPU_TESTS:-tests}"
@@ -58,11 +76,16 @@ for stage in "${stages[@]}"; do
       ;;
     bench)
       # BENCHMARKS narrows the set (e.g. "bench_grouped_mlp"); default: every bench_*.py.
-      for script in ${BENCHMARKS:-benchmarks/bench_*.py}; do
+      # An entry NAME:ARGS passes its own arguments (commas for spaces), e.g.
+      # "bench_moe:--quick profile_kernels:--tag,default"; otherwise BENCH_ARGS.
+      for entry in ${BENCHMARKS:-benchmarks/bench_*.py}; do
+        script=${entry%%:*}
+        script_args=${BENCH_ARGS:-}
+        [[ "$entry" == *:* ]] && script_args=${entry#*:} && script_args=${script_args//,/ }
         [[ "$script" == */* ]] || script="benchmarks/$script.py"
         name=$(basename "$script" .py)
-        log "benchmark $name"
-        timeout ${BENCH_TIMEOUT:-300} $PY -m "benchmarks.$name" ${BENCH_ARGS:-} 2>&1 | tee "$LOGS/$name.log" | tail -25
+        log "benchmark $name $script_args"
+        timeout ${BENCH_TIMEOUT:-300} $PY -m "benchmarks.$name" $script_args 2>&1 | tee -a "$LOGS/$name.log" | tail -25
         [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; log "BENCHMARK $name FAILED"; }
         # Copy results as they appear: they come back even if a later step runs out of time.
         find benchmarks/results -newer /tmp/gpu_run_started \( -name '*.json' -o -name '*.png' \) \
@@ -73,9 +96,12 @@ for stage in "${stages[@]}"; do
       # Edge-case GPU tests (hostile or empty group sizes, zero rows, NaN/Inf, many groups)
       # of every kernel family under memcheck. SANITIZE_K narrows or widens the selection;
       # -k also matches markers, so tests marked `sanitize` always run.
-      sel=${SANITIZE_K:-"sanitize or hostile or empty_groups or rows_past or zero_rows or nan or many_groups or multi_uses or errors_name"}
+      sel=${SANITIZE_K:-"(sanitize or hostile or empty_groups or rows_past or zero_rows or nan or many_groups or multi_uses or permute or unpermute) and not xla"}
       log "compute-sanitizer memcheck: -m gpu -k '$sel'"
-      timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+      # XLA's default allocator sub-allocates one big pool, inside which memcheck sees no
+      # out-of-bounds access: the platform allocator gives every buffer its own allocation.
+      XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+        timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
         $PY -m pytest -m gpu -k "$sel" -q -p no:cacheprovider tests/ops \
         >"$LOGS/sanitizer.log" 2>&1
       rc=$?; tail -30 "$LOGS/sanitizer.log"

@@ -4,11 +4,16 @@
 //
 // Stages: instantiate validates the shapes once and builds the cuBLASLt descriptors;
 // initialize (outside any CUDA graph capture) creates the device's handle and picks the
-// algorithm; execute only enqueues cublasLtMatmul. Nothing syncs or allocates, so the
-// handlers are command-buffer (CUDA graph) compatible.
+// algorithm: it times cuBLASLt's heuristic candidates once on scratch buffers of the
+// problem's shapes, as XLA's autotuner does for its own GEMMs (JAXFUSE_CUBLASLT_AUTOTUNE=0
+// keeps the heuristic's first choice). Execute only enqueues cublasLtMatmul. Nothing syncs
+// or allocates in execute, so the handlers are command-buffer (CUDA graph) compatible.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -39,6 +44,42 @@ uint32_t Alignment(const void* pointer) {
   while (alignment > 1 && address % alignment != 0) alignment /= 2;
   return alignment;
 }
+
+size_t ElementBytes(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::F32: return 4;
+    case ffi::DataType::BF16:
+    case ffi::DataType::F16: return 2;
+    default: return 1;  // FP8
+  }
+}
+
+bool AutotuneEnabled() {
+  const char* value = std::getenv("JAXFUSE_CUBLASLT_AUTOTUNE");
+  return value == nullptr || std::strcmp(value, "0") != 0;
+}
+
+// Stream-ordered device memory for the autotuning scratch (no device-wide sync), freed
+// on scope exit on the same stream.
+struct ScratchBuffer {
+  void* data = nullptr;
+  cudaStream_t stream;
+  ScratchBuffer(size_t bytes, cudaStream_t stream_) : stream(stream_) {
+    bytes = std::max<size_t>(bytes, 256);
+    if (cudaMallocAsync(&data, bytes, stream) != cudaSuccess) {
+      data = nullptr;
+      return;
+    }
+    // Small finite values (0x3C3C: bf16 ~0.0115, f16 ~1.06, fp32 ~0.0115): a realistic
+    // power draw, no NaN or Inf paths.
+    cudaMemsetAsync(data, 0x3C, bytes, stream);
+  }
+  ~ScratchBuffer() {
+    if (data) cudaFreeAsync(data, stream);
+  }
+  ScratchBuffer(const ScratchBuffer&) = delete;
+  ScratchBuffer& operator=(const ScratchBuffer&) = delete;
+};
 
 #define JAXFUSE_RETURN_IF_CUBLAS_ERROR(expression)                                       \
   do {                                                                                   \
@@ -127,9 +168,11 @@ struct MatmulState {
     return ffi::Error::Success();
   }
 
-  // The algorithm for this device and these operand alignments, found once.
+  // The algorithm for this device and these operand alignments, found once. With
+  // `autotune` (initialize stage only: it synchronizes), the heuristic's candidates are
+  // timed and the fastest kept.
   ffi::Error FindAlgorithm(int device, const void* a, const void* b, const void* out,
-                           const Algorithm** found) {
+                           const Algorithm** found, bool autotune = false) {
     const AlgorithmKey key{device, Alignment(a), Alignment(b), Alignment(out)};
     std::lock_guard<std::mutex> lock(mutex);
     if (auto it = algorithms.find(key); it != algorithms.end()) {
@@ -149,20 +192,82 @@ struct MatmulState {
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, std::get<1>(key));  // cuBLAS B = a
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, std::get<3>(key));
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, std::get<3>(key));
-    cublasLtMatmulHeuristicResult_t result{};
+    constexpr int kCandidates = 8;
+    cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
     int count = 0;
     const cublasStatus_t status = api->MatmulAlgoGetHeuristic(
-        algorithm.handle, algorithm.desc, layout_a, layout_b, layout_c, layout_c, preference, 1,
-        &result, &count);
+        algorithm.handle, algorithm.desc, layout_a, layout_b, layout_c, layout_c, preference,
+        autotune ? kCandidates : 1, results, &count);
     api->MatmulPreferenceDestroy(preference);
     if (status != CUBLAS_STATUS_SUCCESS || count == 0) {
       api->MatmulDescDestroy(algorithm.desc);
       return Internal("cuBLASLt found no algorithm for a [", problem.p, ", ", problem.q,
                       ", ", problem.r, "] product: ", cublaslt::StatusString(status));
     }
-    algorithm.algo = result.algo;
+    const int best = autotune && count > 1 && AutotuneEnabled()
+                         ? FastestCandidate(device, algorithm, results, count)
+                         : 0;
+    algorithm.algo = results[best].algo;
     *found = &algorithms.emplace(key, algorithm).first->second;
     return ffi::Error::Success();
+  }
+
+  // Index of the fastest of `count` candidates, timed on scratch buffers of this problem's
+  // shapes on a private stream: the minimum of 3 timed runs after one warm-up each. Any
+  // failure (no memory, a candidate that errors) falls back to the heuristic's order.
+  int FastestCandidate(int device, const Algorithm& algorithm,
+                       const cublasLtMatmulHeuristicResult_t* results, int count) const {
+    if (fp8) return 0;  // its scale pointers would need scratch too: the heuristic is kept
+    int previous_device = 0;
+    cudaGetDevice(&previous_device);
+    if (previous_device != device) cudaSetDevice(device);
+    const size_t a_bytes = problem.p * problem.r * ElementBytes(problem.input_type);
+    const size_t b_bytes = problem.q * problem.r * ElementBytes(problem.b_type);
+    const size_t out_bytes = problem.p * problem.q * ElementBytes(problem.output_type);
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaStream_t stream = nullptr;
+    cudaEvent_t start = nullptr, stop = nullptr;
+    int best = -1;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess &&
+        a_bytes + b_bytes + out_bytes + workspace_bytes < free_bytes / 2 &&
+        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
+        cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess) {
+      ScratchBuffer a(a_bytes, stream), b(b_bytes, stream), out(out_bytes, stream),
+          workspace(workspace_bytes, stream);
+      const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+      float best_ms = 0.0f;
+      for (int i = 0; a.data && b.data && out.data && workspace.data && i < count; ++i) {
+        auto run = [&] {
+          return api->Matmul(algorithm.handle, algorithm.desc, &alpha, b.data, layout_a, a.data,
+                             layout_b, &beta, out.data, layout_c, out.data, layout_c,
+                             &results[i].algo, workspace.data, workspace_bytes, stream);
+        };
+        if (run() != CUBLAS_STATUS_SUCCESS) continue;  // warm-up
+        float fastest = -1.0f;
+        for (int repeat = 0; repeat < 3; ++repeat) {
+          float ms = 0.0f;
+          if (cudaEventRecord(start, stream) != cudaSuccess || run() != CUBLAS_STATUS_SUCCESS ||
+              cudaEventRecord(stop, stream) != cudaSuccess ||
+              cudaEventSynchronize(stop) != cudaSuccess ||
+              cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
+            fastest = -1.0f;
+            break;
+          }
+          if (fastest < 0.0f || ms < fastest) fastest = ms;
+        }
+        if (fastest >= 0.0f && (best < 0 || fastest < best_ms)) {
+          best = i;
+          best_ms = fastest;
+        }
+      }
+    }  // the scratch is freed on `stream` here
+    if (stream) cudaStreamSynchronize(stream);
+    if (stop) cudaEventDestroy(stop);
+    if (start) cudaEventDestroy(start);
+    if (stream) cudaStreamDestroy(stream);
+    cudaGetLastError();  // a failed scratch allocation is not the caller's error
+    if (previous_device != device) cudaSetDevice(previous_device);
+    return best < 0 ? 0 : best;
   }
 };
 
@@ -197,7 +302,8 @@ ffi::Error Initialize(int device, MatmulState* state) {
   // graph capture; other alignments are looked up on first use.
   static const char aligned[256] __attribute__((aligned(256))) = {};
   const MatmulState::Algorithm* algorithm = nullptr;
-  return state->FindAlgorithm(device, aligned, aligned, aligned, &algorithm);
+  return state->FindAlgorithm(device, aligned, aligned, aligned, &algorithm,
+                              /*autotune=*/true);
 }
 
 // a_scale_inv/b_scale_inv: FP8 only, float32 scalars on the device.

@@ -190,17 +190,33 @@ class GroupedLinear(BasicOp):
 
   The rows of x ([M, K]) are sorted by group; ``extras[group_sizes]`` (int32 [G]) says how
   many rows each group has (see ``jaxfuse.grouped_linear``).
+
+  recipe: None (16-bit GEMM) or ``Float8CurrentScaling(per_group=True)``: the FP8 grouped
+  GEMM of ``jaxfuse.grouped_linear(..., recipe=recipe)`` (x quantized to E4M3 per group of
+  rows, the kernel per expert; FP8 dgrad, 16-bit wgrad; K and N multiples of 16). Unfused
+  it runs with the Sequential's implementation ("ffi": the FP8 kernels; "xla": the jnp
+  FP8 reference, whose gradients are straight-through).
   """
   num_groups: int
   features: int
   group_sizes: str = "group_sizes"
   param_dtype: Any = jnp.float32
+  recipe: Any = None
+
+  # fuser.run passes the Sequential's implementation to the unfused apply (FP8 path).
+  takes_implementation = True
 
   def __post_init__(self):
     for field in ("num_groups", "features"):
       value = getattr(self, field)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"GroupedLinear: {field} must be a positive int, got {value!r}")
+    if self.recipe is not None:
+      from jaxfuse.quantization import Float8CurrentScaling  # pylint: disable=g-import-not-at-top
+      if not (isinstance(self.recipe, Float8CurrentScaling) and self.recipe.per_group
+              and self.recipe.forward_format == "e4m3"):
+        raise ValueError("GroupedLinear: recipe must be None or Float8CurrentScaling("
+                         f"per_group=True) with forward_format='e4m3', got {self.recipe!r}")
 
   @property
   def extra_inputs(self):
@@ -212,10 +228,14 @@ class GroupedLinear(BasicOp):
   def out_features(self, in_features):
     return self.features
 
-  def apply(self, params, x, extras):
+  def apply(self, params, x, extras, implementation: str | None = None):
     group_sizes = _extra(extras, self.group_sizes, self)
     kernel = params["kernel"].astype(x.dtype)
-    return grouped_linear_reference.grouped_linear(x, kernel, group_sizes), {}
+    if self.recipe is None:
+      return grouped_linear_reference.grouped_linear(x, kernel, group_sizes), {}
+    from jaxfuse._src.ops.grouped_linear import api as grouped_linear_api  # pylint: disable=g-import-not-at-top
+    return grouped_linear_api.grouped_linear(x, kernel, group_sizes, recipe=self.recipe,
+                                             implementation=implementation), {}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,30 +19,58 @@ Registered fusions (``registered_fusions()``):
 * ``GroupedMLP`` [GroupedLinear, ScaledActivation, GroupedLinear] -> ``jaxfuse.grouped_mlp``.
   This is how the FC1 -> activation pair gets its backward fusion (dact fused with FC1's
   backward): grouped_mlp's custom_vjp owns both GEMM pairs and the activation, with one
-  set of group offsets. A lone [GroupedLinear, ScaledActivation] pair is not fused.
+  set of group offsets. Both GroupedLinear ops must have the same ``recipe`` (None, or FP8:
+  grouped_mlp's FP8 path, with the activation quantized by the fused
+  ``scaled_activation_quantize`` and dact fused with the quantization of FC1's dgrad input).
 * ``LinearScaleAdd`` [Linear, ConstantScale, AddExtraInput] -> ``jaxfuse.linear_scale_add``
   (TE's ForwardLinearScaleAdd + BackwardLinearScale): only when the add is in place and
   the linear is not row tensor-parallel.
-* ``ScaledActivationQuantizeGroupedLinear`` [ScaledActivation, Quantize, GroupedLinear]:
-  activation and per-group FP8 quantization in one kernel
-  (``jaxfuse.scaled_activation_quantize``), feeding the grouped GEMM with the same group
-  offsets. Only Float8CurrentScaling(per_group=True) reading the GroupedLinear's group sizes.
+* ``ScaledActivationQuantizeGroupedLinear`` [ScaledActivation, Quantize, GroupedLinear]
+  with ``GroupedLinear.recipe=None``: activation and per-group FP8 fake quantization in one
+  kernel (``jaxfuse.scaled_activation_quantize``), dequantized and fed to the 16-bit grouped
+  GEMM with the same group offsets: exactly the unfused semantics (fake quantization, then a
+  16-bit GEMM). Only Float8CurrentScaling(per_group=True) reading the GroupedLinear's group
+  sizes.
+* ``ScaledActivationQuantizeGroupedLinearFP8`` [ScaledActivation, Quantize, GroupedLinear]
+  with ``GroupedLinear.recipe`` equal to the Quantize recipe
+  (Float8CurrentScaling(per_group=True)): TE's fused MoE hand-off. Forward: one
+  ``scaled_activation_quantize`` (the fp32 activation quantized to E4M3 per group), whose
+  FP8 data and scales feed the FP8 grouped GEMM as they are (no dequantization, no
+  re-quantization), the kernel quantized per expert as ``grouped_linear(recipe=...)`` does;
+  offsets computed once for the whole step. Backward: FP8 dgrad (dy in E5M2 per group),
+  16-bit wgrad from the saved FP8 activation dequantized (the kernels have no FP8 wgrad),
+  then the fused dact kernel (straight-through the quantization, as the unfused ops). Needs
+  the activation width and the output width to be multiples of 16 and, with "ffi", a
+  bfloat16/float16 x. The unfused ops agree to FP8 accuracy: re-quantizing the Quantize
+  op's output with the same per-group current scaling is idempotent; the fused kernel
+  quantizes the fp32 activation where the unfused ops quantize its 16-bit rounding.
 * ``LinearScale`` [Linear, ConstantScale] -> ``jaxfuse.ops.linear_scale`` (alpha in the
   epilogue of the forward, dgrad and wgrad GEMMs: TE's BackwardLinearScale).
 * ``AddRMSNorm`` [AddExtraInput, RMSNorm] -> ``jaxfuse.add_rms_norm``; the new residual
   is the add's extra output.
-* ``ScaledActivationGroupedLinear`` [ScaledActivation, GroupedLinear] -> the scaled
-  activation kernel feeding ``grouped_linear_with_offsets`` (offsets from
+* ``ScaledActivationGroupedLinear`` [ScaledActivation, GroupedLinear(recipe=None)] -> the
+  scaled activation kernel feeding ``grouped_linear_with_offsets`` (offsets from
   ``jaxfuse.group_offsets``, reused by the backward pass).
+* ``ScaledActivationGroupedLinearFP8`` [ScaledActivation, GroupedLinear(recipe=FP8)]: the
+  FP8 path above (the GroupedLinear quantizes its input anyway).
+* ``GroupedLinearScaledActivation`` [GroupedLinear, ScaledActivation] (the backward fusion
+  of FC1 and the activation outside a GroupedMLP): the grouped GEMM (16-bit or FP8 per
+  the GroupedLinear's recipe) and the activation kernel on one set of offsets; backward:
+  the fused dact kernel (FP8: ``scaled_dactivation_quantize``, whose per-group E5M2 dh
+  feeds the FP8 dgrad directly, dh in 16-bit for wgrad), dgrad, wgrad. Refused when a
+  GroupedLinear or Quantize follows the activation, so the activation's forward fusion
+  with the next grouped GEMM (ScaledActivation[Quantize]GroupedLinear[FP8]) wins.
+
+Each 16-bit / FP8 pair refuses the other's case with a reason naming the path that applies,
+so ``explain`` and ``fusions()`` show which path was taken.
 
 Fusion can be switched off per Sequential (``fuse=False``) or for a block of code with
 ``with jaxfuse.ops.fusion_disabled(): ...`` (read at trace time); ``jaxfuse.ops.explain``
 lists, for each fusion considered, why it was refused.
 
-Limitation: the ScaledActivationQuantizeGroupedLinear custom_vjp does not track
-shard_map's varying axes (use it outside shard_map or with sharded operands only), and it
-feeds the dequantized activation to the 16-bit grouped GEMM: the FP8 grouped GEMM exists
-at the FFI level on CUDA only and is not wired in yet (CPU has no FP8 grouped handler).
+The custom_vjps of the fused windows capture shard_map's varying axes in the forward pass
+and give each cotangent its primal's (summing a replicated kernel's gradient over the
+devices), as the jaxfuse ops do.
 """
 
 from __future__ import annotations
@@ -80,6 +108,9 @@ class Context:
   x: Any
   extras: dict
   implementation: str
+  # The ops from the window's first op to the end of the sequence (what follows the window
+  # is remaining[len(window):]), for conditions that defer to a fusion further on.
+  remaining: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +202,7 @@ def run(ops, params, x, extras: dict, *, fuse: bool = True, implementation: str 
   outputs = {}
   i = 0
   while i < len(ops):
-    ctx = Context(x=x, extras=extras, implementation=implementation)
+    ctx = Context(x=x, extras=extras, implementation=implementation, remaining=ops[i:])
     chosen = None
     for fusion in fusions:
       window = ops[i:i + len(fusion.window)]
@@ -189,7 +220,10 @@ def run(ops, params, x, extras: dict, *, fuse: bool = True, implementation: str 
       step = (chosen.name, tuple(range(i, i + width)))
     else:
       width = 1
-      x, out = ops[i].apply(params[i], x, extras)
+      if getattr(ops[i], "takes_implementation", False):
+        x, out = ops[i].apply(params[i], x, extras, implementation=implementation)
+      else:
+        x, out = ops[i].apply(params[i], x, extras)
       step = (type(ops[i]).__name__, (i,))
     outputs.update(out)
     if plan is not None:
@@ -236,6 +270,19 @@ def _scales_ok(ctx: Context, act: basic.ScaledActivation) -> str | None:
 
 def _first_reason(*reasons):
   return next((r for r in reasons if r is not None), None)
+
+
+def _fp8_ok(recipe, k: int, n: int) -> str | None:
+  """None for a 16-bit GEMM (recipe None) or an FP8 grouped GEMM [*, k] x [k, n] the
+  kernels can run (Float8CurrentScaling(per_group=True), E4M3 forward, k and n multiples
+  of 16); otherwise grouped_linear's error message."""
+  if recipe is None:
+    return None
+  try:
+    grouped_linear_api.validate_fp8(recipe, k, n, "grouped_linear")
+  except ValueError as e:
+    return str(e)
+  return None
 
 
 def _kernel(params, x):
@@ -321,6 +368,9 @@ def _grouped_mlp_condition(ops, ctx):
     return "the two GroupedLinear ops read different group sizes"
   if fc1.num_groups != fc2.num_groups:
     return "the two GroupedLinear ops have different numbers of groups"
+  if fc1.recipe != fc2.recipe:
+    return (f"the two GroupedLinear ops have different recipes ({fc1.recipe!r} and "
+            f"{fc2.recipe!r}); grouped_mlp takes one recipe for both GEMMs")
   hidden = jnp.shape(ctx.x)[-1] if jnp.ndim(ctx.x) else 0
   try:
     ffn = act.out_features(fc1.features)
@@ -328,6 +378,8 @@ def _grouped_mlp_condition(ops, ctx):
     return str(e)
   return _first_reason(_float_input(ctx.x),
                        _grouped_ffi_ok(ctx, (hidden, fc1.features, ffn, fc2.features)),
+                       _fp8_ok(fc1.recipe, hidden, fc1.features),
+                       _fp8_ok(fc1.recipe, ffn, fc2.features),
                        _scales_ok(ctx, act))
 
 
@@ -335,20 +387,32 @@ def _grouped_mlp_apply(ops, params, x, extras, ctx):
   fc1, act, fc2 = ops
   y = grouped_mlp_api.grouped_mlp(x, _kernel(params[0], x), _kernel(params[2], x),
                                   extras[fc1.group_sizes], extras[act.scales], act.activation,
-                                  implementation=ctx.implementation, **_act_kwargs(act))
+                                  recipe=fc1.recipe, implementation=ctx.implementation,
+                                  **_act_kwargs(act))
   return y, {}
+
+
+def _activation_width(ops, ctx):
+  """(width of the activation's output, None) or (None, reason)."""
+  act = ops[0]
+  reason = _first_reason(_float_input(ctx.x),
+                         None if jnp.ndim(ctx.x) == 2 else "x must be [M, K]")
+  if reason:
+    return None, reason
+  try:
+    return act.out_features(jnp.shape(ctx.x)[-1]), None
+  except ValueError as e:
+    return None, str(e)
 
 
 def _activation_grouped_linear_condition(ops, ctx):
   act, linear = ops
-  reason = _first_reason(_float_input(ctx.x),
-                         None if jnp.ndim(ctx.x) == 2 else "x must be [M, K]")
+  if linear.recipe is not None:
+    return ("GroupedLinear has an FP8 recipe: the FP8 path "
+            "(ScaledActivationGroupedLinearFP8) applies instead")
+  width, reason = _activation_width(ops, ctx)
   if reason:
     return reason
-  try:
-    width = act.out_features(jnp.shape(ctx.x)[-1])
-  except ValueError as e:
-    return str(e)
   return _first_reason(_grouped_ffi_ok(ctx, (width, linear.features)), _scales_ok(ctx, act))
 
 
@@ -367,23 +431,86 @@ def _activation_grouped_linear_apply(ops, params, x, extras, ctx):
   return grouped_linear_api.grouped_linear_with_offsets(h, kernel, offsets, varying_axes), {}
 
 
+def _quantize_matches_linear(quant, linear) -> str | None:
+  if quant.group_sizes != linear.group_sizes:
+    return "Quantize and GroupedLinear read different group sizes"
+  return None
+
+
 def _activation_quantize_grouped_linear_condition(ops, ctx):
   from jaxfuse.quantization import Float8CurrentScaling  # pylint: disable=g-import-not-at-top
   act, quant, linear = ops
   recipe = quant.recipe
   if not (isinstance(recipe, Float8CurrentScaling) and recipe.per_group):
     return f"the Quantize recipe is not Float8CurrentScaling(per_group=True): {recipe!r}"
-  if quant.group_sizes != linear.group_sizes:
-    return "Quantize and GroupedLinear read different group sizes"
-  return _activation_grouped_linear_condition((act, linear), ctx)
+  if linear.recipe is not None:
+    return ("GroupedLinear has an FP8 recipe: the FP8 path "
+            "(ScaledActivationQuantizeGroupedLinearFP8) applies instead")
+  return _first_reason(_quantize_matches_linear(quant, linear),
+                       _activation_grouped_linear_condition((act, linear), ctx))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _act_quant_grouped_linear(x, scales, kernel, offsets, act, recipe, implementation):
-  return _aqgl_forward(x, scales, kernel, offsets, act, recipe, implementation)[0]
+def _fp8_activation_condition(act, linear, ctx) -> str | None:
+  """The FP8 path: scaled_activation_quantize feeding the FP8 grouped GEMM."""
+  width, reason = _activation_width((act, linear), ctx)
+  if reason:
+    return reason
+  if ctx.implementation == "ffi" and _dtype(ctx.x) not in _HALF:
+    return f"the FP8 grouped GEMM kernels take bfloat16/float16 x, x is {_dtype(ctx.x)}"
+  return _first_reason(_fp8_ok(linear.recipe, width, linear.features), _scales_ok(ctx, act))
 
 
-def _aqgl_forward(x, scales, kernel, offsets, act, recipe, implementation):
+def _activation_quantize_grouped_linear_fp8_condition(ops, ctx):
+  act, quant, linear = ops
+  if linear.recipe is None:
+    return ("GroupedLinear.recipe is None (16-bit GEMM): the dequantizing path "
+            "(ScaledActivationQuantizeGroupedLinear) applies instead")
+  if quant.recipe != linear.recipe:
+    return (f"the Quantize recipe {quant.recipe!r} differs from the GroupedLinear recipe "
+            f"{linear.recipe!r}")
+  return _first_reason(_quantize_matches_linear(quant, linear),
+                       _fp8_activation_condition(act, linear, ctx))
+
+
+def _activation_grouped_linear_fp8_condition(ops, ctx):
+  act, linear = ops
+  if linear.recipe is None:
+    return "GroupedLinear.recipe is None (16-bit GEMM)"
+  return _fp8_activation_condition(act, linear, ctx)
+
+
+def _varying(*values):
+  return tuple(compat.varying_axes(v) for v in values)
+
+
+def _match(values, axes):
+  return tuple(compat.match_varying_axes(v, a) for v, a in zip(values, axes))
+
+
+def _activation_vjp(act, x, scales, dh, implementation, varying_axes):
+  """(dx, dscales) of scaled_activation at (x, scales) for the cotangent dh: the fused
+  backward kernel ("ffi") or autodiff of the jnp reference ("xla")."""
+  if implementation == "xla":
+    _, act_vjp = jax.vjp(lambda a, s: activation_api.scaled_activation(
+        a, s, act.activation, implementation="xla", **_act_kwargs(act)), x, scales)
+    return act_vjp(dh.astype(x.dtype))
+  return activation_api._backward(  # pylint: disable=protected-access
+      act.activation, act.limit, act.alpha, act.linear_offset, varying_axes[:2], (x, scales),
+      dh.astype(x.dtype))
+
+
+# 16-bit path: activation + per-group fake quantization in one kernel, 16-bit grouped GEMM.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _act_quant_grouped_linear(x, scales, kernel, offsets, act, recipe, implementation,
+                              varying_axes):
+  return _aqgl_forward(x, scales, kernel, offsets, act, recipe, implementation,
+                       varying_axes)[0]
+
+
+def _aqgl_forward(x, scales, kernel, offsets, act, recipe, implementation, varying_axes):
+  del varying_axes
   q = quantize_api.scaled_activation_quantize(
       x, scales, activation=act.activation, recipe=recipe, group_offsets=offsets,
       implementation=implementation, **_act_kwargs(act))
@@ -397,7 +524,7 @@ def _aqgl_forward(x, scales, kernel, offsets, act, recipe, implementation):
   return y, (x, scales, kernel, offsets, h)
 
 
-def _aqgl_backward(act, recipe, implementation, saved, dy):
+def _aqgl_backward(act, recipe, implementation, varying_axes, saved, dy):
   del recipe
   x, scales, kernel, offsets, h = saved
   dy = dy.astype(x.dtype)
@@ -405,19 +532,14 @@ def _aqgl_backward(act, recipe, implementation, saved, dy):
     _, gemm_vjp = jax.vjp(
         lambda a, w: grouped_linear_reference.grouped_linear(a, w, jnp.diff(offsets)), h, kernel)
     dh, d_kernel = gemm_vjp(dy)
-    _, act_vjp = jax.vjp(lambda a, s: activation_api.scaled_activation(
-        a, s, act.activation, implementation="xla", **_act_kwargs(act)), x, scales)
-    dx, d_scales = act_vjp(dh)
   else:
     ffi = grouped_linear_api.ffi
     dh = ffi.grouped_gemm(dy, kernel, offsets, form=ffi.DGRAD)
     d_kernel = ffi.grouped_gemm(h, dy, offsets, form=ffi.WGRAD)
-    # The activation's gradient is straight-through the quantization (as the unfused
-    # Quantize op): the fused dact kernel at x with the dequantized activation's cotangent.
-    dx, d_scales = activation_api._backward(  # pylint: disable=protected-access
-        act.activation, act.limit, act.alpha, act.linear_offset,
-        (frozenset(), frozenset()), (x, scales), dh)
-  return dx, d_scales, d_kernel, None
+  # The activation's gradient is straight-through the quantization (as the unfused
+  # Quantize op): the fused dact kernel at x with the dequantized activation's cotangent.
+  dx, d_scales = _activation_vjp(act, x, scales, dh, implementation, varying_axes)
+  return (*_match((dx, d_scales, d_kernel), varying_axes), None)
 
 
 _act_quant_grouped_linear.defvjp(_aqgl_forward, _aqgl_backward)
@@ -426,10 +548,197 @@ _act_quant_grouped_linear.defvjp(_aqgl_forward, _aqgl_backward)
 def _activation_quantize_grouped_linear_apply(ops, params, x, extras, ctx):
   act, quant, linear = ops
   kernel = _kernel(params[2], x)
+  scales = extras[act.scales]
   offsets = offsets_api.group_offsets(extras[linear.group_sizes],
                                       implementation=ctx.implementation)
-  y = _act_quant_grouped_linear(x, extras[act.scales], kernel, offsets, act, quant.recipe,
-                                ctx.implementation)
+  y = _act_quant_grouped_linear(x, scales, kernel, offsets, act, quant.recipe,
+                                ctx.implementation, _varying(x, scales, kernel))
+  return y, {}
+
+
+# FP8 path: activation + per-group FP8 quantization in one kernel (one QuantizedArray), fed
+# as it is to the FP8 grouped GEMM; the kernel quantized per expert as grouped_linear does.
+
+
+def _fp8_gemm_reference(a_data, a_scale_inv, w_t_data, w_scale_inv, offsets, dtype):
+  """What the FP8 forward kernel computes (see grouped_linear's reference): exact FP8
+  products in fp32 times a_scale_inv[g] * w_scale_inv[g], one bfloat16 rounding; rows past
+  the groups are zero."""
+  m = a_data.shape[0]
+  offsets = jnp.minimum(offsets, m)
+  row_group = jnp.searchsorted(offsets[1:], jnp.arange(m, dtype=jnp.int32), side="right")
+  alpha = jnp.concatenate([a_scale_inv * w_scale_inv, jnp.zeros((1,), jnp.float32)])
+  exact = jax.lax.ragged_dot(a_data.astype(jnp.float32),
+                             jnp.swapaxes(w_t_data, 1, 2).astype(jnp.float32),
+                             jnp.diff(offsets), precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+  return (exact * alpha[row_group][:, None]).astype(jnp.bfloat16).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _act_quant_grouped_linear_fp8(x, scales, kernel, offsets, act, recipe, implementation,
+                                  varying_axes):
+  return _aqgl8_forward(x, scales, kernel, offsets, act, recipe, implementation,
+                        varying_axes)[0]
+
+
+def _aqgl8_forward(x, scales, kernel, offsets, act, recipe, implementation, varying_axes):
+  del varying_axes
+  # One pass over x: act(x) * scales in fp32, quantized to E4M3 per group (never rounded
+  # to 16-bit, never dequantized).
+  q = quantize_api.scaled_activation_quantize(
+      x, scales, activation=act.activation, recipe=recipe, group_offsets=offsets,
+      implementation=implementation, **_act_kwargs(act))
+  w_t, w_scale_inv = grouped_linear_reference.quantize_experts_t(kernel, recipe,
+                                                                 implementation)
+  if implementation == "xla":
+    y = _fp8_gemm_reference(q.data, q.scale_inv, w_t, w_scale_inv, offsets, x.dtype)
+  else:
+    y = grouped_linear_api.fp8_gemm(q.data, q.scale_inv, w_t, w_scale_inv, offsets,
+                                    grouped_linear_api.ffi.FORWARD, x.dtype)
+  return y, (x, scales, q, w_t, w_scale_inv, offsets, kernel if implementation == "xla"
+             else None)
+
+
+def _aqgl8_backward(act, recipe, implementation, varying_axes, saved, dy):
+  x, scales, q, w_t, w_scale_inv, offsets, kernel = saved
+  dy = dy.astype(x.dtype)
+  # The 16-bit activation for wgrad (the grouped kernels have no FP8 wgrad): the FP8
+  # activation dequantized, i.e. what the unfused GroupedLinear saves (its input, the
+  # Quantize op's output).
+  h = quantize_api.dequantize(q).astype(x.dtype)
+  if implementation == "xla":
+    # The jnp FP8 reference's gradients: straight-through the quantization of h and the
+    # kernel (the products of the dequantized operands).
+    _, gemm_vjp = jax.vjp(lambda a, w: grouped_linear_reference.grouped_linear_fp8(
+        a, w, jnp.diff(jnp.minimum(offsets, x.shape[0])), recipe), h, kernel)
+    dh, d_kernel = gemm_vjp(dy)
+  else:
+    ffi = grouped_linear_api.ffi
+    # FP8 dgrad as grouped_linear's: dy in E5M2 per group, the saved FP8 kernel^T.
+    dy_data, dy_scale_inv = grouped_linear_reference.quantize_rows(dy, recipe, offsets,
+                                                                   "gradient", "ffi")
+    dh = grouped_linear_api.fp8_gemm(dy_data, dy_scale_inv, jnp.swapaxes(w_t, 1, 2),
+                                     w_scale_inv, offsets, ffi.DGRAD, x.dtype)
+    d_kernel = ffi.grouped_gemm(h, dy, offsets, form=ffi.WGRAD)
+  # Straight-through the quantization of the activation (the unfused Quantize op and
+  # grouped_linear's FP8 input): the fused dact kernel at x. dx is not quantized: the op
+  # before the window decides its own precision.
+  dx, d_scales = _activation_vjp(act, x, scales, dh, implementation, varying_axes)
+  return (*_match((dx, d_scales, d_kernel), varying_axes), None)
+
+
+_act_quant_grouped_linear_fp8.defvjp(_aqgl8_forward, _aqgl8_backward)
+
+
+def _fp8_activation_apply(act, linear, params, x, extras, ctx):
+  kernel = _kernel(params, x)
+  scales = extras[act.scales]
+  # Offsets once: the fused quantization, the FP8 GEMM and, in the backward pass, the
+  # quantization of dy, dgrad and wgrad all read them.
+  offsets = offsets_api.group_offsets(extras[linear.group_sizes],
+                                      implementation=ctx.implementation)
+  y = _act_quant_grouped_linear_fp8(x, scales, kernel, offsets, act, linear.recipe,
+                                    ctx.implementation, _varying(x, scales, kernel))
+  return y, {}
+
+
+def _activation_quantize_grouped_linear_fp8_apply(ops, params, x, extras, ctx):
+  act, _, linear = ops
+  return _fp8_activation_apply(act, linear, params[2], x, extras, ctx)
+
+
+def _activation_grouped_linear_fp8_apply(ops, params, x, extras, ctx):
+  act, linear = ops
+  return _fp8_activation_apply(act, linear, params[1], x, extras, ctx)
+
+
+# --- GroupedLinearScaledActivation (backward: dact fused with the GEMM's backward) -------
+
+
+def _grouped_linear_activation_condition(ops, ctx):
+  linear, act = ops
+  following = ctx.remaining[len(ops):]
+  if following and isinstance(following[0], (basic.GroupedLinear, basic.Quantize)):
+    return (f"the activation is followed by {type(following[0]).__name__}: its forward "
+            "fusion with the next grouped GEMM (ScaledActivation[Quantize]GroupedLinear) "
+            "is preferred")
+  reason = _first_reason(_float_input(ctx.x),
+                         None if jnp.ndim(ctx.x) == 2 else "x must be [M, K]")
+  if reason:
+    return reason
+  k = jnp.shape(ctx.x)[-1]
+  try:
+    width = act.out_features(linear.features)
+  except ValueError as e:
+    return str(e)
+  reason = _first_reason(_grouped_ffi_ok(ctx, (k, linear.features, width)),
+                         _fp8_ok(linear.recipe, k, linear.features), _scales_ok(ctx, act))
+  if reason is None and linear.recipe is not None and ctx.implementation == "ffi" and \
+      _dtype(ctx.x) not in _HALF:
+    reason = f"the FP8 grouped GEMM kernels take bfloat16/float16 x, x is {_dtype(ctx.x)}"
+  return reason
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _grouped_linear_act(x, kernel, scales, offsets, act, recipe, varying_axes):
+  return _glact_forward(x, kernel, scales, offsets, act, recipe, varying_axes)[0]
+
+
+def _glact_forward(x, kernel, scales, offsets, act, recipe, varying_axes):
+  del varying_axes
+  ffi = grouped_linear_api.ffi
+  if recipe is None:
+    h = ffi.grouped_gemm(x, kernel, offsets, form=ffi.FORWARD)
+    weights = (kernel,)
+  else:
+    x_data, x_scale_inv = grouped_linear_reference.quantize_rows(x, recipe, offsets,
+                                                                 "forward", "ffi")
+    w_t, w_scale_inv = grouped_linear_reference.quantize_experts_t(kernel, recipe, "ffi")
+    h = grouped_linear_api.fp8_gemm(x_data, x_scale_inv, w_t, w_scale_inv, offsets,
+                                    ffi.FORWARD, x.dtype)
+    weights = (w_t, w_scale_inv)
+  a = activation_api.scaled_activation(h, scales, act.activation, implementation="ffi",
+                                       **_act_kwargs(act))
+  return a, (x, weights, scales, offsets, h)
+
+
+def _glact_backward(act, recipe, varying_axes, saved, da):
+  x, weights, scales, offsets, h = saved
+  ffi = grouped_linear_api.ffi
+  x_axes, _, s_axes = varying_axes
+  if recipe is None:
+    # One fused dact kernel, then dgrad and wgrad on the forward's offsets.
+    dh, d_scales = activation_api._backward(  # pylint: disable=protected-access
+        act.activation, act.limit, act.alpha, act.linear_offset, (x_axes, s_axes),
+        (h, scales), da.astype(h.dtype))
+    dx = ffi.grouped_gemm(dh, weights[0], offsets, form=ffi.DGRAD)
+  else:
+    # dact fused with the per-group E5M2 quantization of dh: the FP8 dgrad's input comes
+    # out of the activation backward kernel (TE's dact + quantize), dh in 16-bit for wgrad.
+    w_t, w_scale_inv = weights
+    dh_q, dh, d_scales = quantize_api.scaled_dactivation_quantize(
+        da, h, scales, activation=act.activation, recipe=recipe, group_offsets=offsets,
+        return_dx=True, implementation="ffi", **_act_kwargs(act))
+    dx = grouped_linear_api.fp8_gemm(dh_q.data, dh_q.scale_inv, jnp.swapaxes(w_t, 1, 2),
+                                     w_scale_inv, offsets, ffi.DGRAD, x.dtype)
+  d_kernel = ffi.grouped_gemm(x, dh, offsets, form=ffi.WGRAD)
+  return (*_match((dx, d_kernel, d_scales.astype(scales.dtype)), varying_axes), None)
+
+
+_grouped_linear_act.defvjp(_glact_forward, _glact_backward)
+
+
+def _grouped_linear_activation_apply(ops, params, x, extras, ctx):
+  linear, act = ops
+  if ctx.implementation == "xla":  # the references: the unfused ops
+    h, _ = linear.apply(params[0], x, extras, implementation="xla")
+    return act.apply(params[1], h, extras)
+  kernel = _kernel(params[0], x)
+  scales = extras[act.scales]
+  offsets = offsets_api.group_offsets(extras[linear.group_sizes], implementation="ffi")
+  y = _grouped_linear_act(x, kernel, scales, offsets, act, linear.recipe,
+                          _varying(x, kernel, scales))
   return y, {}
 
 
@@ -449,6 +758,12 @@ register_fusion(Fusion(
     _activation_quantize_grouped_linear_condition, _activation_quantize_grouped_linear_apply,
     "fused activation + per-group FP8 quantization feeding the grouped GEMM"))
 register_fusion(Fusion(
+    "ScaledActivationQuantizeGroupedLinearFP8",
+    (basic.ScaledActivation, basic.Quantize, basic.GroupedLinear),
+    _activation_quantize_grouped_linear_fp8_condition,
+    _activation_quantize_grouped_linear_fp8_apply,
+    "fused activation + per-group FP8 quantization feeding the FP8 grouped GEMM directly"))
+register_fusion(Fusion(
     "LinearScale", (basic.Linear, basic.ConstantScale),
     _linear_scale_condition, _linear_scale_apply,
     "TE BackwardLinearScale: alpha in the epilogues of the forward, dgrad and wgrad GEMMs"))
@@ -460,3 +775,13 @@ register_fusion(Fusion(
     "ScaledActivationGroupedLinear", (basic.ScaledActivation, basic.GroupedLinear),
     _activation_grouped_linear_condition, _activation_grouped_linear_apply,
     "scaled activation kernel feeding the grouped GEMM (offsets computed once)"))
+register_fusion(Fusion(
+    "ScaledActivationGroupedLinearFP8", (basic.ScaledActivation, basic.GroupedLinear),
+    _activation_grouped_linear_fp8_condition, _activation_grouped_linear_fp8_apply,
+    "fused activation + per-group FP8 quantization feeding the FP8 grouped GEMM "
+    "(GroupedLinear with an FP8 recipe)"))
+register_fusion(Fusion(
+    "GroupedLinearScaledActivation", (basic.GroupedLinear, basic.ScaledActivation),
+    _grouped_linear_activation_condition, _grouped_linear_activation_apply,
+    "grouped GEMM (16-bit or FP8) + scaled activation; backward: fused dact (+ E5M2 "
+    "quantization feeding the FP8 dgrad), dgrad and wgrad on the forward's offsets"))

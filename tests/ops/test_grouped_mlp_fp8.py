@@ -15,6 +15,13 @@ from tests.ops.test_grouped_mlp import (ACTIVATIONS, ALPHA, BACKENDS, LIMIT, LIN
                                         group_rows, make_inputs, on, sizes_cases)
 
 RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
+# The jnp reference ("xla") is checked on the CPU; on the GPU it would only add minutes
+# of XLA compilation and autotuning of its float32 ragged_dot.
+BACKEND_IMPLEMENTATIONS = [
+    pytest.param("cpu", "ffi", id="cpu-ffi"),
+    pytest.param("cpu", "xla", id="cpu-xla"),
+    pytest.param("gpu", "ffi", id="gpu-ffi", marks=pytest.mark.gpu),
+]
 
 
 def relative_error(actual, expected) -> float:
@@ -37,7 +44,13 @@ def call(impl, activation, recipe=RECIPE, save_activation=False):
 @pytest.mark.parametrize("case", list(sizes_cases(64)))
 def test_ffi_matches_the_fp8_reference(backend, activation, case):
   """Same quantization and FP8 products; h may differ by one bf16 rounding, which can move
-  an activation across an FP8 rounding boundary, hence bf16-level (not bit) agreement."""
+  an activation across an FP8 rounding boundary, hence bf16-level (not bit) agreement.
+
+  On the GPU, FC1's FP8 tensor cores accumulate with reduced precision (see
+  test_grouped_linear_fp8.FP8_ACCUMULATION), so more activations cross an E4M3 rounding
+  boundary than on the CPU; each crossing moves one FC2 input by one E4M3 step (2^-3 of
+  it). The largest element error then reaches a few percent of the largest output (2-4%
+  measured on the H200 at 97f44ec0) while the Frobenius error stays at the 1e-2 level."""
   m, hidden, ffn = shapes(backend)
   sizes = sizes_cases(m)[case]
   x, k1, k2, scales = make_inputs(30, m, hidden, ffn, len(sizes), activation, jnp.bfloat16)
@@ -46,14 +59,15 @@ def test_ffi_matches_the_fp8_reference(backend, activation, case):
   out = jax.jit(call("ffi", activation))(x, k1, k2, group_sizes, scales)
   assert out.dtype == jnp.bfloat16 and out.shape == (m, hidden)
   expected = helpers.on_cpu(call("xla", activation), x, k1, k2, group_sizes, scales)
-  helpers.assert_close(out, helpers.as_f64(expected), jnp.bfloat16, msg=case)
+  scale = np.abs(helpers.as_f64(expected)).max()
+  max_error = np.abs(helpers.as_f64(out) - helpers.as_f64(expected)).max() / scale
+  assert max_error <= (helpers.rtol(jnp.bfloat16) if backend == "cpu" else 2.0 ** -4), case
   assert relative_error(out, expected) < 1e-2
   covered = list(group_rows(sizes, m))[-1][2]
   assert not np.asarray(out[covered:], np.float32).any(), "rows past the groups must be zero"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("implementation", ["ffi", "xla"])
+@pytest.mark.parametrize("backend, implementation", BACKEND_IMPLEMENTATIONS)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_accuracy_against_the_bf16_op(backend, implementation, activation):
   """Two chained FP8 GEMMs compound their errors: one E4M3 GEMM is ~3-5% relative

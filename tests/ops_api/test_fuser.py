@@ -2,6 +2,7 @@
 sequences (CPU FFI handlers) match the unfused jnp sequences in values and gradients."""
 
 import functools
+import re
 
 from flax import nnx
 import jax
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxfuse
 from jaxfuse import ops
 from jaxfuse._src import compat
 from jaxfuse.quantization import Float8CurrentScaling
@@ -95,9 +97,13 @@ def test_grouped_fusions():
   assert plan(MLP, XG, **GROUP_EXTRAS) == [("GroupedMLP", (0, 1, 2))]
   assert plan(MLP[1:], S((M, 2 * FFN), BF16), **GROUP_EXTRAS) == [
       ("ScaledActivationGroupedLinear", (0, 1))]
-  # A lone FC1 -> activation pair is not fused (see fuser docs).
-  assert plan(MLP[:2], XG, **GROUP_EXTRAS) == [("GroupedLinear", (0,)),
-                                               ("ScaledActivation", (1,))]
+  # A lone FC1 -> activation pair: the backward fusion (dact fused with FC1's backward).
+  assert plan(MLP[:2], XG, **GROUP_EXTRAS) == [("GroupedLinearScaledActivation", (0, 1))]
+  # ... unless the activation can fuse forward with a following grouped GEMM.
+  log = ops.Sequential(MLP[:2] + (ops.Quantize(Float8CurrentScaling()), MLP[2]),
+                       implementation="ffi").explain(XG, **GROUP_EXTRAS)
+  assert log[0][1] == "GroupedLinearScaledActivation" and "followed by Quantize" in log[0][2]
+  assert log[-1] == (1, "ScaledActivationQuantizeGroupedLinear", None)
   # Different routings: no GroupedMLP, but the activation still fuses with FC2.
   split = (ops.GroupedLinear(G, 2 * FFN, group_sizes="a"), MLP[1],
            ops.GroupedLinear(G, H, group_sizes="b"))
@@ -408,3 +414,303 @@ def test_row_parallel_linear_in_shard_map():
   helpers.assert_close(y, expected, F32)
   reasons = dict((name, reason) for _, name, reason in log)
   assert "row tensor-parallel" in reasons["LinearScaleAdd"] and reasons["LinearScale"] is None
+
+
+# --- FP8: scaled activation + per-group quantization feeding the FP8 grouped GEMM ---------
+
+FP8 = Float8CurrentScaling(per_group=True)
+FFN8 = 32  # the FP8 kernels need K and N multiples of 16: activation width 32, H = 16
+X8 = S((M, 2 * FFN8), BF16)
+ACT_Q_GL8 = (ops.ScaledActivation(), ops.Quantize(FP8), ops.GroupedLinear(G, H, recipe=FP8))
+
+
+def _fusion(name):
+  return next(f for f in ops.registered_fusions() if f.name == name)
+
+
+def _condition(name, op_list, x, implementation="ffi", **extras):
+  ctx = ops.fuser.Context(x=x, extras={**GROUP_EXTRAS, **extras},
+                          implementation=implementation)
+  fusion = _fusion(name)
+  assert fusion.matches(op_list)
+  return fusion.condition(op_list, ctx)
+
+
+def test_fp8_fusion_applies_with_a_grouped_linear_recipe():
+  assert plan(ACT_Q_GL8, X8, **GROUP_EXTRAS) == [
+      ("ScaledActivationQuantizeGroupedLinearFP8", (0, 1, 2))]
+  # The log says which path was taken and why the other one was not.
+  log = ops.Sequential(ACT_Q_GL8, implementation="ffi").explain(X8, **GROUP_EXTRAS)
+  assert log == [
+      (0, "ScaledActivationQuantizeGroupedLinear",
+       "GroupedLinear has an FP8 recipe: the FP8 path "
+       "(ScaledActivationQuantizeGroupedLinearFP8) applies instead"),
+      (0, "ScaledActivationQuantizeGroupedLinearFP8", None)]
+  # Without a recipe on the GroupedLinear: the dequantizing 16-bit path (its unfused
+  # semantics: fake quantization, then a 16-bit GEMM).
+  bf16_linear = ACT_Q_GL8[:2] + (ops.GroupedLinear(G, H),)
+  assert plan(bf16_linear, X8, **GROUP_EXTRAS) == [
+      ("ScaledActivationQuantizeGroupedLinear", (0, 1, 2))]
+  assert _condition("ScaledActivationQuantizeGroupedLinearFP8", bf16_linear, X8) == (
+      "GroupedLinear.recipe is None (16-bit GEMM): the dequantizing path "
+      "(ScaledActivationQuantizeGroupedLinear) applies instead")
+  # No Quantize op: the GroupedLinear's recipe alone asks for the same FP8 hand-off.
+  pair = (ACT_Q_GL8[0], ACT_Q_GL8[2])
+  assert plan(pair, X8, **GROUP_EXTRAS) == [("ScaledActivationGroupedLinearFP8", (0, 1))]
+  assert plan((pair[0], ops.GroupedLinear(G, H)), X8, **GROUP_EXTRAS) == [
+      ("ScaledActivationGroupedLinear", (0, 1))]
+  # float32 x: no FP8 kernel ("ffi"), the jnp FP8 path ("xla") fuses.
+  assert plan(ACT_Q_GL8, S((M, 2 * FFN8), F32), implementation="xla", **GROUP_EXTRAS) == [
+      ("ScaledActivationQuantizeGroupedLinearFP8", (0, 1, 2))]
+
+
+@pytest.mark.parametrize("case", ["recipes_differ", "group_sizes_differ", "float32_ffi",
+                                  "k_not_16", "n_not_16", "srelu_k_not_16", "scales_shape",
+                                  "per_tensor_quantize"])
+def test_fp8_fusion_refusals(case):
+  act, quant, linear = ACT_Q_GL8
+  x, extras, match = X8, {}, None
+  if case == "recipes_differ":
+    quant = ops.Quantize(Float8CurrentScaling(per_group=True, gradient_format="e4m3"))
+    match = "differs from the GroupedLinear recipe"
+  elif case == "group_sizes_differ":
+    quant = ops.Quantize(FP8, group_sizes="other")
+    match = "different group sizes"
+  elif case == "float32_ffi":
+    x, match = S((M, 2 * FFN8), F32), "bfloat16/float16 x, x is float32"
+  elif case == "k_not_16":
+    x, match = S((M, 2 * 24), BF16), r"K to be a multiple of 16 .*got 24"
+  elif case == "n_not_16":
+    linear, match = ops.GroupedLinear(G, 24, recipe=FP8), r"N to be a multiple of 16 .*got 24"
+  elif case == "srelu_k_not_16":
+    act, x = ops.ScaledActivation("srelu"), S((M, 40), BF16)
+    match = r"K to be a multiple of 16 .*got 40"
+  elif case == "scales_shape":
+    extras, match = dict(scales=S((M + 1,), F32)), "scales shape"
+  else:
+    quant = ops.Quantize(Float8CurrentScaling(per_group=False))
+    match = "differs from the GroupedLinear recipe"
+  reason = _condition("ScaledActivationQuantizeGroupedLinearFP8", (act, quant, linear), x,
+                      **extras)
+  assert reason is not None and re.search(match, reason), reason
+  # The unrefused window for comparison: the condition can hold.
+  assert _condition("ScaledActivationQuantizeGroupedLinearFP8", ACT_Q_GL8, X8) is None
+  # The 16-bit paths never take a GroupedLinear with a recipe (they would drop it).
+  assert "FP8 recipe" in _condition("ScaledActivationQuantizeGroupedLinear",
+                                    (act, ops.Quantize(FP8), linear), x, **extras)
+  assert "FP8 recipe" in _condition("ScaledActivationGroupedLinear", (act, linear), x,
+                                    **extras)
+
+
+def test_fp8_grouped_mlp_needs_equal_recipes():
+  mlp8 = (ops.GroupedLinear(G, 2 * FFN8, recipe=FP8), ops.ScaledActivation(),
+          ops.GroupedLinear(G, H, recipe=FP8))
+  assert plan(mlp8, S((M, H), BF16), **GROUP_EXTRAS) == [("GroupedMLP", (0, 1, 2))]
+  mixed = mlp8[:2] + (ops.GroupedLinear(G, H),)
+  assert "different recipes" in _condition("GroupedMLP", mixed, S((M, H), BF16))
+  # FC1 alone is FP8: no GroupedMLP; the activation still fuses with the 16-bit FC2.
+  assert plan(mixed, S((M, H), BF16), **GROUP_EXTRAS) == [
+      ("GroupedLinear", (0,)), ("ScaledActivationGroupedLinear", (1, 2))]
+  ffn_not_16 = (ops.GroupedLinear(G, 2 * 24, recipe=FP8),) + mlp8[1:]
+  assert "multiple of 16" in _condition("GroupedMLP", ffn_not_16, S((M, H), BF16))
+
+
+def test_grouped_linear_recipe_is_checked():
+  with pytest.raises(ValueError, match=r"recipe must be None or Float8CurrentScaling"):
+    ops.GroupedLinear(G, H, recipe=Float8CurrentScaling(per_group=False))
+  with pytest.raises(ValueError, match=r"forward_format='e4m3'"):
+    ops.GroupedLinear(G, H, recipe=Float8CurrentScaling(forward_format="e5m2"))
+
+
+def test_unfused_fp8_grouped_linear_is_grouped_linear_with_the_recipe():
+  rng = np.random.default_rng(11)
+  x = helpers.random_array(rng, (M, 32), BF16)
+  sizes = _routing(rng, G, M)
+  for implementation in ("ffi", "xla"):
+    seq = ops.Sequential((ops.GroupedLinear(G, H, recipe=FP8),), implementation=implementation)
+    params = seq.init(jax.random.key(0), x, group_sizes=sizes)
+    kernel = params["params"]["op0"]["kernel"].astype(BF16)
+    want = jaxfuse.grouped_linear(x, kernel, sizes, recipe=FP8, implementation=implementation)
+    np.testing.assert_array_equal(np.asarray(seq.apply(params, x, group_sizes=sizes), F32),
+                                  np.asarray(want, F32))
+    # ... and not the 16-bit GEMM.
+    bf16 = jaxfuse.grouped_linear(x, kernel, sizes, implementation="xla")
+    assert np.abs(np.asarray(want, F32) - np.asarray(bf16, F32)).max() > 0
+
+
+# Tolerance of the FP8 comparisons (x 2% bf16 rtol of the largest |value|, see _compare):
+# the fused kernel quantizes the fp32 activation, the unfused ops quantize its bf16
+# rounding (re-quantizing the fake-quantized tensor in GroupedLinear is idempotent: same
+# amax, so the same scale and codes). About 1 element in 2^(9-4) = 32 lies within a bf16
+# rounding of an E4M3 rounding midpoint and lands one E4M3 step (<= 2^-3 relative) away;
+# over a K = 32 term product that moves an output by up to a few percent of the largest
+# output, so 2 x 2%. The dgrad sees the same E5M2 dy and FP8 kernel in both (bit-equal
+# dh); wgrad differs by the same flipped activation elements.
+FP8_ATOL_SCALE = 2.0
+
+
+@pytest.mark.parametrize("implementation,dtype", [("ffi", BF16), ("xla", BF16), ("xla", F32)])
+@pytest.mark.parametrize("window", ["act_quantize_linear", "act_linear"])
+def test_fp8_activation_grouped_linear_matches_unfused(window, implementation, dtype):
+  rng = np.random.default_rng(12)
+  x = helpers.random_array(rng, (M, 2 * FFN8), dtype)
+  scales = jnp.asarray(rng.uniform(0.2, 1.0, M), F32)
+  if window == "act_quantize_linear":
+    op_list, fused = ACT_Q_GL8, [("ScaledActivationQuantizeGroupedLinearFP8", (0, 1, 2))]
+  else:
+    op_list, fused = (ACT_Q_GL8[0], ACT_Q_GL8[2]), [("ScaledActivationGroupedLinearFP8", (0, 1))]
+  # BF16 tolerances for float32 x too: the FP8 GEMM rounds its result to bfloat16.
+  _compare(op_list, x, dict(scales=scales, group_sizes=_routing(rng, G, M)), BF16,
+           diff_extras=("scales",), atol_scale=FP8_ATOL_SCALE, implementation=implementation,
+           fusions=fused)
+
+
+@pytest.mark.parametrize("implementation", ["ffi", "xla"])
+def test_fp8_grouped_mlp_matches_unfused(implementation):
+  rng = np.random.default_rng(13)
+  x = helpers.random_array(rng, (M, H), BF16)
+  scales = jnp.asarray(rng.uniform(0.2, 1.0, M), F32)
+  op_list = (ops.GroupedLinear(G, 2 * FFN8, recipe=FP8), ops.ScaledActivation(),
+             ops.GroupedLinear(G, H, recipe=FP8))
+  # grouped_mlp quantizes the fp32 activation, the unfused FC2 its bf16 rounding: as above.
+  # FC1's dgrad quantizes dh (E5M2) in both; its input there differs by FC2-level FP8 noise.
+  _compare(op_list, x, dict(scales=scales, group_sizes=_routing(rng, G, M)), BF16,
+           diff_extras=("scales",), atol_scale=FP8_ATOL_SCALE, implementation=implementation,
+           fusions=[("GroupedMLP", (0, 1, 2))])
+
+
+def test_fp8_fusion_feeds_the_fp8_activation_to_the_fp8_gemm():
+  rng = np.random.default_rng(14)
+  x = helpers.random_array(rng, (M, 2 * FFN8), BF16)
+  extras = dict(scales=jnp.asarray(rng.uniform(0.2, 1.0, M), F32),
+                group_sizes=_routing(rng, G, M))
+  count = lambda jaxpr, target: helpers.count_primitives(jaxpr, helpers.ffi_target(target))
+
+  def fp8_to_wide(eqn):  # a dequantization: an FP8 value converted to a wider float
+    return (eqn.primitive.name == "convert_element_type"
+            and eqn.invars[0].aval.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2))
+
+  jaxprs = {}
+  for fuse in (True, False):
+    seq = ops.Sequential(ACT_Q_GL8, implementation="ffi", fuse=fuse)
+    params = seq.init(jax.random.key(0), x, **extras)
+    forward = jax.make_jaxpr(lambda p, x: seq.apply(p, x, **extras))(params, x)
+    grad = jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(
+        seq.apply(p, x, **extras).astype(F32)), argnums=(0, 1)))(params, x)
+    jaxprs[fuse] = (forward, grad)
+  forward, grad = jaxprs[True]
+  # platform_dependent lowers a cpu and a cuda branch: each FFI call appears twice.
+  assert count(forward, "jaxfuse_scaled_activation_quantize") == 1
+  assert count(forward, "jaxfuse_grouped_gemm_fp8") == 2
+  assert count(forward, "jaxfuse_grouped_gemm") == 0
+  # The activation is neither dequantized nor re-quantized: the one quantize call is the
+  # kernel's (per expert).
+  assert helpers.count_primitives(forward, fp8_to_wide) == 0
+  assert count(forward, "jaxfuse_quantize") == 1
+  # Backward: FP8 dgrad, 16-bit wgrad (from the saved FP8 activation, dequantized there),
+  # the fused dact kernel; offsets computed once for the whole step.
+  assert count(grad, "jaxfuse_grouped_gemm_fp8") == 2 * 2
+  assert count(grad, "jaxfuse_grouped_gemm") == 2 * 1
+  assert count(grad, "jaxfuse_scaled_activation_bwd") >= 1
+  assert count(grad, "jaxfuse_group_offsets") == 1
+  # Unfused: no fused activation + quantization; the activation is dequantized (Quantize)
+  # and quantized again by GroupedLinear.
+  forward, _ = jaxprs[False]
+  assert count(forward, "jaxfuse_scaled_activation_quantize") == 0
+  assert count(forward, "jaxfuse_grouped_gemm_fp8") == 2
+  assert count(forward, "jaxfuse_quantize") == 2
+  assert helpers.count_primitives(forward, fp8_to_wide) >= 1
+
+
+def test_fp8_fusion_in_shard_map():
+  """Tokens and routings per device, kernel replicated: the fused FP8 window's kernel
+  gradient is summed over the devices, as autodiff of the unfused ops sums it."""
+  mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("data",))
+  rng = np.random.default_rng(15)
+  x = helpers.random_array(rng, (2 * M, 2 * FFN8), BF16)
+  scales = jnp.asarray(rng.uniform(0.2, 1.0, 2 * M), F32)
+  sizes = jnp.stack([_routing(rng, G, M) for _ in range(2)])
+  kernel = helpers.random_array(rng, (G, FFN8, H), F32)
+  dy = helpers.random_array(rng, (2 * M, H), F32)
+
+  def loss(fuse):
+    def local(x, scales, sizes, kernel, dy):
+      y, _ = ops.fuser.run(ACT_Q_GL8, ({}, {}, {"kernel": kernel}), x,
+                           dict(scales=scales, group_sizes=sizes[0]), fuse=fuse,
+                           implementation="ffi")
+      return jax.lax.psum(jnp.sum(y.astype(F32) * dy), "data")
+    sharded = compat.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data"), P("data"),
+                                                           P(), P("data")), out_specs=P())
+    return lambda x, scales, kernel: sharded(x, scales, sizes, kernel, dy)
+
+  got = jax.jit(jax.value_and_grad(loss(True), argnums=(0, 1, 2)))(x, scales, kernel)
+  want = jax.jit(jax.value_and_grad(loss(False), argnums=(0, 1, 2)))(x, scales, kernel)
+  for name, a, b in zip(("loss", "dx", "dscales", "dkernel"), jax.tree.leaves(got),
+                        jax.tree.leaves(want)):
+    expected = helpers.as_f64(b)
+    helpers.assert_close(a, expected, BF16, msg=name,
+                         scale=FP8_ATOL_SCALE * max(np.abs(expected).max(), 1e-30))
+
+
+# --- GroupedLinearScaledActivation: the backward fusion of FC1 and the activation ----------
+
+
+@pytest.mark.parametrize("case", ["followed_by_grouped_linear", "float32_ffi", "fp8_k_not_16",
+                                  "scales_shape"])
+def test_grouped_linear_activation_refusals(case):
+  linear, act = ops.GroupedLinear(G, 2 * FFN8), ops.ScaledActivation()
+  x, extras, remaining, match = S((M, H), BF16), {}, (), None
+  if case == "followed_by_grouped_linear":
+    remaining, match = (ops.GroupedLinear(G, H),), "followed by GroupedLinear"
+  elif case == "float32_ffi":
+    x, match = S((M, H), F32), "bfloat16/float16"
+  elif case == "fp8_k_not_16":
+    linear, x = ops.GroupedLinear(G, 2 * FFN8, recipe=FP8), S((M, 24), BF16)
+    match = r"K to be a multiple of 16 .*got 24"
+  else:
+    extras, match = dict(scales=S((M, 1), F32)), "scales shape"
+  ctx = ops.fuser.Context(x=x, extras={**GROUP_EXTRAS, **extras}, implementation="ffi",
+                          remaining=(linear, act) + remaining)
+  reason = _fusion("GroupedLinearScaledActivation").condition((linear, act), ctx)
+  assert reason is not None and re.search(match, reason), reason
+  ok = ops.fuser.Context(x=S((M, H), BF16), extras=GROUP_EXTRAS, implementation="ffi",
+                         remaining=(linear, act, ops.RMSNorm()))
+  assert _fusion("GroupedLinearScaledActivation").condition((linear, act), ok) is None
+
+
+@pytest.mark.parametrize("implementation,recipe", [("ffi", None), ("xla", None), ("ffi", FP8),
+                                                   ("xla", FP8)])
+def test_grouped_linear_activation_matches_unfused(implementation, recipe):
+  rng = np.random.default_rng(16)
+  x = helpers.random_array(rng, (M, H), BF16)
+  scales = jnp.asarray(rng.uniform(0.2, 1.0, M), F32)
+  op_list = (ops.GroupedLinear(G, 2 * FFN8, recipe=recipe), ops.ScaledActivation("swiglu"))
+  # 16-bit: the same GEMMs and the dact kernel (bf16 tolerance). FP8: the forward is the
+  # same FP8 GEMM; the fused dact quantizes the fp32 dh to E5M2 where the unfused
+  # GroupedLinear quantizes its bf16 rounding: ~1 element in 2^(9-3) = 64 moves one E5M2
+  # step (<= 2^-2 relative), i.e. dx within ~2 bf16 budgets of its largest value.
+  _compare(op_list, x, dict(scales=scales, group_sizes=_routing(rng, G, M)), BF16,
+           diff_extras=("scales",), implementation=implementation,
+           atol_scale=1.0 if recipe is None else FP8_ATOL_SCALE,
+           fusions=[("GroupedLinearScaledActivation", (0, 1))])
+
+
+def test_grouped_linear_activation_fp8_backward_quantizes_in_the_dact_kernel():
+  rng = np.random.default_rng(17)
+  x = helpers.random_array(rng, (M, H), BF16)
+  extras = dict(scales=jnp.asarray(rng.uniform(0.2, 1.0, M), F32),
+                group_sizes=_routing(rng, G, M))
+  count = lambda jaxpr, target: helpers.count_primitives(jaxpr, helpers.ffi_target(target))
+  for fuse in (True, False):
+    seq = ops.Sequential((ops.GroupedLinear(G, 2 * FFN8, recipe=FP8), ops.ScaledActivation()),
+                         implementation="ffi", fuse=fuse)
+    params = seq.init(jax.random.key(0), x, **extras)
+    grad = jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(
+        seq.apply(p, x, **extras).astype(F32)), argnums=(0, 1)))(params, x)
+    assert count(grad, "jaxfuse_grouped_gemm_fp8") == 2 * 2  # forward + dgrad
+    assert count(grad, "jaxfuse_grouped_gemm") == 2 * 1  # wgrad
+    # Fused: dh quantized by the dact kernel; x and the kernel by quantize. Unfused: dh
+    # (the jnp activation's gradient) by a separate quantize.
+    assert count(grad, "jaxfuse_scaled_dactivation_quantize") == (1 if fuse else 0)
+    assert count(grad, "jaxfuse_quantize") == (2 if fuse else 3)
+    assert count(grad, "jaxfuse_group_offsets") == (1 if fuse else 0)

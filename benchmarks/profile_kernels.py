@@ -1,0 +1,154 @@
+"""Where the device time of a jitted jaxfuse step goes: every kernel, its count and time.
+
+The GPU machine has torch, whose profiler reads CUPTI's activity records for the whole
+process, so the kernels XLA launches for a jitted JAX function appear in it too. For each
+case this prints and saves (JSON in benchmarks/results/) one row per kernel name, plus
+the step's wall time, the summed kernel time and the span from the first kernel's start
+to the last kernel's end: wall >> span means the step waits on the host (launches,
+handler work), span >> summed kernels means gaps between kernels on the device.
+
+    python -m benchmarks.profile_kernels [--cases NAME ...] [--tag TAG]
+
+Run it again with XLA_FLAGS (e.g. "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL
+--xla_gpu_graph_min_graph_size=1") and a --tag to see what CUDA graphs change.
+
+A diagnostic, not a benchmark: the speed claims come from the bench_*.py scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # leave room for torch
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jaxfuse  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks import bench_grouped_mlp  # noqa: E402
+
+STEPS = 10
+
+
+def grouped_mlp_case(tokens, hidden, ffn, recipe=None):
+  x, k1, k2, scales, dy = bench_grouped_mlp.jax_inputs(tokens, hidden, ffn, 0)
+  sizes = jnp.asarray(bench_grouped_mlp.group_sizes(tokens))
+  step = bench_grouped_mlp.jax_fns("ffi", recipe)["fwd+bwd"]
+  return step, (x, k1, k2, scales, sizes, dy)
+
+
+def linear_scale_add_case(m, k, n, xla=False):
+  keys = jax.random.split(jax.random.key(1), 4)
+  x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+  kernel = (jax.random.normal(keys[1], (k, n)) / k**0.5).astype(jnp.bfloat16)
+  residual = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+  dy = jax.random.normal(keys[3], (m, n), jnp.bfloat16)
+
+  @jax.jit
+  def step(x, kernel, residual, dy):
+    if xla:  # the benchmark's baseline: XLA's own expression, plain bf16
+      fn = lambda x, w, r: r + 0.5 * (x @ w)
+    else:
+      fn = lambda x, w, r: jaxfuse.linear_scale_add(x, w, r, 0.5)
+    out, vjp = jax.vjp(fn, x, kernel, residual)
+    return out, vjp(dy)
+
+  return step, (x, kernel, residual, dy)
+
+
+def activation_case(tokens, width, quantize):
+  keys = jax.random.split(jax.random.key(2), 3)
+  x = jax.random.normal(keys[0], (tokens, width), jnp.bfloat16)
+  scales = jax.random.uniform(keys[1], (tokens,), jnp.float32, 0.1, 1.0)
+  dy = jax.random.normal(keys[2], (tokens, width // 2), jnp.bfloat16)
+  sizes = jnp.asarray(bench_grouped_mlp.group_sizes(tokens))
+  if quantize:
+    recipe = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
+    step = jax.jit(lambda x, s, g, dy: jaxfuse.scaled_activation_quantize(
+        x, s, g, "swiglu", recipe=recipe))
+  else:
+    step = jax.jit(lambda x, s, g, dy: jax.vjp(
+        lambda x, s: jaxfuse.scaled_activation(x, s, "swiglu"), x, s)[1](dy))
+  return step, (x, scales, sizes, dy)
+
+
+def rms_norm_case(rows, hidden):
+  keys = jax.random.split(jax.random.key(3), 4)
+  x = jax.random.normal(keys[0], (rows, hidden), jnp.bfloat16)
+  residual = jax.random.normal(keys[1], (rows, hidden), jnp.bfloat16)
+  gamma = jax.random.normal(keys[2], (hidden,), jnp.bfloat16)
+  dy = jax.random.normal(keys[3], (rows, hidden), jnp.bfloat16)
+  step = jax.jit(lambda x, r, g, dy: jax.vjp(
+      lambda x, r, g: jaxfuse.add_rms_norm(x, r, g), x, r, g)[1]((dy, dy)))
+  return step, (x, residual, gamma, dy)
+
+
+CASES = {
+    "grouped_mlp T=2048 H=1024 F=1024": lambda: grouped_mlp_case(2048, 1024, 1024),
+    "grouped_mlp T=65536 H=2048 F=2048": lambda: grouped_mlp_case(65536, 2048, 2048),
+    "grouped_mlp fp8 T=65536 H=2048 F=2048": lambda: grouped_mlp_case(
+        65536, 2048, 2048, bench_grouped_mlp.FP8_RECIPE),
+    "linear_scale_add 4096^3 fwd+bwd": lambda: linear_scale_add_case(4096, 4096, 4096),
+    "xla residual + alpha * (x @ kernel) 4096^3 fwd+bwd": lambda: linear_scale_add_case(
+        4096, 4096, 4096, xla=True),
+    "swiglu fwd+bwd T=65536 2F=8192": lambda: activation_case(65536, 8192, False),
+    "swiglu+fp8 quantize T=65536 2F=8192": lambda: activation_case(65536, 8192, True),
+    "add_rms_norm bwd 65536x8192": lambda: rms_norm_case(65536, 8192),
+}
+
+
+def profile(step, args):
+  """(kernel rows, wall ms per step, summed kernel ms per step, span ms per step)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  from torch.profiler import ProfilerActivity, profile as torch_profile  # pylint: disable=g-import-not-at-top
+  for _ in range(3):
+    jax.block_until_ready(step(*args))
+  start = time.perf_counter()
+  for _ in range(STEPS):
+    jax.block_until_ready(step(*args))
+  wall_ms = (time.perf_counter() - start) * 1e3 / STEPS
+  with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for _ in range(STEPS):
+      jax.block_until_ready(step(*args))
+    torch.cuda.synchronize()
+  kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+  by_name: dict[str, list[float]] = {}
+  for event in kernels:
+    by_name.setdefault(event.name, []).append(event.time_range.elapsed_us())
+  rows = sorted(({"kernel": name[:120], "per_step": len(times) / STEPS,
+                  "us_per_step": sum(times) / STEPS} for name, times in by_name.items()),
+                key=lambda row: -row["us_per_step"])
+  total_ms = sum(row["us_per_step"] for row in rows) / 1e3
+  span_ms = 0.0
+  if kernels:
+    span_ms = (max(e.time_range.end for e in kernels)
+               - min(e.time_range.start for e in kernels)) / 1e3 / STEPS
+  return rows, wall_ms, total_ms, span_ms
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--cases", nargs="*", default=list(CASES), help="names in CASES")
+  parser.add_argument("--tag", default="", help="suffix of the results file name")
+  parser.add_argument("--quick", action="store_true", help="accepted for gpu_run.sh; no-op")
+  args = parser.parse_args()
+  names = args.cases
+  results = []
+  for name in names:
+    step, step_args = CASES[name]()
+    rows, wall_ms, total_ms, span_ms = profile(step, step_args)
+    print(f"\n== {name}: wall {wall_ms:.3f} ms/step, kernels {total_ms:.3f} ms, "
+          f"span {span_ms:.3f} ms, {sum(r['per_step'] for r in rows):.0f} kernels/step")
+    common.print_table(rows[:25], ["kernel", "per_step", "us_per_step"])
+    results.append({"case": name, "wall_ms": wall_ms, "kernel_ms": total_ms,
+                    "span_ms": span_ms, "kernels": rows})
+    del step, step_args
+  common.write_results("profile_kernels" + (f"_{args.tag}" if args.tag else ""), results,
+                       xla_flags=os.environ.get("XLA_FLAGS", ""))
+
+
+if __name__ == "__main__":
+  main()

@@ -171,7 +171,9 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
     x: [M, K] bfloat16 or float16 (float32 with implementation="xla"), rows sorted by group.
     kernel: [G, K, N], x's dtype (``ragged_dot``'s right-hand side layout).
     group_sizes: int32 [G], on the device. Negative sizes count as zero; sizes summing past
-      M are cut at M; rows past the total come out as zeros.
+      M are cut at M; rows past the total come out as zeros. Under ``jax.jit`` with x
+      sharded by tokens they still describe the rows of the whole x (each device derives
+      the offsets of its own row block; see grouped_linear/sharding.py).
     recipe: None (16-bit GEMMs) or
       ``jaxfuse.quantization.Float8CurrentScaling(per_group=True)``: x is quantized to E4M3
       with one current scale per group of rows, the kernel with one scale per expert

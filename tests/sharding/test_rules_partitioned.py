@@ -69,6 +69,17 @@ def test_quantize_current_scaling(mesh, recipe, sharding):
   _assert_bitwise(fn, (x, sizes), mesh, (X_SPECS[sharding], P()))
 
 
+@pytest.mark.parametrize("special", ["nan", "inf"])
+def test_quantize_current_scaling_nan_inf(mesh, special):
+  # NaN is stored as NaN and ignored by the amax; inf makes its group's scale 1.
+  rng = np.random.default_rng(32)
+  x = helpers.random_array(rng, (64, 32), jnp.float32, scale=3.0)
+  x = x.at[40, 2].set(float(special)).at[5, 1].set(float(special))
+  sizes = jnp.array([20, 30, 10], jnp.int32)
+  fn = lambda x, s: _q(jaxfuse.quantize(x, PER_GROUP, group_sizes=s, **FFI))
+  _assert_bitwise(fn, (x, sizes), mesh, (P(("data", "model")), P()))
+
+
 def test_quantize_without_pmax_would_differ(mesh):
   # The test above can fail: a per-shard amax gives other scales than the global one.
   rng = np.random.default_rng(21)

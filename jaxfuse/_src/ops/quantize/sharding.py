@@ -13,9 +13,11 @@
   group offsets describe the rows of the *whole* x viewed as [rows, K] (global row
   numbers); each device derives the global row number of its rows from its shard position
   (``jax.lax.axis_index``), so offsets stay replicated and mean the same as unsharded.
-  Cost: the handler computes the amax from the rows it sees and has no "given scale"
-  operand, so the sharded path is XLA-fused jnp (the reference math: one pass for the
-  amax, one for the FP8 values) instead of the FFI kernel. Unsharded, the kernel runs.
+  The handler computes the amax from the rows it sees and has no "given scale" operand,
+  so each device hands it its rows plus one row per group holding the global amax (see
+  ``quantize_current_local``): the scales and FP8 values are the kernel's own. Cost: the
+  per-group amax in jnp, and a float32 copy of the block laid out by group (and the FP8
+  rows gathered back) around the kernel. Unsharded, the kernel runs alone.
 * "block_2d" (128 x 128 tiles of [R, K]): tiles span rows; x is kept replicated.
 
 ``scaled_activation_quantize`` / ``scaled_dactivation_quantize``: rows may be sharded (x,
@@ -27,7 +29,7 @@ device runs the fused kernel on its rows. Current scaling with a sharded dimensi
 device computes the activation (or its gradient) of its block in float32 with the
 scaled_activation kernels (the same per-element math as the fused kernels, so the same
 values), then amax, ``pmax`` and quantization as above. That writes the float32 values
-once more than the fused two-pass kernel chain.
+(and their copy by group) besides the fused two-pass kernel chain's work.
 """
 
 from __future__ import annotations
@@ -37,9 +39,7 @@ import jax.numpy as jnp
 
 from jaxfuse._src import sharding
 from jaxfuse._src.ops.quantize import ffi
-from jaxfuse._src.ops.quantize import reference
 from jaxfuse._src.ops.scaled_activation import ffi as act_ffi
-from jaxfuse.quantization import recipes
 
 _ROW_MODES = ("block_1d", "mxfp8")
 _CURRENT = ("per_tensor", "per_group")
@@ -52,31 +52,50 @@ def quantize_current_local(values, offsets, factor_axes, row_factors, col_factor
 
   Runs inside a partitioned computation: `factor_axes` says which mesh axes shard each
   dimension (rows: `row_factors`, columns: `col_factor`); `offsets` int32 [G + 1] are in
-  global row numbers. Same math as ``reference.quantize_values`` (bit-identical results).
+  global row numbers.
+
+  1. Each row's group from its global row number; the block's amax per group (jnp; exact,
+     a max involves no rounding); ``pmax`` over the mesh axes sharding the values.
+  2. The quantize kernel itself computes the scales and FP8 values, so they are the
+     kernel's bit for bit (no second implementation of the scale division): the block's
+     rows are laid out by group with one extra row per group holding the global amax
+     right after the group's rows (then every group's amax as the kernel sees it is the
+     global one), and the kernel runs per group on that [rows + G, K] array; the extra
+     rows are dropped.
   """
-  fp8_max = recipes.FP8_MAX[fmt]
   shape = values.shape
   k = shape[-1]
-  row_axes = sharding.all_axes(factor_axes, row_factors)
-  flat = values.reshape(-1, k)
+  flat = values.reshape(-1, k).astype(jnp.float32)
   # Padding rows (uneven blocks) get the id total_rows: no group, no amax.
   row_ids, total_rows = sharding.global_row_ids(shape[:-1], factor_axes, row_factors)
   num_groups = offsets.shape[0] - 1
   clamped = jnp.clip(offsets, 0, total_rows)
-  group = jnp.searchsorted(clamped[1:], row_ids, side="right")
+  group = jnp.searchsorted(clamped[1:], row_ids, side="right").astype(jnp.int32)
   cols = sharding.global_index(k, factor_axes, col_factor)
-  counted = ~jnp.isnan(flat) & (cols < sharding.global_size(k, factor_axes, col_factor))
-  row_amax = jnp.max(jnp.where(counted, jnp.abs(flat), 0.0), axis=1, initial=0.0)
+  # Padding columns are zeroed (they would count in the kernel's amax).
+  flat = jnp.where(cols < sharding.global_size(k, factor_axes, col_factor), flat, 0.0)
+  row_amax = jnp.max(jnp.where(jnp.isnan(flat), 0.0, jnp.abs(flat)), axis=1, initial=0.0)
   amax = jax.ops.segment_max(row_amax, group, num_segments=num_groups + 1)[:num_groups]
   amax = jnp.maximum(amax, 0.0)
-  axes = row_axes + tuple(factor_axes.get(col_factor, ()))
+  axes = (sharding.all_axes(factor_axes, row_factors)
+          + tuple(factor_axes.get(col_factor, ())))
   if axes:
     amax = jax.lax.pmax(amax, axes)
-  scale = reference.scale_from_amax(amax, fp8_max)
-  row_scale = jnp.concatenate([scale, jnp.ones((1,), jnp.float32)])[group]
-  data = reference.to_fp8(flat * row_scale[:, None], fmt)
-  data = jnp.where((group < num_groups)[:, None], data, jnp.zeros_like(data))
-  return data.reshape(shape), (1.0 / scale).astype(jnp.float32)
+  # Rows by group (stable), group g's amax row after its rows, rows of no group last.
+  rows = flat.shape[0]
+  order = jnp.argsort(group, stable=True)
+  rank = jnp.zeros((rows,), jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32))
+  position = rank + group
+  counts = jnp.zeros((num_groups + 1,), jnp.int32).at[group].add(1)
+  ends = jnp.cumsum(counts)[:num_groups].astype(jnp.int32)  # rows of groups <= g
+  steps = jnp.arange(num_groups, dtype=jnp.int32)
+  amax_rows = jnp.zeros((num_groups, k), jnp.float32).at[:, 0].set(amax)
+  augmented = jnp.zeros((rows + num_groups, k), jnp.float32)
+  augmented = augmented.at[position].set(flat).at[ends + steps].set(amax_rows)
+  aug_offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends + steps + 1])
+  data, scale_inv = ffi.quantize(augmented, aug_offsets, scaling_mode="per_group", block=0,
+                                 fmt=fmt)
+  return data[position].reshape(shape), scale_inv
 
 
 # --- quantize --------------------------------------------------------------------------

@@ -89,6 +89,7 @@ from jaxfuse._src import implementation as implementation_lib
 from jaxfuse._src.ops.group_offsets import api as offsets_api
 from jaxfuse._src.ops.grouped_linear import api as grouped_linear_api
 from jaxfuse._src.ops.grouped_linear import reference as grouped_linear_reference
+from jaxfuse._src.ops.grouped_linear import sharding as grouped_linear_sharding
 from jaxfuse._src.ops.grouped_mlp import api as grouped_mlp_api
 from jaxfuse._src.ops.linear_scale_add import api as linear_scale_add_api
 from jaxfuse._src.ops.quantize import api as quantize_api
@@ -519,7 +520,7 @@ def _aqgl_forward(x, scales, kernel, offsets, act, recipe, implementation, varyi
     y = grouped_linear_reference.grouped_linear(
         h, kernel, jnp.diff(offsets))
   else:
-    y = grouped_linear_api.ffi.grouped_gemm(h, kernel, offsets,
+    y = grouped_linear_sharding.grouped_gemm(h, kernel, offsets,
                                             form=grouped_linear_api.ffi.FORWARD)
   return y, (x, scales, kernel, offsets, h)
 
@@ -534,8 +535,8 @@ def _aqgl_backward(act, recipe, implementation, varying_axes, saved, dy):
     dh, d_kernel = gemm_vjp(dy)
   else:
     ffi = grouped_linear_api.ffi
-    dh = ffi.grouped_gemm(dy, kernel, offsets, form=ffi.DGRAD)
-    d_kernel = ffi.grouped_gemm(h, dy, offsets, form=ffi.WGRAD)
+    dh = grouped_linear_sharding.grouped_gemm(dy, kernel, offsets, form=ffi.DGRAD)
+    d_kernel = grouped_linear_sharding.grouped_gemm(h, dy, offsets, form=ffi.WGRAD)
   # The activation's gradient is straight-through the quantization (as the unfused
   # Quantize op): the fused dact kernel at x with the dequantized activation's cotangent.
   dx, d_scales = _activation_vjp(act, x, scales, dh, implementation, varying_axes)
@@ -620,7 +621,7 @@ def _aqgl8_backward(act, recipe, implementation, varying_axes, saved, dy):
                                                                    "gradient", "ffi")
     dh = grouped_linear_api.fp8_gemm(dy_data, dy_scale_inv, jnp.swapaxes(w_t, 1, 2),
                                      w_scale_inv, offsets, ffi.DGRAD, x.dtype)
-    d_kernel = ffi.grouped_gemm(h, dy, offsets, form=ffi.WGRAD)
+    d_kernel = grouped_linear_sharding.grouped_gemm(h, dy, offsets, form=ffi.WGRAD)
   # Straight-through the quantization of the activation (the unfused Quantize op and
   # grouped_linear's FP8 input): the fused dact kernel at x. dx is not quantized: the op
   # before the window decides its own precision.
@@ -689,7 +690,7 @@ def _glact_forward(x, kernel, scales, offsets, act, recipe, varying_axes):
   del varying_axes
   ffi = grouped_linear_api.ffi
   if recipe is None:
-    h = ffi.grouped_gemm(x, kernel, offsets, form=ffi.FORWARD)
+    h = grouped_linear_sharding.grouped_gemm(x, kernel, offsets, form=ffi.FORWARD)
     weights = (kernel,)
   else:
     x_data, x_scale_inv = grouped_linear_reference.quantize_rows(x, recipe, offsets,
@@ -712,7 +713,7 @@ def _glact_backward(act, recipe, varying_axes, saved, da):
     dh, d_scales = activation_api._backward(  # pylint: disable=protected-access
         act.activation, act.limit, act.alpha, act.linear_offset, (x_axes, s_axes),
         (h, scales), da.astype(h.dtype))
-    dx = ffi.grouped_gemm(dh, weights[0], offsets, form=ffi.DGRAD)
+    dx = grouped_linear_sharding.grouped_gemm(dh, weights[0], offsets, form=ffi.DGRAD)
   else:
     # dact fused with the per-group E5M2 quantization of dh: the FP8 dgrad's input comes
     # out of the activation backward kernel (TE's dact + quantize), dh in 16-bit for wgrad.
@@ -722,7 +723,7 @@ def _glact_backward(act, recipe, varying_axes, saved, da):
         return_dx=True, implementation="ffi", **_act_kwargs(act))
     dx = grouped_linear_api.fp8_gemm(dh_q.data, dh_q.scale_inv, jnp.swapaxes(w_t, 1, 2),
                                      w_scale_inv, offsets, ffi.DGRAD, x.dtype)
-  d_kernel = ffi.grouped_gemm(x, dh, offsets, form=ffi.WGRAD)
+  d_kernel = grouped_linear_sharding.grouped_gemm(x, dh, offsets, form=ffi.WGRAD)
   return (*_match((dx, d_kernel, d_scales.astype(scales.dtype)), varying_axes), None)
 
 

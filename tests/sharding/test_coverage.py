@@ -179,3 +179,43 @@ def test_non_ops_call_no_ffi_target():
   assert not _ffi_targets(jaxpr)
   q = jaxfuse.quantize(_a((64, 256), BF16), PER_TENSOR, **FFI)
   assert not _ffi_targets(jax.make_jaxpr(jaxfuse.dequantize)(q))
+
+
+# The op fuser's fused windows call the grouped GEMMs themselves: they must go through the
+# rules too. (sequential name, op list, input width, fusion expected)
+def _fuser_cases():
+  from jaxfuse import ops  # pylint: disable=g-import-not-at-top
+  groups, hidden, ffn = 4, 16, 32
+  return [
+      ("grouped_mlp", (ops.GroupedLinear(groups, 2 * ffn), ops.ScaledActivation("swiglu"),
+                       ops.GroupedLinear(groups, hidden)), hidden, "GroupedMLP"),
+      ("act_quantize_linear_fp8", (ops.ScaledActivation(), ops.Quantize(PER_GROUP),
+                                   ops.GroupedLinear(groups, hidden, recipe=PER_GROUP)),
+       2 * ffn, "ScaledActivationQuantizeGroupedLinearFP8"),
+      ("act_quantize_linear", (ops.ScaledActivation(), ops.Quantize(PER_GROUP),
+                               ops.GroupedLinear(groups, hidden)),
+       2 * ffn, "ScaledActivationQuantizeGroupedLinear"),
+      ("linear_act", (ops.GroupedLinear(groups, 2 * ffn), ops.ScaledActivation("swiglu")),
+       hidden, "GroupedLinearScaledActivation"),
+      ("linear_act_fp8", (ops.GroupedLinear(groups, 2 * ffn, recipe=PER_GROUP),
+                          ops.ScaledActivation("swiglu")),
+       hidden, "GroupedLinearScaledActivation"),
+  ]
+
+
+@pytest.mark.parametrize("case", range(5), ids=lambda i: _fuser_cases()[i][0])
+def test_fuser_fused_windows_are_partitioned(case):
+  from jaxfuse import ops  # pylint: disable=g-import-not-at-top
+  _, op_list, width, fusion = _fuser_cases()[case]
+  tokens = 60
+  x = _a((tokens, width), BF16)
+  extras = dict(scales=_a((tokens,)), group_sizes=jnp.array([10, 0, 30, 20], jnp.int32))
+  model = ops.Sequential(op_list, implementation="ffi")
+  assert [name for name, _ in model.fusions(x, **extras)] == [fusion]
+  params = model.init(jax.random.key(0), x, **extras)
+  loss = lambda p, x: _sum(model.apply(p, x, **extras))
+  jaxprs = [jax.make_jaxpr(loss)(params, x),
+            jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x)]
+  assert set().union(*(_ffi_targets(j) for j in jaxprs))
+  bare = set().union(*(_unpartitioned_targets(j) for j in jaxprs)) - set(UNPARTITIONED)
+  assert not bare, f"{fusion}: FFI targets called without a sharding rule: {sorted(bare)}"

@@ -18,7 +18,11 @@ A diagnostic, not a benchmark: the speed claims come from the bench_*.py scripts
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # leave room for torch
@@ -129,25 +133,57 @@ def profile(step, args):
   return rows, wall_ms, total_ms, span_ms
 
 
+GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL " \
+              "--xla_gpu_graph_min_graph_size=1"
+
+
+def command_buffer_summary(step, args) -> dict:
+  """Which custom calls of the compiled step XLA put into command buffers (CUDA graphs).
+
+  XLA's command-buffer scheduling wraps runs of capturable thunks into computations named
+  command_buffer*; a custom call outside them is launched eagerly on every step.
+  """
+  text = step.lower(*args).compile().as_text()
+  inside, outside = collections.Counter(), collections.Counter()
+  computation = ""
+  for line in text.splitlines():
+    header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+    if header:
+      computation = header.group(1)
+    target = re.search(r'custom_call_target="([^"]+)"', line)
+    if target:
+      (inside if "command_buffer" in computation else outside)[target.group(1)] += 1
+  return {"in_command_buffers": dict(inside), "eager": dict(outside)}
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--cases", nargs="*", default=list(CASES), help="names in CASES")
   parser.add_argument("--tag", default="", help="suffix of the results file name")
   parser.add_argument("--quick", action="store_true", help="accepted for gpu_run.sh; no-op")
+  parser.add_argument("--with-graphs", action="store_true",
+                      help=f"then profile the same cases again with XLA_FLAGS={GRAPH_FLAGS!r}")
   args = parser.parse_args()
   names = args.cases
   results = []
   for name in names:
     step, step_args = CASES[name]()
     rows, wall_ms, total_ms, span_ms = profile(step, step_args)
+    graphs = command_buffer_summary(step, step_args)
     print(f"\n== {name}: wall {wall_ms:.3f} ms/step, kernels {total_ms:.3f} ms, "
           f"span {span_ms:.3f} ms, {sum(r['per_step'] for r in rows):.0f} kernels/step")
+    print(f"   custom calls in command buffers: {graphs['in_command_buffers']}; "
+          f"eager: {graphs['eager']}")
     common.print_table(rows[:25], ["kernel", "per_step", "us_per_step"])
     results.append({"case": name, "wall_ms": wall_ms, "kernel_ms": total_ms,
-                    "span_ms": span_ms, "kernels": rows})
+                    "span_ms": span_ms, "command_buffers": graphs, "kernels": rows})
     del step, step_args
   common.write_results("profile_kernels" + (f"_{args.tag}" if args.tag else ""), results,
                        xla_flags=os.environ.get("XLA_FLAGS", ""))
+  if args.with_graphs:
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {GRAPH_FLAGS}".strip()
+    subprocess.run([sys.executable, "-m", "benchmarks.profile_kernels", "--tag", "graphs",
+                    "--cases", *names], env=dict(os.environ, XLA_FLAGS=flags), check=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ using detail::GemmArrays;
 
 constexpr size_t kAlign = 256;
 constexpr int kSetupThreads = 1024;
-constexpr int kZeroThreads = 256;
 
 size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -124,9 +123,9 @@ struct SetupParams {
   const float** alpha_ptrs;
 };
 
-// One block. Pass 1: clamped[i] = max_{j <= i} clamp(offsets[j], 0, m) (block scan, chunked for
-// any G). Pass 2: per-group shapes, pointers, strides and alphas.
-__global__ void __launch_bounds__(kSetupThreads) SetupKernel(SetupParams p) {
+// One block's work. Pass 1: clamped[i] = max_{j <= i} clamp(offsets[j], 0, m) (block scan,
+// chunked for any G). Pass 2: per-group shapes, pointers, strides and alphas.
+__device__ void WriteSetup(const SetupParams& p) {
   __shared__ int64_t warp_max[kSetupThreads / 32];
   __shared__ int64_t carry;
   const int tid = threadIdx.x;
@@ -195,7 +194,7 @@ __global__ void __launch_bounds__(kSetupThreads) SetupKernel(SetupParams p) {
       p.stride_b[g] = p.n;
       p.ptr_d[g] = p.out + lo * p.k * p.out_bytes;
       p.stride_d[g] = p.k;
-    } else {  // wgrad: (k, n, rows); an empty group gets no tiles (zeroed by ZeroEmptyGroups)
+    } else {  // wgrad: (k, n, rows); an empty group gets no tiles (SetupKernel zeroes it)
       shape[0] = rows > 0 ? static_cast<int32_t>(p.k) : 0;
       shape[1] = rows > 0 ? static_cast<int32_t>(p.n) : 0;
       shape[2] = rows;
@@ -215,34 +214,58 @@ __global__ void __launch_bounds__(kSetupThreads) SetupKernel(SetupParams p) {
   }
 }
 
-// Zeroes rows [0, clamped[0]) and [clamped[G], m) of a row-major [m, cols] output: the rows no
-// group covers. Work is proportional to the uncovered rows (grid-stride over them only).
-__global__ void __launch_bounds__(kZeroThreads)
-    ZeroUncoveredRows(uint4* out, const int64_t* clamped, int num_groups, int64_t m,
-                      int64_t row_units /* 16-byte units per row */) {
-  const int64_t head_end = clamped[0] * row_units;
-  const int64_t tail_begin = clamped[num_groups] * row_units;
-  const int64_t tail = m * row_units - tail_begin;
-  const int64_t total = head_end + tail;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    out[i < head_end ? i : tail_begin + (i - head_end)] = zero;
-  }
+__device__ __forceinline__ int64_t ClampRow(int32_t offset, int64_t m) {
+  const int64_t v = offset;
+  return v < 0 ? 0 : (v > m ? m : v);
 }
 
-// Zeroes dw[g] for every group with no rows (the GEMM skips those groups).
-__global__ void __launch_bounds__(kZeroThreads)
-    ZeroEmptyGroups(uint4* out, const int64_t* clamped, int num_groups,
-                    int64_t group_units /* 16-byte units per dw[g] */) {
+// max_{j < count} clamp(offsets[j], 0, m), i.e. clamped[count - 1], reduced by the whole block
+// and returned to every thread. Call it uniformly across the block.
+__device__ int64_t ClampedMax(const int32_t* offsets, int count, int64_t m) {
+  __shared__ int64_t warp_max[kSetupThreads / 32];
+  int64_t v = 0;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) v = max(v, ClampRow(offsets[i], m));
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, d));
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = v;
+  __syncthreads();
+  int64_t result = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) result = max(result, warp_max[w]);
+  __syncthreads();  // warp_max is reused by the next call
+  return result;
+}
+
+// What the GEMM does not write, zeroed in the setup's launch (one launch fewer per GEMM):
+// forward/dgrad: rows [0, clamped[0]) and [clamped[G], m) of the row-major [m, cols]
+// output; wgrad: dw[g] of every group with no rows (the GEMM gives it no tiles). `units`:
+// 16-byte units per output row (forward/dgrad) or per dw[g] (wgrad).
+struct ZeroParams {
+  uint4* out;
+  int64_t units;
+};
+
+// Block (0, 0) writes the setup arrays (WriteSetup); every block zeroes a grid-stride share,
+// with the clamped offsets it needs recomputed from the device offsets (a max over at most
+// G + 1 values), so no block waits for another.
+__global__ void __launch_bounds__(kSetupThreads) SetupKernel(SetupParams p, ZeroParams z) {
+  if (blockIdx.x == 0 && blockIdx.y == 0) WriteSetup(p);
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int g = blockIdx.y; g < num_groups; g += gridDim.y) {
-    if (clamped[g + 1] != clamped[g]) continue;
-    uint4* dst = out + static_cast<int64_t>(g) * group_units;
-    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < group_units;
-         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-      dst[i] = zero;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (p.form != 2) {
+    const int64_t head_end = ClampRow(p.offsets[0], p.m) * z.units;
+    const int64_t tail_begin = ClampedMax(p.offsets, p.num_groups + 1, p.m) * z.units;
+    const int64_t total = head_end + (p.m * z.units - tail_begin);
+    for (int64_t i = first; i < total; i += stride) {
+      z.out[i < head_end ? i : tail_begin + (i - head_end)] = zero;
     }
+    return;
+  }
+  for (int g = blockIdx.y; g < p.num_groups; g += gridDim.y) {
+    const int64_t before = ClampedMax(p.offsets, g + 1, p.m);  // clamped[g]
+    if (max(before, ClampRow(p.offsets[g + 1], p.m)) != before) continue;  // g has rows
+    uint4* dst = z.out + static_cast<int64_t>(g) * z.units;
+    for (int64_t i = first; i < z.units; i += stride) dst[i] = zero;
   }
 }
 
@@ -362,28 +385,23 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   s.alpha_ptrs = family.has_alpha ? reinterpret_cast<const float**>(base + layout.alpha_ptrs)
                                   : nullptr;
 
-  SetupKernel<<<1, kSetupThreads, 0, stream>>>(s);
-  cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) return error;
-
+  // One launch: setup arrays (block 0) and the zeroing of what the GEMM does not write.
+  ZeroParams z{static_cast<uint4*>(p.out), 0};
+  dim3 grid(1, 1);
   if (!wgrad) {
-    const int64_t row_units = out_cols * out_bytes / 16;
-    const int64_t units = p.m * row_units;
-    const int64_t blocks = std::min<int64_t>(CeilDiv(units, kZeroThreads), 4 * sm_count);
-    ZeroUncoveredRows<<<static_cast<unsigned>(std::max<int64_t>(blocks, 1)), kZeroThreads, 0,
-                        stream>>>(static_cast<uint4*>(p.out), s.clamped, p.num_groups, p.m,
-                                  row_units);
+    z.units = out_cols * out_bytes / 16;
+    grid.x = static_cast<unsigned>(std::max<int64_t>(
+        1, std::min<int64_t>(CeilDiv(p.m * z.units, kSetupThreads), 4 * sm_count)));
   } else {
-    const int64_t group_units = p.k * p.n * out_bytes / 16;
+    z.units = p.k * p.n * out_bytes / 16;
     const int64_t gy = std::min<int64_t>(p.num_groups, 65535);
     const int64_t per_group_cap = std::max<int64_t>(1, 4 * sm_count / gy);
-    const int64_t gx = std::max<int64_t>(
-        1, std::min<int64_t>(CeilDiv(group_units, kZeroThreads), per_group_cap));
-    ZeroEmptyGroups<<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), kZeroThreads,
-                      0, stream>>>(static_cast<uint4*>(p.out), s.clamped, p.num_groups,
-                                   group_units);
+    grid.x = static_cast<unsigned>(std::max<int64_t>(
+        1, std::min<int64_t>(CeilDiv(z.units, kSetupThreads), per_group_cap)));
+    grid.y = static_cast<unsigned>(gy);
   }
-  error = cudaGetLastError();
+  SetupKernel<<<grid, kSetupThreads, 0, stream>>>(s, z);
+  const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return error;
 
   GemmArrays arrays;

@@ -2,7 +2,8 @@
 // Not part of the library build (its name starts with check_). Build, e.g.:
 //   nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //     -I cuda/include -I <cutlass>/include cuda/gpu/grouped_gemm/*.cu -o check_grouped_gemm
-// Run: ./check_grouped_gemm [--no-perf | --perf-only]. Exit status 0 iff every case passed.
+// Run: ./check_grouped_gemm [--no-perf | --perf-only | --sweep-scheduler]. Exit status 0 iff
+// every case passed.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -17,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "internal.cuh"
 #include "jaxfuse/grouped_gemm.h"
 
 namespace gg = jaxfuse::grouped_gemm;
@@ -398,10 +400,13 @@ void Run16BitCases(const std::vector<Case>& cases, bool graph_first) {
 }
 
 int main(int argc, char** argv) {
-  bool perf = true, check = true;
+  bool perf = true, check = true, sweep = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-perf") == 0) perf = false;
     if (std::strcmp(argv[i], "--perf-only") == 0) check = false;
+    // Times the tile scheduler's raster order and swizzle (runtime options, see
+    // internal.cuh) on the large 16-bit configs, instead of the default runs.
+    if (std::strcmp(argv[i], "--sweep-scheduler") == 0) sweep = true;
   }
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
@@ -409,6 +414,25 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
   g_sm_count = prop.multiProcessorCount;
   std::printf("device: %s, %d SMs, cc %d.%d\n", prop.name, g_sm_count, prop.major, prop.minor);
+
+  if (sweep) {
+    using bf16 = __nv_bfloat16;
+    gg::detail::SchedulerOptions& options = gg::detail::ActiveSchedulerOptions();
+    const gg::detail::SchedulerOptions saved = options;
+    struct Shape { int G; int64_t rows; };
+    for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
+      for (const Shape& s : {Shape{8, 8192}, Shape{128, 512}})
+        for (char raster : {'M', 'N'})
+          for (int swizzle : {1, 2, 4, 8}) {
+            options.raster = raster;
+            options.swizzle = swizzle;
+            char label[32];
+            std::snprintf(label, sizeof(label), "bf16 %c/%d", raster, swizzle);
+            Time<bf16, bf16, bf16>(label, form, s.G, s.rows, 2048, 4096, gg::TileConfig::kLarge);
+          }
+    options = saved;
+    perf = check = false;
+  }
 
   if (check) {
   // Hostile group layouts.

@@ -146,6 +146,11 @@ typename Gemm::Arguments MakeArguments(const GemmArrays& arrays, int sm_count,
   args.epilogue.ptr_D = reinterpret_cast<ElementD**>(arrays.ptr_d);
   args.epilogue.dD = reinterpret_cast<StrideD*>(arrays.stride_d);
 
+  const SchedulerOptions& scheduler = ActiveSchedulerOptions();
+  using Raster = decltype(args.scheduler.raster_order);
+  args.scheduler.raster_order = scheduler.raster == 'N' ? Raster::AlongN : Raster::AlongM;
+  args.scheduler.max_swizzle_size = scheduler.swizzle;
+
   args.hw_info.device_id = 0;  // unused when sm_count > 0
   args.hw_info.sm_count = sm_count;
   args.hw_info.max_active_clusters = max_active_clusters;

@@ -1,6 +1,7 @@
 // jaxfuse grouped GEMM: dispatch, workspace layout, setup kernel and zeroing kernels.
 // No CUTLASS header here (compiles in seconds); the CUTLASS kernels live in gemm_*.cu.
 #include <algorithm>
+#include <cstdlib>
 #include <cstdint>
 
 #include "internal.cuh"
@@ -273,6 +274,23 @@ __global__ void __launch_bounds__(kSetupThreads) SetupKernel(SetupParams p, Zero
 
 // ------------------------------------------------------------------------------------------
 // Host API.
+
+namespace detail {
+SchedulerOptions& ActiveSchedulerOptions() {
+  static SchedulerOptions options = [] {
+    SchedulerOptions o;
+    if (const char* raster = std::getenv("JAXFUSE_GROUPED_GEMM_RASTER")) {
+      if (raster[0] == 'N' || raster[0] == 'n') o.raster = 'N';
+    }
+    if (const char* swizzle = std::getenv("JAXFUSE_GROUPED_GEMM_SWIZZLE")) {
+      const int value = std::atoi(swizzle);
+      if (value == 1 || value == 2 || value == 4 || value == 8) o.swizzle = value;
+    }
+    return o;
+  }();
+  return options;
+}
+}  // namespace detail
 
 bool IsSupported(const Problem& p) {
   if (p.num_groups < 1) return false;

@@ -30,6 +30,17 @@ struct GemmArrays {
   size_t cutlass_workspace_bytes = 0;
 };
 
+// CUTLASS's persistent group tile scheduler: the order in which a wave of CTAs walks the
+// output tiles (raster 'M': consecutive tiles down M, CUTLASS's default for grouped
+// problems; 'N': along N) and the swizzle width (1, 2, 4 or 8 tiles). Runtime arguments,
+// no extra kernels: from JAXFUSE_GROUPED_GEMM_RASTER (M|N) and JAXFUSE_GROUPED_GEMM_SWIZZLE
+// at first use; check_grouped_gemm sweeps them through this reference. Not device data.
+struct SchedulerOptions {
+  char raster = 'M';
+  int swizzle = 1;
+};
+SchedulerOptions& ActiveSchedulerOptions();
+
 // One entry point pair per kernel family (one family per .cu file). `config` is kLarge or
 // kSmall (families with a single config ignore it).
 #define JAXFUSE_GG_DECLARE_FAMILY(NAME)                                                    \

@@ -237,6 +237,9 @@ LSA_FP8_SPECS = {  # (x, kernel, residual)
     "tokens_2d": (P("data", "model"), P(), P("data", "model")),
     "features": (P(), P(None, "model"), P(None, None, "model")),
     "tokens_and_features": (P("data"), P(None, "model"), P("data", None, "model")),
+    # K contracted across devices: float32 partials, psum, the residual added once.
+    "contraction": (P(None, None, "model"), P("model"), P()),
+    "tokens_and_contraction": (P("data", None, "model"), P("model"), P("data")),
 }
 
 

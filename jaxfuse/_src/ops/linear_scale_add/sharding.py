@@ -18,8 +18,9 @@ token-sharded (data-parallel) layer come out right without gathering the activat
 FP8 (per-tensor current scaling): the quantization of x, kernel^T and dy takes a global
 amax (``pmax``, quantize/sharding.py), so every device gets the same scales as unsharded.
 Forward c + alpha * s_a * s_b * a @ b^T, a [..., K] FP8, b [N, K] FP8, float32 [1] scales
-(replicated): rows and N may be sharded; K stays replicated (Shardy gathers a sharded K of
-the FP8 operands: the fused in-place FP8 kernel has no partial-product form). Backward
+(replicated): rows and N may be sharded with no communication; a sharded K is reduced as
+in the 16-bit forward: each device's float32 partial product (scaled_matmul_fp8 with the
+same global scales), ``psum``, then the residual added once (not in place). Backward
 ``scaled_matmul_fp8`` (a [..., P] x b [N, P]^T): a sharded contracted P (N for dgrad, the
 rows for wgrad) gives float32 partials summed with ``psum``, rounded once. On GPU each
 device's block must meet cuBLASLt's FP8 alignment as the whole tensors must (the number
@@ -84,8 +85,17 @@ def _fp8_matmul_local(reduce_axes, a, b, a_scale_inv, b_scale_inv, *, alpha, out
   return jax.lax.psum(partial, reduce_axes).astype(out_dtype)
 
 
+def _fp8_forward_local(reduce_axes, a, b, c, a_scale_inv, b_scale_inv, *, alpha,
+                      fast_accumulation):
+  partial = ffi.scaled_matmul_fp8(a, b, a_scale_inv, b_scale_inv, alpha=alpha,
+                                  out_dtype=jnp.float32, fast_accumulation=fast_accumulation)
+  total = jax.lax.psum(partial, reduce_axes)
+  return (c.astype(jnp.float32) + total).astype(c.dtype)
+
+
 _linear_scale_add_fp8 = sharding.partitioned(ffi.linear_scale_add_fp8, _fp8_forward_rule,
-                                             replicated=("k", "sa", "sb"))
+                                             replicated=("sa", "sb"), reduction=("k",),
+                                             local=_fp8_forward_local)
 _scaled_matmul_fp8 = sharding.partitioned(ffi.scaled_matmul_fp8, _fp8_matmul_rule,
                                           replicated=("sa", "sb"), reduction=("p",),
                                           local=_fp8_matmul_local)

@@ -178,7 +178,11 @@ def np_moe(x, router, k1, k2, topk, score_function="softmax"):
 def make_layer(seed, tokens, hidden, ffn, experts, dtype=jnp.bfloat16):
   rng = np.random.default_rng(seed)
   x = helpers.random_array(rng, (tokens, hidden), dtype)
-  router = helpers.random_array(rng, (hidden, experts), jnp.float32)
+  # Logits of unit scale, as a trained router's: with a unit-variance kernel the logits
+  # would grow like sqrt(hidden), and at hidden=256 (the GPU shapes) sigmoid rounds many
+  # of them to exactly 1.0 in float32, where top-k breaks the ties by index while the
+  # float64 reference still tells them apart (the sigmoid top-3 GPU cases failed so).
+  router = helpers.random_array(rng, (hidden, experts), jnp.float32, scale=1 / np.sqrt(hidden))
   k1 = helpers.random_array(rng, (experts, hidden, 2 * ffn), dtype, scale=1 / np.sqrt(hidden))
   k2 = helpers.random_array(rng, (experts, ffn, hidden), dtype, scale=1 / np.sqrt(ffn))
   return x, router, k1, k2

@@ -714,3 +714,31 @@ def test_grouped_linear_activation_fp8_backward_quantizes_in_the_dact_kernel():
     assert count(grad, "jaxfuse_scaled_dactivation_quantize") == (1 if fuse else 0)
     assert count(grad, "jaxfuse_quantize") == (2 if fuse else 3)
     assert count(grad, "jaxfuse_group_offsets") == (1 if fuse else 0)
+
+
+# --- the same comparisons with the CUDA kernels ----------------------------------------
+
+
+GPU_COMPARISONS = {
+    "transformer_block": lambda: test_transformer_block_matches_unfused(BF16),
+    "add_rms_norm": lambda: test_add_rms_norm_matches_unfused(BF16, True),
+    "grouped_mlp": lambda: test_grouped_mlp_matches_unfused("swiglu", "ffi", BF16),
+    "activation_quantize_grouped_linear": lambda: (
+        test_activation_quantize_grouped_linear_matches_unfused("ffi", BF16)),
+    "fp8_act_quantize_linear": lambda: test_fp8_activation_grouped_linear_matches_unfused(
+        "act_quantize_linear", "ffi", BF16),
+    "fp8_act_linear": lambda: test_fp8_activation_grouped_linear_matches_unfused(
+        "act_linear", "ffi", BF16),
+    "fp8_grouped_mlp": lambda: test_fp8_grouped_mlp_matches_unfused("ffi"),
+    "grouped_linear_activation_fp8": lambda: (
+        test_grouped_linear_activation_matches_unfused("ffi", FP8)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_COMPARISONS))
+def test_fused_matches_unfused_on_the_gpu(name):
+  """Fused and unfused sequences agree when both run the CUDA kernels (the CPU tests above
+  run the C++ loops): the arrays and parameters are created on the GPU."""
+  with jax.default_device(jax.devices("gpu")[0]):
+    GPU_COMPARISONS[name]()

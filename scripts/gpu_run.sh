@@ -96,7 +96,7 @@ PYEOF
       # Edge-case GPU tests (hostile or empty group sizes, zero rows, NaN/Inf, many groups)
       # of every kernel family under memcheck. SANITIZE_K narrows or widens the selection;
       # -k also matches markers, so tests marked `sanitize` always run.
-      sel=${SANITIZE_K:-"(sanitize or hostile or empty_groups or rows_past or zero_rows or nan or many_groups or multi_uses or permute or unpermute) and not xla"}
+      sel=${SANITIZE_K:-"(sanitize or hostile or empty_groups or rows_past or zero_rows or nan or many_groups or many_rows or multi_uses or permute or unpermute) and not xla"}
       log "compute-sanitizer memcheck: -m gpu -k '$sel'"
       # XLA's default allocator sub-allocates one big pool, inside which memcheck sees no
       # out-of-bounds access: the platform allocator gives every buffer its own allocation.

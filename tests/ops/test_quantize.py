@@ -261,6 +261,32 @@ def test_rows_past_the_groups_are_zero_and_negative_sizes_count_as_zero(backend)
     assert (np.asarray(jaxfuse.dequantize(q).astype(jnp.float32))[5:] == 0).all()
 
 
+def random_sizes(rng, groups, rows):
+  """Random group sizes with empty groups, summing to about 90% of rows."""
+  sizes = rng.integers(0, 2 * int(0.9 * rows) // groups + 1, groups)
+  sizes[rng.random(groups) < 0.2] = 0
+  return jnp.asarray(sizes, jnp.int32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("groups", [7, 1500], ids=["7_groups", "1500_groups"])
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8CurrentScaling(per_group=False)],
+                         ids=["per_group", "per_tensor"])
+def test_current_scaling_with_many_rows_per_block(backend, groups, recipe):
+  """Tens of thousands of rows: on the GPU each block of the resident grid walks many rows
+  and crosses group boundaries (the amax pass flushes its running amax there), and 1500
+  groups do not fit the kernels' shared-memory copy of the offsets."""
+  rng = np.random.default_rng(groups)
+  rows, k = 40000, 64
+  x = helpers.random_array(rng, (rows, k), jnp.bfloat16, scale=2.0)
+  x = x.at[rng.integers(0, rows, 50), rng.integers(0, k, 50)].set(40.0)  # lone maxima
+  sizes = random_sizes(rng, groups, rows) if recipe.per_group else None
+  kw = {"group_sizes": sizes} if sizes is not None else {}
+  q_ffi, q_ref = quantize_both(backend, x, recipe, **kw)
+  same_bits(q_ffi.data, q_ref.data)
+  np.testing.assert_array_equal(np.asarray(q_ffi.scale_inv), np.asarray(q_ref.scale_inv))
+
+
 def test_group_offsets_can_be_passed_instead_of_sizes():
   x = jnp.asarray(np.random.default_rng(8).standard_normal((10, 32)), jnp.float32)
   sizes = jnp.asarray([3, 4, 2], jnp.int32)

@@ -47,25 +47,36 @@ def make_step(implementation: str, backward: bool, recipe=None):
   return jax.jit(forward_backward, donate_argnums=2)
 
 
+def operands(tokens, features, seed):
+  """x [tokens, features], kernel [features, features] (unit-scale output), d_out; bf16."""
+  kx, kk, kr = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(kx, (tokens, features), jnp.bfloat16)
+  kernel = (jax.random.normal(kk, (features, features)) / features**0.5).astype(jnp.bfloat16)
+  d_out = jax.random.normal(kr, (tokens, features), jnp.bfloat16)
+  return x, kernel, d_out
+
+
+def time_step(step, x, kernel, d_out, backward, calls) -> float:
+  """Median ms of `step`, with a fresh residual per call (it is donated)."""
+  tokens, features = d_out.shape
+  residuals = [jax.random.normal(jax.random.key(i), (tokens, features), jnp.bfloat16)
+               for i in range(calls)]
+  arg_tuples = [(x, kernel, r, d_out) if backward else (x, kernel, r) for r in residuals]
+  return common.time_fn(step, arg_tuples)["median_ms"]
+
+
 def time_fp8(shapes, calls) -> list[dict]:
   """FP8 linear_scale_add (forward, forward + backward) against bf16 XLA, same run."""
   rows = []
   for tokens, features in shapes:
-    kx, kk, kr = jax.random.split(jax.random.key(tokens * 7 + features), 3)
-    x = jax.random.normal(kx, (tokens, features), jnp.bfloat16)
-    kernel = (jax.random.normal(kk, (features, features)) / features**0.5).astype(jnp.bfloat16)
-    d_out = jax.random.normal(kr, (tokens, features), jnp.bfloat16)
+    x, kernel, d_out = operands(tokens, features, tokens * 7 + features)
     flops = 2 * tokens * features * features
     for backward in (False, True):
       row = {"tokens": tokens, "features": features, "pass": "fwd+bwd" if backward else "fwd"}
       for implementation, recipe, label in (("ffi", FP8_RECIPE, "jaxfuse_fp8"),
                                             ("xla", None, "xla_bf16")):
-        step = make_step(implementation, backward, recipe)
-        residuals = [jax.random.normal(jax.random.key(i), (tokens, features), jnp.bfloat16)
-                     for i in range(calls)]
-        arg_tuples = [(x, kernel, r, d_out) if backward else (x, kernel, r) for r in residuals]
-        ms = common.time_fn(step, arg_tuples)["median_ms"]
-        del residuals, arg_tuples
+        ms = time_step(make_step(implementation, backward, recipe), x, kernel, d_out,
+                       backward, calls)
         row[f"{label}_ms"] = ms
         row[f"{label}_tflops"] = flops * (3 if backward else 1) / (ms * 1e-3) / 1e12
       row["fp8_speedup_vs_xla_bf16"] = row["xla_bf16_ms"] / row["jaxfuse_fp8_ms"]
@@ -82,25 +93,14 @@ def main():
   calls = 8 if args.quick else 23
   rows = []
   for tokens, features in shapes:
-    key = jax.random.key(tokens + features)
-    kx, kk, kr = jax.random.split(key, 3)
-    x = jax.random.normal(kx, (tokens, features), jnp.bfloat16)
-    kernel = (jax.random.normal(kk, (features, features)) / features**0.5).astype(jnp.bfloat16)
-    d_out = jax.random.normal(kr, (tokens, features), jnp.bfloat16)
+    x, kernel, d_out = operands(tokens, features, tokens + features)
     flops = 2 * tokens * features * features
     for backward in (False, True):
       row = {"tokens": tokens, "features": features, "pass": "fwd+bwd" if backward else "fwd"}
       for implementation, label in (("ffi", "jaxfuse"), ("xla", "xla")):
-        step = make_step(implementation, backward)
-        # A fresh residual per call (it is donated).
-        residuals = [jax.random.normal(jax.random.key(i), (tokens, features), jnp.bfloat16)
-                     for i in range(calls)]
-        arg_tuples = [(x, kernel, r, d_out) if backward else (x, kernel, r) for r in residuals]
-        stats = common.time_fn(step, arg_tuples)
-        del residuals, arg_tuples
-        total_flops = flops * (3 if backward else 1)
-        row[f"{label}_ms"] = stats["median_ms"]
-        row[f"{label}_tflops"] = total_flops / (stats["median_ms"] * 1e-3) / 1e12
+        ms = time_step(make_step(implementation, backward), x, kernel, d_out, backward, calls)
+        row[f"{label}_ms"] = ms
+        row[f"{label}_tflops"] = flops * (3 if backward else 1) / (ms * 1e-3) / 1e12
       row["speedup_vs_xla"] = row["xla_ms"] / row["jaxfuse_ms"]
       rows.append(row)
       print(row, flush=True)

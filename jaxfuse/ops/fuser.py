@@ -562,18 +562,11 @@ def _activation_quantize_grouped_linear_apply(ops, params, x, extras, ctx):
 
 
 def _fp8_gemm_reference(a_data, a_scale_inv, w_t_data, w_scale_inv, offsets, dtype):
-  """What the FP8 forward kernel computes (see grouped_linear's reference): exact FP8
-  products in fp32 times a_scale_inv[g] * w_scale_inv[g], one bfloat16 rounding; rows past
-  the groups are zero."""
-  m = a_data.shape[0]
-  offsets = jnp.minimum(offsets, m)
-  row_group = jnp.searchsorted(offsets[1:], jnp.arange(m, dtype=jnp.int32), side="right")
-  alpha = jnp.concatenate([a_scale_inv * w_scale_inv, jnp.zeros((1,), jnp.float32)])
-  exact = jax.lax.ragged_dot(a_data.astype(jnp.float32),
-                             jnp.swapaxes(w_t_data, 1, 2).astype(jnp.float32),
-                             jnp.diff(offsets), precision=jax.lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32)
-  return (exact * alpha[row_group][:, None]).astype(jnp.bfloat16).astype(dtype)
+  """What the FP8 forward kernel computes (grouped_linear's reference), rounded once to
+  bfloat16; rows past the groups are zero."""
+  exact, _ = grouped_linear_reference.fp8_products(
+      a_data, a_scale_inv, w_t_data, w_scale_inv, jnp.minimum(offsets, a_data.shape[0]))
+  return exact.astype(jnp.bfloat16).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
@@ -615,13 +608,10 @@ def _aqgl8_backward(act, recipe, implementation, varying_axes, saved, dy):
         a, w, jnp.diff(jnp.minimum(offsets, x.shape[0])), recipe), h, kernel)
     dh, d_kernel = gemm_vjp(dy)
   else:
-    ffi = grouped_linear_api.ffi
     # FP8 dgrad as grouped_linear's: dy in E5M2 per group, the saved FP8 kernel^T.
-    dy_data, dy_scale_inv = grouped_linear_reference.quantize_rows(dy, recipe, offsets,
-                                                                   "gradient", "ffi")
-    dh = grouped_linear_api.fp8_gemm(dy_data, dy_scale_inv, jnp.swapaxes(w_t, 1, 2),
-                                     w_scale_inv, offsets, ffi.DGRAD, x.dtype)
-    d_kernel = grouped_linear_sharding.grouped_gemm(h, dy, offsets, form=ffi.WGRAD)
+    dh = grouped_linear_api.fp8_dgrad(dy, w_t, w_scale_inv, offsets, recipe, x.dtype)
+    d_kernel = grouped_linear_sharding.grouped_gemm(h, dy, offsets,
+                                                    form=grouped_linear_api.ffi.WGRAD)
   # Straight-through the quantization of the activation (the unfused Quantize op and
   # grouped_linear's FP8 input): the fused dact kernel at x. dx is not quantized: the op
   # before the window decides its own precision.

@@ -222,20 +222,25 @@ def test_grouped_linear_token_sharded(mesh):
          jnp.bfloat16, grad_argnums=(0, 1))
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "srelu"])
-def test_grouped_mlp_output_features_sharded(mesh, activation):
-  # grouped_mlp runs the partitioned grouped GEMMs and activation: kernel2's output
-  # features (H) sharded.
-  rng = np.random.default_rng(12)
-  tokens, hidden, ffn, groups = 64, 32, 16, 4
+def grouped_mlp_inputs(rng, tokens, hidden, ffn, activation, sizes):
+  """(x, kernel1, kernel2, group sizes, scales) for grouped_mlp, bfloat16 operands."""
+  groups = len(sizes)
   width = 2 * ffn if activation == "swiglu" else ffn
   x = helpers.random_array(rng, (tokens, hidden), jnp.bfloat16)
   kernel1 = helpers.random_array(rng, (groups, hidden, width), jnp.bfloat16,
                                  scale=1 / np.sqrt(hidden))
   kernel2 = helpers.random_array(rng, (groups, ffn, hidden), jnp.bfloat16,
                                  scale=1 / np.sqrt(ffn))
-  sizes = jnp.array([20, 0, 33, 11], jnp.int32)
   scales = helpers.random_array(rng, (tokens,), jnp.float32)
+  return x, kernel1, kernel2, jnp.array(sizes, jnp.int32), scales
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "srelu"])
+def test_grouped_mlp_output_features_sharded(mesh, activation):
+  # grouped_mlp runs the partitioned grouped GEMMs and activation: kernel2's output
+  # features (H) sharded.
+  x, kernel1, kernel2, sizes, scales = grouped_mlp_inputs(
+      np.random.default_rng(12), 64, 32, 16, activation, [20, 0, 33, 11])
   fn = lambda x, k1, k2, s, sc: jaxfuse.grouped_mlp(x, k1, k2, s, sc, activation, **FFI)
   _check(fn, (x, kernel1, kernel2, sizes, scales), mesh,
          (P(), P(), P(None, None, "model"), P(), P()), jnp.bfloat16, grad_argnums=(0, 1, 2))

@@ -15,7 +15,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxfuse
 from jaxfuse.quantization import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from tests import helpers
-from tests.sharding.test_rules import _all_gathers, _check, _shardings
+from tests.sharding.test_rules import _all_gathers, _check, _shardings, grouped_mlp_inputs
 
 pytestmark = pytest.mark.skipif(not jaxfuse.build_info()["available"],
                                 reason="jaxfuse's extension is not built")
@@ -206,16 +206,8 @@ def test_grouped_linear_token_sharded_matches_reference(mesh):
 @pytest.mark.parametrize("activation", ["swiglu", "srelu"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_grouped_mlp_tokens_sharded(mesh, activation, sharding, fp8):
-  rng = np.random.default_rng(26)
-  tokens, hidden, ffn, groups = 64, 32, 32, 4
-  width = 2 * ffn if activation == "swiglu" else ffn
-  x = helpers.random_array(rng, (tokens, hidden), jnp.bfloat16)
-  kernel1 = helpers.random_array(rng, (groups, hidden, width), jnp.bfloat16,
-                                 scale=1 / np.sqrt(hidden))
-  kernel2 = helpers.random_array(rng, (groups, ffn, hidden), jnp.bfloat16,
-                                 scale=1 / np.sqrt(ffn))
-  sizes = jnp.array([20, 0, 33, 9], jnp.int32)
-  scales = helpers.random_array(rng, (tokens,), jnp.float32)
+  x, kernel1, kernel2, sizes, scales = grouped_mlp_inputs(
+      np.random.default_rng(26), 64, 32, 32, activation, [20, 0, 33, 9])
   recipe = PER_GROUP if fp8 else None
   fn = lambda x, k1, k2, s, sc: jaxfuse.grouped_mlp(x, k1, k2, s, sc, activation,
                                                     recipe=recipe, **FFI)

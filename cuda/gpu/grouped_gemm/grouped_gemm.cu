@@ -124,6 +124,11 @@ struct SetupParams {
   const float** alpha_ptrs;
 };
 
+__device__ __forceinline__ int64_t ClampRow(int32_t offset, int64_t m) {
+  const int64_t v = offset;
+  return v < 0 ? 0 : (v > m ? m : v);
+}
+
 // One block's work. Pass 1: clamped[i] = max_{j <= i} clamp(offsets[j], 0, m) (block scan,
 // chunked for any G). Pass 2: per-group shapes, pointers, strides and alphas.
 __device__ void WriteSetup(const SetupParams& p) {
@@ -138,10 +143,7 @@ __device__ void WriteSetup(const SetupParams& p) {
   for (int base = 0; base < count; base += kSetupThreads) {
     const int i = base + tid;
     int64_t v = 0;
-    if (i < count) {
-      v = static_cast<int64_t>(p.offsets[i]);
-      v = v < 0 ? 0 : (v > p.m ? p.m : v);
-    }
+    if (i < count) v = ClampRow(p.offsets[i], p.m);
     // Inclusive max-scan within the warp.
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
@@ -213,11 +215,6 @@ __device__ void WriteSetup(const SetupParams& p) {
       p.alpha_ptrs[g] = p.alpha + g;
     }
   }
-}
-
-__device__ __forceinline__ int64_t ClampRow(int32_t offset, int64_t m) {
-  const int64_t v = offset;
-  return v < 0 ? 0 : (v > m ? m : v);
 }
 
 // max_{j < count} clamp(offsets[j], 0, m), i.e. clamped[count - 1], reduced by the whole block

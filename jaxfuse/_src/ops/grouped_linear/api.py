@@ -138,13 +138,19 @@ def _fp8_forward(x, kernel, group_offsets, recipe, varying_axes):
   return out, (x, w_t_data, w_scale_inv, group_offsets)
 
 
+def fp8_dgrad(d_out, w_t_data, w_scale_inv, group_offsets, recipe, dtype):
+  """The FP8 dgrad: d_out quantized per group in the recipe's gradient format (E5M2 by
+  default) times the saved FP8 kernel^T [G, N, K] read back as [G, K, N] (same scales)."""
+  dy_data, dy_scale_inv = reference.quantize_rows(d_out, recipe, group_offsets, "gradient",
+                                                  "ffi")
+  return fp8_gemm(dy_data, dy_scale_inv, jnp.swapaxes(w_t_data, 1, 2), w_scale_inv,
+                  group_offsets, ffi.DGRAD, dtype)
+
+
 def _fp8_backward(recipe, varying_axes, saved, d_out):
   x, w_t_data, w_scale_inv, group_offsets = saved
   d_out = d_out.astype(x.dtype)
-  dy_data, dy_scale_inv = reference.quantize_rows(d_out, recipe, group_offsets, "gradient",
-                                                  "ffi")
-  d_x = fp8_gemm(dy_data, dy_scale_inv, jnp.swapaxes(w_t_data, 1, 2), w_scale_inv,
-                 group_offsets, ffi.DGRAD, x.dtype)
+  d_x = fp8_dgrad(d_out, w_t_data, w_scale_inv, group_offsets, recipe, x.dtype)
   d_kernel = sharding.grouped_gemm(x, d_out, group_offsets, form=ffi.WGRAD)
   return (compat.match_varying_axes(d_x, varying_axes[0]),
           compat.match_varying_axes(d_kernel, varying_axes[1]), None)

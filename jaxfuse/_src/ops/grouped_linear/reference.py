@@ -60,6 +60,25 @@ def quantize_rows(value: jax.Array, recipe, offsets: jax.Array, role: str,
   return q.data, q.scale_inv
 
 
+def fp8_products(a_data, a_scale_inv, w_t_data, w_scale_inv, offsets):
+  """What the FP8 forward kernel computes before its bfloat16 rounding.
+
+  a_data: FP8 [M, K] with a_scale_inv float32 [G] per group of rows; w_t_data: FP8
+  [G, N, K] with w_scale_inv float32 [G]; offsets: int32 [G + 1], non-decreasing, within
+  [0, M]. Returns (float32 [M, N]: exact FP8 products summed in fp32 times
+  a_scale_inv[g] * w_scale_inv[g], zero for rows past the groups; each row's group, G for
+  those rows).
+  """
+  m = a_data.shape[0]
+  row_group = jnp.searchsorted(offsets[1:], jnp.arange(m, dtype=jnp.int32), side="right")
+  alpha = jnp.concatenate([a_scale_inv * w_scale_inv, jnp.zeros((1,), jnp.float32)])
+  exact = jax.lax.ragged_dot(a_data.astype(jnp.float32),
+                             jnp.swapaxes(w_t_data, 1, 2).astype(jnp.float32),
+                             jnp.diff(offsets), precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+  return exact * alpha[row_group][:, None], row_group
+
+
 def grouped_linear_fp8(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
                        recipe) -> jax.Array:
   """The FP8 forward as the kernels compute it.
@@ -79,12 +98,7 @@ def grouped_linear_fp8(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
   x_data, x_scale_inv = quantize_rows(x, recipe, offsets, "forward", "xla")
   w_t_data, w_scale_inv = quantize_experts_t(kernel, recipe, "xla")
   w_data = jnp.swapaxes(w_t_data, 1, 2).astype(jnp.float32)
-  # The kernels' result: FP8 products in fp32, then alpha_g (rows past the groups: 0).
-  row_group = jnp.searchsorted(offsets[1:], jnp.arange(m, dtype=jnp.int32), side="right")
-  alpha = jnp.concatenate([x_scale_inv * w_scale_inv, jnp.zeros((1,), jnp.float32)])
-  exact = jax.lax.ragged_dot(x_data.astype(jnp.float32), w_data, sizes,
-                             precision=jax.lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32) * alpha[row_group][:, None]
+  exact, row_group = fp8_products(x_data, x_scale_inv, w_t_data, w_scale_inv, offsets)
   # The straight-through path, whose gradient the result carries.
   x_scale_row = jnp.concatenate([x_scale_inv, jnp.ones((1,), jnp.float32)])[row_group]
   x_st = _straight_through(x, x_data.astype(jnp.float32) * x_scale_row[:, None])

@@ -173,10 +173,7 @@ class _Fp8:
     x, w1_t, w1_scale_inv, w2_t, w2_scale_inv, group_offsets, scales, h, a = saved
     recipe = config.recipe
     dy = dy.astype(x.dtype)
-    dy_data, dy_scale_inv = linear_reference.quantize_rows(dy, recipe, group_offsets,
-                                                           "gradient", "ffi")
-    da = linear_api.fp8_gemm(dy_data, dy_scale_inv, jnp.swapaxes(w2_t, 1, 2), w2_scale_inv,
-                             group_offsets, gemm_ffi.DGRAD, x.dtype)
+    da = linear_api.fp8_dgrad(dy, w2_t, w2_scale_inv, group_offsets, recipe, x.dtype)
     if a is None:
       a = _activation(h, scales, config)
     d_kernel2 = _gemm(a, dy, group_offsets, gemm_ffi.WGRAD)

@@ -34,6 +34,15 @@ namespace gg = jaxfuse::grouped_gemm;
   } while (0)
 
 static int g_failures = 0;
+
+const char* ConfigName(gg::TileConfig config) {
+  switch (config) {
+    case gg::TileConfig::kLarge: return "large";
+    case gg::TileConfig::kSmall: return "small";
+    case gg::TileConfig::kLargeClusterM: return "large_cluster_m";
+    default: return "auto";
+  }
+}
 static int g_sm_count = 0;
 
 // ---------------------------------------------------------------------------------------------
@@ -190,7 +199,7 @@ void RunCase(const Case& c, gg::Form form, gg::TileConfig config, bool use_graph
   const int64_t m = c.m, k = c.k, n = c.n;
   const bool fp8 = sizeof(TA) == 1;
   const char* form_name = form == gg::Form::kForward ? "fwd" : form == gg::Form::kDgrad ? "dgrad" : "wgrad";
-  std::string name = c.name + " " + form_name + (config == gg::TileConfig::kLarge ? " large" : config == gg::TileConfig::kSmall ? " small" : " auto");
+  std::string name = c.name + " " + form_name + " " + ConfigName(config);
   name += fp8 ? (sizeof(TA) == 1 && TypeOf<TA>() == gg::ElementType::kFloat8E5M2 ? " e5m2xe4m3" : " e4m3xe4m3")
               : (TypeOf<TA>() == gg::ElementType::kBF16 ? " bf16" : " f16");
   if (use_graph) name += " graph";
@@ -380,10 +389,10 @@ void Time(const char* label, gg::Form form, int G, int64_t rows_per_group, int64
   CHECK_CUDA(cudaMemcpyAsync(d_off.ptr, offsets2.data(), (G + 1) * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
   for (int i = 0; i < 3; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream));
   double graph_ms = median_ms([&] { CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
-  std::printf("PERF %-10s %-5s G=%-4d rows/group=%-5lld k=%-5lld n=%-5lld %-5s eager %.3f ms %6.1f TFLOP/s | graph(offsets changed) %.3f ms %6.1f TFLOP/s\n",
+  std::printf("PERF %-10s %-5s G=%-4d rows/group=%-5lld k=%-5lld n=%-5lld %-15s eager %.3f ms %6.1f TFLOP/s | graph(offsets changed) %.3f ms %6.1f TFLOP/s\n",
               label, form == gg::Form::kForward ? "fwd" : form == gg::Form::kDgrad ? "dgrad" : "wgrad",
               G, (long long)rows_per_group, (long long)k, (long long)n,
-              resolved == gg::TileConfig::kLarge ? "large" : "small",
+              ConfigName(resolved),
               eager_ms, flops / eager_ms * 1e-9, graph_ms, flops / graph_ms * 1e-9);
   cudaGraphExecDestroy(exec); cudaGraphDestroy(graph);
   cudaEventDestroy(start); cudaEventDestroy(stop); cudaStreamDestroy(stream);
@@ -395,7 +404,8 @@ template <class T>
 void Run16BitCases(const std::vector<Case>& cases, bool graph_first) {
   for (const Case& c : cases)
     for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
-      for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall})
+      for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall,
+                                 gg::TileConfig::kLargeClusterM})
         RunCase<T, T, T>(c, form, cfg, graph_first);
 }
 
@@ -405,7 +415,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--no-perf") == 0) perf = false;
     if (std::strcmp(argv[i], "--perf-only") == 0) check = false;
     // Times the tile scheduler's raster order and swizzle (runtime options, see
-    // internal.cuh) on the large 16-bit configs, instead of the default runs.
+    // internal.cuh) on both large configs (1x2 and 2x1 clusters), instead of the default runs.
     if (std::strcmp(argv[i], "--sweep-scheduler") == 0) sweep = true;
   }
   int device = 0;
@@ -417,18 +427,37 @@ int main(int argc, char** argv) {
 
   if (sweep) {
     using bf16 = __nv_bfloat16;
-    gg::detail::SchedulerOptions& options = gg::detail::ActiveSchedulerOptions();
-    const gg::detail::SchedulerOptions saved = options;
+    gg::detail::TuningOptions& options = gg::detail::ActiveTuningOptions();
+    const gg::detail::TuningOptions saved = options;
     struct Shape { int G; int64_t rows; };
+    const Shape shapes[] = {{8, 8192}, {128, 512}};
+    // 16-bit: both large configs of forward/dgrad (wgrad has one), every raster and swizzle.
     for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
-      for (const Shape& s : {Shape{8, 8192}, Shape{128, 512}})
+      for (const Shape& s : shapes)
+        for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kLargeClusterM}) {
+          if (form == gg::Form::kWgrad && cfg != gg::TileConfig::kLarge) continue;
+          for (char raster : {'M', 'N'})
+            for (int swizzle : {1, 2, 4, 8}) {
+              options.raster = raster;
+              options.swizzle = swizzle;
+              char label[32];
+              std::snprintf(label, sizeof(label), "bf16 %c/%d", raster, swizzle);
+              Time<bf16, bf16, bf16>(label, form, s.G, s.rows, 2048, 4096, cfg);
+            }
+        }
+    // FP8 forward (e4m3 x e4m3) and dgrad (e5m2 x e4m3): both large configs, swizzle 1-2.
+    for (const Shape& s : shapes)
+      for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kLargeClusterM})
         for (char raster : {'M', 'N'})
-          for (int swizzle : {1, 2, 4, 8}) {
+          for (int swizzle : {1, 2}) {
             options.raster = raster;
             options.swizzle = swizzle;
             char label[32];
-            std::snprintf(label, sizeof(label), "bf16 %c/%d", raster, swizzle);
-            Time<bf16, bf16, bf16>(label, form, s.G, s.rows, 2048, 4096, gg::TileConfig::kLarge);
+            std::snprintf(label, sizeof(label), "fp8 %c/%d", raster, swizzle);
+            Time<__nv_fp8_e4m3, __nv_fp8_e4m3, bf16>(label, gg::Form::kForward, s.G, s.rows,
+                                                     2048, 4096, cfg);
+            Time<__nv_fp8_e5m2, __nv_fp8_e4m3, bf16>(label, gg::Form::kDgrad, s.G, s.rows,
+                                                     2048, 4096, cfg);
           }
     options = saved;
     perf = check = false;
@@ -462,7 +491,8 @@ int main(int argc, char** argv) {
   std::printf("== FP8 eager (per-group alpha = a_scale_inv * b_scale_inv)\n");
   for (const Case& c : cases) {
     if (c.k % 16 || c.n % 16) continue;
-    for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall}) {
+    for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall,
+                               gg::TileConfig::kLargeClusterM}) {
       RunCase<__nv_fp8_e4m3, __nv_fp8_e4m3, __nv_bfloat16>(c, gg::Form::kForward, cfg, false);
       RunCase<__nv_fp8_e4m3, __nv_fp8_e4m3, __nv_bfloat16>(c, gg::Form::kDgrad, cfg, false);
       RunCase<__nv_fp8_e5m2, __nv_fp8_e4m3, __nv_bfloat16>(c, gg::Form::kDgrad, cfg, false);
@@ -484,12 +514,14 @@ int main(int argc, char** argv) {
     const Shape shapes[] = {{8, 8192}, {64, 512}, {128, 512}, {128, 128}};
     for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
       for (const Shape& s : shapes)
-        for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall, gg::TileConfig::kAuto})
+        for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kLargeClusterM,
+                                   gg::TileConfig::kSmall, gg::TileConfig::kAuto})
           Time<bf16, bf16, bf16>(cfg == gg::TileConfig::kAuto ? "bf16 auto" : "bf16", form, s.G, s.rows, 2048, 4096, cfg);
     for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
       Time<__half, __half, __half>("f16", form, 8, 8192, 2048, 4096, gg::TileConfig::kAuto);
     for (const Shape& s : shapes)
-      for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall, gg::TileConfig::kAuto}) {
+      for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kLargeClusterM,
+                                 gg::TileConfig::kSmall, gg::TileConfig::kAuto}) {
         const char* label = cfg == gg::TileConfig::kAuto ? "fp8 auto" : "fp8";
         Time<__nv_fp8_e4m3, __nv_fp8_e4m3, bf16>(label, gg::Form::kForward, s.G, s.rows, 2048, 4096, cfg);
         Time<__nv_fp8_e5m2, __nv_fp8_e4m3, bf16>(label, gg::Form::kDgrad, s.G, s.rows, 2048, 4096, cfg);

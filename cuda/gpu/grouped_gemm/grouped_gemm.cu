@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstdint>
+#include <string>
 
 #include "internal.cuh"
 #include "jaxfuse/grouped_gemm.h"
@@ -273,15 +274,21 @@ __global__ void __launch_bounds__(kSetupThreads) SetupKernel(SetupParams p, Zero
 // Host API.
 
 namespace detail {
-SchedulerOptions& ActiveSchedulerOptions() {
-  static SchedulerOptions options = [] {
-    SchedulerOptions o;
+TuningOptions& ActiveTuningOptions() {
+  static TuningOptions options = [] {
+    TuningOptions o;
     if (const char* raster = std::getenv("JAXFUSE_GROUPED_GEMM_RASTER")) {
       if (raster[0] == 'N' || raster[0] == 'n') o.raster = 'N';
     }
     if (const char* swizzle = std::getenv("JAXFUSE_GROUPED_GEMM_SWIZZLE")) {
       const int value = std::atoi(swizzle);
       if (value == 1 || value == 2 || value == 4 || value == 8) o.swizzle = value;
+    }
+    if (const char* tile = std::getenv("JAXFUSE_GROUPED_GEMM_TILE")) {
+      const std::string value(tile);
+      if (value == "large") o.tile = TileConfig::kLarge;
+      if (value == "small") o.tile = TileConfig::kSmall;
+      if (value == "large_cluster_m") o.tile = TileConfig::kLargeClusterM;
     }
     return o;
   }();
@@ -332,9 +339,16 @@ TileConfig ChooseTileConfig(const Problem& p, int sm_count) {
 
 namespace {
 TileConfig ResolveConfig(const Problem& p, int sm_count) {
-  if (p.tile_config == TileConfig::kLarge || p.tile_config == TileConfig::kSmall) {
-    return p.tile_config;
+  switch (p.tile_config) {
+    case TileConfig::kLarge:
+    case TileConfig::kSmall:
+    case TileConfig::kLargeClusterM:
+      return p.tile_config;
+    default:
+      break;
   }
+  const TileConfig from_environment = detail::ActiveTuningOptions().tile;
+  if (from_environment != TileConfig::kAuto) return from_environment;
   return ChooseTileConfig(p, sm_count);
 }
 }  // namespace

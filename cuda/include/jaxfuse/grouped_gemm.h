@@ -39,6 +39,8 @@ enum class TileConfig {
                // FP8: cooperative 128x128x128, cluster 1x2
   kSmall = 2,  // 16-bit: ping-pong 128x128x64, cluster 1x1; FP8: ping-pong 64x128x128, 1x1
                // (f16 has one config, the large one, for both)
+  kLargeClusterM = 3,  // kLarge's tile with a 2x1 cluster (along M) for bf16 and FP8
+                       // forward/dgrad (torch._grouped_mm's choice); elsewhere = kLarge
 };
 
 struct Problem {
@@ -75,8 +77,9 @@ cudaError_t Run(const Problem& problem, int sm_count, cudaStream_t stream);
 // FP8; 16-byte aligned a/b/out pointers; m, k, n < 2^31; G >= 1). Upstream raises on false.
 bool IsSupported(const Problem& problem);
 
-// The tile configuration the heuristic picks (kLarge or kSmall) from form, types, m, k, n, G
-// and sm_count (host values only). Run/WorkspaceBytes use it when tile_config == kAuto.
+// The tile configuration the heuristic picks from form, types, m, k, n, G and sm_count (host
+// values only). Run/WorkspaceBytes use it when tile_config == kAuto and the environment
+// variable JAXFUSE_GROUPED_GEMM_TILE (large | large_cluster_m | small) is not set.
 TileConfig ChooseTileConfig(const Problem& problem, int sm_count);
 
 }  // namespace jaxfuse::grouped_gemm

@@ -5,6 +5,11 @@
 # prebuilt binary in .gpu_src/prebuilt/ (it runs on the GPU machine: same CUDA 13).
 #
 #   scripts/build_check.sh OUTDIR [PYTHON]
+#
+# REUSE_BUILD=DIR takes the library's objects from a CMake build directory of the same
+# sources (e.g. the wheel's build-dir) where they are newer than every source and header of
+# the folder, instead of recompiling the CUTLASS files (minutes each on 2 cores). CMake
+# compiles them with the flags below (plus -fPIC).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$1
@@ -21,7 +26,18 @@ for source in cuda/gpu/*/check_*.cu; do
   dir=$(dirname "$source")
   objects="$out/$name.objects"
   mkdir -p "$objects"
-  ls "$dir"/*.cu | xargs -P "$jobs" -I{} sh -c \
+  # A reused object must be newer than every library source and header it may include.
+  newest=$(ls -t $(ls "$dir"/*.cu "$dir"/*.cuh | grep -v '/check_') cuda/include/jaxfuse/*.h | head -1)
+  to_compile=()
+  for unit in "$dir"/*.cu; do
+    built=$(ls "${REUSE_BUILD:-/nonexistent}"/CMakeFiles/*/"$unit".o 2>/dev/null | head -1 || true)
+    if [ "$unit" != "$source" ] && [ -n "$built" ] && [ "$built" -nt "$newest" ]; then
+      cp "$built" "$objects/$(basename "$unit" .cu).o"
+    else
+      to_compile+=("$unit")
+    fi
+  done
+  printf '%s\n' "${to_compile[@]}" | xargs -P "$jobs" -I{} sh -c \
     'nvcc "$@" -I"$(dirname "$0")" -c "$0" -o "'"$objects"'/$(basename "$0" .cu).o"' {} "${flags[@]}"
   nvcc "${flags[@]}" "$objects"/*.o -o "$out/$name"
   echo "built $out/$name"

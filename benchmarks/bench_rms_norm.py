@@ -11,13 +11,16 @@ bandwidth measured at the start of the same run. Goal: >= 85% of copy for the fo
 Residuals are donated and fresh for every call (the in-place update); inputs rotate
 across several sets where one set would sit in the 50 MB L2.
 
-    python benchmarks/bench_rms_norm.py [--quick]
+    python benchmarks/bench_rms_norm.py [--quick] [--shapes 65536x8192 ...] [--tag TAG]
+
+JAXFUSE_RMS_NORM_THREADS_PER_ROW (32-1024) overrides the kernels' threads-per-row target.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +62,12 @@ def make_step(implementation: str, add: bool, backward: bool):
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true", help="two small shapes, few calls")
+  parser.add_argument("--shapes", nargs="*", help="TOKENSxHIDDEN, e.g. 65536x8192")
+  parser.add_argument("--tag", default="", help="suffix of the results file name (sweeps)")
   args = parser.parse_args()
   shapes = SHAPES[-2:] if args.quick else SHAPES
+  if args.shapes:
+    shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
   calls = 8 if args.quick else 33  # 3 warm-up + 30 timed
   copy_tbps = common.copy_bandwidth_tbps()
   print(f"device copy bandwidth: {copy_tbps:.3f} TB/s", flush=True)
@@ -108,7 +115,9 @@ def main():
   common.print_table(rows, ["op", "tokens", "hidden", "pass", "jaxfuse_ms", "xla_ms",
                             "jaxfuse_tbps", "xla_tbps", "jaxfuse_of_copy", "xla_of_copy",
                             "speedup_vs_xla"])
-  common.write_results("rms_norm", rows, dtype="bfloat16", gamma_dtype="float32",
+  common.write_results("rms_norm" + (f"_{args.tag}" if args.tag else ""), rows,
+                       dtype="bfloat16", gamma_dtype="float32",
+                       threads_per_row=os.environ.get("JAXFUSE_RMS_NORM_THREADS_PER_ROW", "default"),
                        copy_tbps=copy_tbps,
                        baseline="XLA fusion of the jnp reference (jaxfuse implementation='xla'), "
                                 "same run")

@@ -63,6 +63,19 @@ def linear_scale_add_case(m, k, n, xla=False):
   return step, (x, kernel, residual, dy)
 
 
+def linear_scale_add_forward_case(m, k, n, xla=False):
+  """The forward alone with the residual donated, as bench_linear_scale_add times it: the
+  output is fed back as the next call's residual (a donated buffer cannot be reused)."""
+  step_with_backward, (x, kernel, residual, _) = linear_scale_add_case(m, k, n, xla)
+  del step_with_backward
+  if xla:
+    fn = lambda x, w, r: r + 0.5 * (x @ w)
+  else:
+    fn = lambda x, w, r: jaxfuse.linear_scale_add(x, w, r, 0.5)
+  step = jax.jit(fn, donate_argnums=2)
+  return step, (x, kernel, residual), lambda args, out: (args[0], args[1], out)
+
+
 def activation_case(tokens, width, quantize):
   keys = jax.random.split(jax.random.key(2), 3)
   x = jax.random.normal(keys[0], (tokens, width), jnp.bfloat16)
@@ -98,25 +111,38 @@ CASES = {
     "linear_scale_add 4096^3 fwd+bwd": lambda: linear_scale_add_case(4096, 4096, 4096),
     "xla residual + alpha * (x @ kernel) 4096^3 fwd+bwd": lambda: linear_scale_add_case(
         4096, 4096, 4096, xla=True),
+    "linear_scale_add 4096^3 fwd, residual donated": lambda: linear_scale_add_forward_case(
+        4096, 4096, 4096),
+    "xla residual + alpha * (x @ kernel) 4096^3 fwd, residual donated":
+        lambda: linear_scale_add_forward_case(4096, 4096, 4096, xla=True),
     "swiglu fwd+bwd T=65536 2F=8192": lambda: activation_case(65536, 8192, False),
     "swiglu+fp8 quantize T=65536 2F=8192": lambda: activation_case(65536, 8192, True),
     "add_rms_norm bwd 65536x8192": lambda: rms_norm_case(65536, 8192),
 }
 
 
-def profile(step, args):
-  """(kernel rows, wall ms per step, summed kernel ms per step, span ms per step)."""
+def profile(step, args, carry=None):
+  """(kernel rows, wall ms per step, summed kernel ms per step, span ms per step).
+
+  carry(args, output) -> the next call's args, for steps that donate an argument."""
   import torch  # pylint: disable=g-import-not-at-top
   from torch.profiler import ProfilerActivity, profile as torch_profile  # pylint: disable=g-import-not-at-top
+  state = {"args": args}
+
+  def call():
+    out = jax.block_until_ready(step(*state["args"]))
+    if carry is not None:
+      state["args"] = carry(state["args"], out)
+
   for _ in range(3):
-    jax.block_until_ready(step(*args))
+    call()
   start = time.perf_counter()
   for _ in range(STEPS):
-    jax.block_until_ready(step(*args))
+    call()
   wall_ms = (time.perf_counter() - start) * 1e3 / STEPS
   with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
     for _ in range(STEPS):
-      jax.block_until_ready(step(*args))
+      call()
     torch.cuda.synchronize()
   kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
   by_name: dict[str, list[float]] = {}
@@ -167,9 +193,9 @@ def main():
   names = args.cases
   results = []
   for name in names:
-    step, step_args = CASES[name]()
-    rows, wall_ms, total_ms, span_ms = profile(step, step_args)
-    graphs = command_buffer_summary(step, step_args)
+    step, step_args, *carry = CASES[name]()
+    graphs = command_buffer_summary(step, step_args)  # before donation consumes step_args
+    rows, wall_ms, total_ms, span_ms = profile(step, step_args, *carry)
     print(f"\n== {name}: wall {wall_ms:.3f} ms/step, kernels {total_ms:.3f} ms, "
           f"span {span_ms:.3f} ms, {sum(r['per_step'] for r in rows):.0f} kernels/step")
     print(f"   custom calls in command buffers: {graphs['in_command_buffers']}; "

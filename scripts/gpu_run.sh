@@ -24,7 +24,7 @@ if [ -f .gpu_src/head.tar ] && [ "${GPU_RUN_FROM_WORKTREE:-0}" != 1 ]; then
   cd /tmp/jaxfuse-head && exec env GPU_RUN_FROM_WORKTREE=1 OUT="$OUT" bash scripts/gpu_run.sh "$@"
 fi
 LOGS=/tmp/gpu_run_logs  # tarred into $OUT at the end (few files may come back)
-rm -rf "$LOGS" && mkdir -p "$LOGS" "$OUT/results"
+rm -rf "$LOGS" && mkdir -p "$LOGS" "$OUT"
 touch /tmp/gpu_run_started  # results newer than this were written by this run
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -87,9 +87,10 @@ PYEOF
         log "benchmark $name $script_args"
         timeout ${BENCH_TIMEOUT:-300} $PY -m "benchmarks.$name" $script_args 2>&1 | tee -a "$LOGS/$name.log" | tail -25
         [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; log "BENCHMARK $name FAILED"; }
-        # Copy results as they appear: they come back even if a later step runs out of time.
-        find benchmarks/results -newer /tmp/gpu_run_started \( -name '*.json' -o -name '*.png' \) \
-          -exec cp {} "$OUT/results/" \;
+        # Archive results as they appear: they come back even if a later step runs out of
+        # time, and as one file (at most 8 files come back from $OUT).
+        new=$(cd benchmarks/results && find . -newer /tmp/gpu_run_started \( -name '*.json' -o -name '*.png' \))
+        [ -z "$new" ] || tar czf "$OUT/results.tar.gz" -C benchmarks/results $new
       done
       ;;
     sanitize)
@@ -156,7 +157,7 @@ PYEOF
   esac
 done
 
-# All logs as one archive (results are already in $OUT/results).
+# All logs as one archive (results are already in $OUT/results.tar.gz).
 tar czf "$OUT/logs.tar.gz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
 log "done status=$status" 2>/dev/null || echo "done status=$status"
 exit $status

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "jaxfuse/ffi_common.h"
 #include "jaxfuse/rms_norm.h"
@@ -30,11 +31,28 @@
 namespace jaxfuse {
 namespace {
 
-constexpr int kFwdMaxThreads = 512;
-constexpr int kBwdMaxThreads = 256;
-constexpr int kTargetThreadsPerRow = 128;
+// Threads per block of the register-resident kernels, by vectors per thread: fewer vectors
+// keep fewer registers live (the backward with 8 vectors and its dgamma accumulators used
+// 252 registers, one 256-thread block per SM), so those kernels may take wider rows.
+constexpr int FwdMaxThreads(int vecs) { return vecs == 1 ? 1024 : 512; }
+constexpr int BwdMaxThreads(int vecs) { return vecs <= 2 ? 512 : 256; }
+constexpr int kDefaultThreadsPerRow = 128;
 constexpr int kBlockThreads = 256;  // threads per block when rows share a block
 constexpr int kGenericThreads = 256;
+
+// Target threads per row (a power of two, 32-1024): the configuration takes the fewest
+// vectors per thread whose row fits in that many threads. JAXFUSE_RMS_NORM_THREADS_PER_ROW
+// overrides the default (benchmarks sweep it); read once.
+int ThreadsPerRowTarget() {
+  static const int target = [] {
+    if (const char* value = std::getenv("JAXFUSE_RMS_NORM_THREADS_PER_ROW")) {
+      const int parsed = std::atoi(value);
+      if (parsed >= 32 && parsed <= 1024 && (parsed & (parsed - 1)) == 0) return parsed;
+    }
+    return kDefaultThreadsPerRow;
+  }();
+  return target;
+}
 
 // --- conversions ------------------------------------------------------------------
 
@@ -109,7 +127,7 @@ __device__ __forceinline__ float RowSum(float value, int tpr) {
 // --- forward, register resident -------------------------------------------------------
 
 template <typename T, typename G, int kVecs, bool kAdd>
-__global__ void __launch_bounds__(kFwdMaxThreads)
+__global__ void __launch_bounds__(FwdMaxThreads(kVecs))
 RmsNormFwdKernel(const T* __restrict__ x, const T* residual, const G* __restrict__ gamma,
                  T* __restrict__ out, T* new_residual, float* __restrict__ rsigma,
                  int64_t rows, int64_t cols, float eps, bool zero_centered) {
@@ -161,7 +179,7 @@ RmsNormFwdKernel(const T* __restrict__ x, const T* residual, const G* __restrict
 // --- backward, register resident ------------------------------------------------------
 
 template <typename T, typename G, int kVecs, bool kAdd>
-__global__ void __launch_bounds__(kBwdMaxThreads)
+__global__ void __launch_bounds__(BwdMaxThreads(kVecs))
 RmsNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz, const T* __restrict__ s,
                  const G* __restrict__ gamma, const float* __restrict__ rsigma,
                  T* __restrict__ dx, float* __restrict__ partials, int64_t slots_used,
@@ -328,20 +346,25 @@ struct Config {
 };
 
 // The register-resident configuration for rows of `cols` elements, or false when the
-// generic kernel must run.
-bool ChooseConfig(int64_t cols, int elems, int max_threads, Config* config) {
+// generic kernel must run: the fewest vectors per thread (1, 2, 4, 8) whose row fits in
+// ThreadsPerRowTarget() threads (8 vectors: whatever it takes), within max_threads(vecs).
+bool ChooseConfig(int64_t cols, int elems, int (*max_threads)(int), Config* config) {
   if (cols % elems != 0) return false;
   const int64_t vectors = cols / elems;
+  const int target = ThreadsPerRowTarget();
   for (int vecs : {1, 2, 4, 8}) {
     const int64_t needed = (vectors + vecs - 1) / vecs;
-    if (needed > kTargetThreadsPerRow && vecs < 8) continue;
+    if (needed > target && vecs < 8) continue;
     int64_t tpr = 1;
     if (needed <= 32) {
       while (tpr < needed) tpr *= 2;
     } else {
       tpr = (needed + 31) / 32 * 32;
     }
-    if (tpr > max_threads) return false;
+    if (tpr > max_threads(vecs)) {
+      if (vecs < 8) continue;
+      return false;
+    }
     config->vecs = vecs;
     config->tpr = static_cast<int>(tpr);
     config->rpb = std::max(1, kBlockThreads / config->tpr);
@@ -349,6 +372,9 @@ bool ChooseConfig(int64_t cols, int elems, int max_threads, Config* config) {
   }
   return false;
 }
+
+int FwdMaxThreadsOf(int vecs) { return FwdMaxThreads(vecs); }
+int BwdMaxThreadsOf(int vecs) { return BwdMaxThreads(vecs); }
 
 bool Aligned16(const void* pointer) {
   return reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
@@ -382,7 +408,7 @@ ffi::Error LaunchFwd(cudaStream_t stream, const FwdArgs& a) {
   Config c;
   const bool aligned = Aligned16(a.x) && Aligned16(a.gamma) && Aligned16(a.out) &&
                        (!kAdd || (Aligned16(a.residual) && Aligned16(a.new_residual)));
-  if (aligned && ChooseConfig(a.cols, Pack<T>::kElems, kFwdMaxThreads, &c)) {
+  if (aligned && ChooseConfig(a.cols, Pack<T>::kElems, &FwdMaxThreadsOf, &c)) {
     const dim3 block(c.tpr, c.rpb);
     const int64_t blocks = (a.rows + c.rpb - 1) / c.rpb;
     switch (c.vecs) {
@@ -428,7 +454,7 @@ ffi::Error LaunchBwd(cudaStream_t stream, const BwdArgs& a) {
     const bool aligned = Aligned16(a.dy) && Aligned16(a.s) && Aligned16(a.gamma) &&
                          Aligned16(a.dx) && Aligned16(a.partials) &&
                          (!kAdd || Aligned16(a.dz));
-    if (aligned && ChooseConfig(a.cols, Pack<T>::kElems, kBwdMaxThreads, &c)) {
+    if (aligned && ChooseConfig(a.cols, Pack<T>::kElems, &BwdMaxThreadsOf, &c)) {
       const dim3 block(c.tpr, c.rpb);
       const int64_t wanted = (a.rows + c.rpb - 1) / c.rpb;
       const int64_t blocks = std::max<int64_t>(1, std::min(wanted, a.max_slots / c.rpb));

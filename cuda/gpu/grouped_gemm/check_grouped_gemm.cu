@@ -39,7 +39,6 @@ const char* ConfigName(gg::TileConfig config) {
   switch (config) {
     case gg::TileConfig::kLarge: return "large";
     case gg::TileConfig::kSmall: return "small";
-    case gg::TileConfig::kLargeClusterM: return "large_cluster_m";
     default: return "auto";
   }
 }
@@ -404,8 +403,7 @@ template <class T>
 void Run16BitCases(const std::vector<Case>& cases, bool graph_first) {
   for (const Case& c : cases)
     for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
-      for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall,
-                                 gg::TileConfig::kLargeClusterM})
+      for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall})
         RunCase<T, T, T>(c, form, cfg, graph_first);
 }
 
@@ -415,7 +413,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--no-perf") == 0) perf = false;
     if (std::strcmp(argv[i], "--perf-only") == 0) check = false;
     // Times the tile scheduler's raster order and swizzle (runtime options, see
-    // internal.cuh) on both large configs (1x2 and 2x1 clusters), instead of the default runs.
+    // internal.cuh) on the large configs, instead of the default runs.
     if (std::strcmp(argv[i], "--sweep-scheduler") == 0) sweep = true;
   }
   int device = 0;
@@ -431,34 +429,25 @@ int main(int argc, char** argv) {
     const gg::detail::TuningOptions saved = options;
     struct Shape { int G; int64_t rows; };
     const Shape shapes[] = {{8, 8192}, {128, 512}};
-    // 16-bit: both large configs of forward/dgrad (wgrad has one), every raster and swizzle.
-    for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
-      for (const Shape& s : shapes)
-        for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kLargeClusterM}) {
-          if (form == gg::Form::kWgrad && cfg != gg::TileConfig::kLarge) continue;
-          for (char raster : {'M', 'N'})
-            for (int swizzle : {1, 2, 4, 8}) {
-              options.raster = raster;
-              options.swizzle = swizzle;
-              char label[32];
-              std::snprintf(label, sizeof(label), "bf16 %c/%d", raster, swizzle);
-              Time<bf16, bf16, bf16>(label, form, s.G, s.rows, 2048, 4096, cfg);
-            }
-        }
-    // FP8 forward (e4m3 x e4m3) and dgrad (e5m2 x e4m3): both large configs, swizzle 1-2.
+    // Every raster order and swizzle of the tile scheduler, large configs (the heuristic's
+    // choice for these shapes): bf16 forward/dgrad/wgrad, FP8 forward (e4m3 x e4m3) and
+    // dgrad (e5m2 x e4m3).
     for (const Shape& s : shapes)
-      for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kLargeClusterM})
-        for (char raster : {'M', 'N'})
-          for (int swizzle : {1, 2}) {
-            options.raster = raster;
-            options.swizzle = swizzle;
-            char label[32];
-            std::snprintf(label, sizeof(label), "fp8 %c/%d", raster, swizzle);
-            Time<__nv_fp8_e4m3, __nv_fp8_e4m3, bf16>(label, gg::Form::kForward, s.G, s.rows,
-                                                     2048, 4096, cfg);
-            Time<__nv_fp8_e5m2, __nv_fp8_e4m3, bf16>(label, gg::Form::kDgrad, s.G, s.rows,
-                                                     2048, 4096, cfg);
-          }
+      for (char raster : {'M', 'N'})
+        for (int swizzle : {1, 2, 4, 8}) {
+          options.raster = raster;
+          options.swizzle = swizzle;
+          char label[32];
+          std::snprintf(label, sizeof(label), "bf16 %c/%d", raster, swizzle);
+          for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
+            Time<bf16, bf16, bf16>(label, form, s.G, s.rows, 2048, 4096, gg::TileConfig::kLarge);
+          if (swizzle > 2) continue;
+          std::snprintf(label, sizeof(label), "fp8 %c/%d", raster, swizzle);
+          Time<__nv_fp8_e4m3, __nv_fp8_e4m3, bf16>(label, gg::Form::kForward, s.G, s.rows, 2048,
+                                                   4096, gg::TileConfig::kLarge);
+          Time<__nv_fp8_e5m2, __nv_fp8_e4m3, bf16>(label, gg::Form::kDgrad, s.G, s.rows, 2048,
+                                                   4096, gg::TileConfig::kLarge);
+        }
     options = saved;
     perf = check = false;
   }
@@ -491,8 +480,7 @@ int main(int argc, char** argv) {
   std::printf("== FP8 eager (per-group alpha = a_scale_inv * b_scale_inv)\n");
   for (const Case& c : cases) {
     if (c.k % 16 || c.n % 16) continue;
-    for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall,
-                               gg::TileConfig::kLargeClusterM}) {
+    for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall}) {
       RunCase<__nv_fp8_e4m3, __nv_fp8_e4m3, __nv_bfloat16>(c, gg::Form::kForward, cfg, false);
       RunCase<__nv_fp8_e4m3, __nv_fp8_e4m3, __nv_bfloat16>(c, gg::Form::kDgrad, cfg, false);
       RunCase<__nv_fp8_e5m2, __nv_fp8_e4m3, __nv_bfloat16>(c, gg::Form::kDgrad, cfg, false);
@@ -514,14 +502,12 @@ int main(int argc, char** argv) {
     const Shape shapes[] = {{8, 8192}, {64, 512}, {128, 512}, {128, 128}};
     for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
       for (const Shape& s : shapes)
-        for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kLargeClusterM,
-                                   gg::TileConfig::kSmall, gg::TileConfig::kAuto})
+        for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall, gg::TileConfig::kAuto})
           Time<bf16, bf16, bf16>(cfg == gg::TileConfig::kAuto ? "bf16 auto" : "bf16", form, s.G, s.rows, 2048, 4096, cfg);
     for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
       Time<__half, __half, __half>("f16", form, 8, 8192, 2048, 4096, gg::TileConfig::kAuto);
     for (const Shape& s : shapes)
-      for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kLargeClusterM,
-                                 gg::TileConfig::kSmall, gg::TileConfig::kAuto}) {
+      for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall, gg::TileConfig::kAuto}) {
         const char* label = cfg == gg::TileConfig::kAuto ? "fp8 auto" : "fp8";
         Time<__nv_fp8_e4m3, __nv_fp8_e4m3, bf16>(label, gg::Form::kForward, s.G, s.rows, 2048, 4096, cfg);
         Time<__nv_fp8_e5m2, __nv_fp8_e4m3, bf16>(label, gg::Form::kDgrad, s.G, s.rows, 2048, 4096, cfg);

@@ -10,17 +10,12 @@ JAXFUSE_GG_DEFINE_GEMM(Bf16DgradLarge, cutlass::bfloat16_t, cutlass::layout::Row
                        128, 256, 64, 1, 2,
                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
                        cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
-JAXFUSE_GG_DEFINE_GEMM(Bf16DgradLargeClusterM, cutlass::bfloat16_t, cutlass::layout::RowMajor,
-                       cutlass::bfloat16_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
-                       128, 256, 64, 2, 1,
-                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
 JAXFUSE_GG_DEFINE_GEMM(Bf16DgradSmall, cutlass::bfloat16_t, cutlass::layout::RowMajor,
                        cutlass::bfloat16_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
                        128, 128, 64, 1, 1,
                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                        cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
 
-JAXFUSE_GG_DEFINE_FAMILY_3(Bf16Dgrad, Bf16DgradLarge, Bf16DgradSmall, Bf16DgradLargeClusterM)
+JAXFUSE_GG_DEFINE_FAMILY_2(Bf16Dgrad, Bf16DgradLarge, Bf16DgradSmall)
 
 }  // namespace jaxfuse::grouped_gemm::detail

@@ -146,10 +146,9 @@ typename Gemm::Arguments MakeArguments(const GemmArrays& arrays, int sm_count,
   args.epilogue.ptr_D = reinterpret_cast<ElementD**>(arrays.ptr_d);
   args.epilogue.dD = reinterpret_cast<StrideD*>(arrays.stride_d);
 
-  const TuningOptions& scheduler = ActiveTuningOptions();
   using Raster = decltype(args.scheduler.raster_order);
-  args.scheduler.raster_order = scheduler.raster == 'N' ? Raster::AlongN : Raster::AlongM;
-  args.scheduler.max_swizzle_size = scheduler.swizzle;
+  args.scheduler.raster_order = arrays.raster == 'N' ? Raster::AlongN : Raster::AlongM;
+  args.scheduler.max_swizzle_size = ActiveTuningOptions().swizzle;
 
   args.hw_info.device_id = 0;  // unused when sm_count > 0
   args.hw_info.sm_count = sm_count;
@@ -200,26 +199,6 @@ cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream)
                          cudaStream_t stream) {                                            \
     return config == TileConfig::kSmall ? RunGemm<SMALL>(arrays, sm_count, stream)         \
                                         : RunGemm<LARGE>(arrays, sm_count, stream);        \
-  }
-
-// Same for a family that also has the 2x1-cluster variant of its large config.
-#define JAXFUSE_GG_DEFINE_FAMILY_3(NAME, LARGE, SMALL, LARGE_CLUSTER_M)                      \
-  size_t NAME##_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {          \
-    switch (config) {                                                                      \
-      case TileConfig::kSmall: return CutlassWorkspaceBytes<SMALL>(num_groups, sm_count);  \
-      case TileConfig::kLargeClusterM:                                                     \
-        return CutlassWorkspaceBytes<LARGE_CLUSTER_M>(num_groups, sm_count);               \
-      default: return CutlassWorkspaceBytes<LARGE>(num_groups, sm_count);                  \
-    }                                                                                      \
-  }                                                                                        \
-  cudaError_t NAME##_Run(TileConfig config, const GemmArrays& arrays, int sm_count,        \
-                         cudaStream_t stream) {                                            \
-    switch (config) {                                                                      \
-      case TileConfig::kSmall: return RunGemm<SMALL>(arrays, sm_count, stream);            \
-      case TileConfig::kLargeClusterM:                                                     \
-        return RunGemm<LARGE_CLUSTER_M>(arrays, sm_count, stream);                         \
-      default: return RunGemm<LARGE>(arrays, sm_count, stream);                            \
-    }                                                                                      \
   }
 
 // Same for a family with a single config.

@@ -7,8 +7,8 @@
 //          D = dx rows (ld k).
 // Tiles: the promoted (non-FastAccum) FP8 mainloop keeps two fp32 accumulators per thread, so
 // each consumer warp group owns at most 64x128 outputs (128x256 cooperative and 128x128
-// ping-pong spilled ~900 bytes): large = cooperative 128x128x128 cluster 1x2 (large_cluster_m: 2x1), small =
-// ping-pong 64x128x128 cluster 1x1.
+// ping-pong spilled ~900 bytes): large = cooperative 128x128x128 cluster 1x2, small = ping-pong
+// 64x128x128 cluster 1x1.
 #include "gemm_common.cuh"
 
 namespace jaxfuse::grouped_gemm::detail {
@@ -18,17 +18,12 @@ JAXFUSE_GG_DEFINE_GEMM(Fp8E4m3E4m3Large, cutlass::float_e4m3_t, cutlass::layout:
                        128, 128, 128, 1, 2,
                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
                        cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
-JAXFUSE_GG_DEFINE_GEMM(Fp8E4m3E4m3LargeClusterM, cutlass::float_e4m3_t, cutlass::layout::RowMajor,
-                       cutlass::float_e4m3_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
-                       128, 128, 128, 2, 1,
-                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
 JAXFUSE_GG_DEFINE_GEMM(Fp8E4m3E4m3Small, cutlass::float_e4m3_t, cutlass::layout::RowMajor,
                        cutlass::float_e4m3_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
                        64, 128, 128, 1, 1,
                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                        cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
 
-JAXFUSE_GG_DEFINE_FAMILY_3(Fp8E4m3E4m3, Fp8E4m3E4m3Large, Fp8E4m3E4m3Small, Fp8E4m3E4m3LargeClusterM)
+JAXFUSE_GG_DEFINE_FAMILY_2(Fp8E4m3E4m3, Fp8E4m3E4m3Large, Fp8E4m3E4m3Small)
 
 }  // namespace jaxfuse::grouped_gemm::detail

@@ -28,26 +28,26 @@ struct GemmArrays {
   const float** alpha_ptrs = nullptr; // [G] (FP8 only; nullptr otherwise)
   void* cutlass_workspace = nullptr;  // CUTLASS's own workspace (tensormaps per SM)
   size_t cutlass_workspace_bytes = 0;
+  char raster = 'M';                  // tile scheduler raster order: 'M' or 'N' (host value)
 };
 
 // Runtime tuning knobs, read once from the environment at first use (not device data; no
 // extra kernels); check_grouped_gemm sweeps them through this reference.
 // - CUTLASS's persistent group tile scheduler: the order in which a wave of CTAs walks the
-//   output tiles (raster 'M': consecutive tiles down M, CUTLASS's default for grouped
-//   problems; 'N': along N) and the swizzle width (1, 2, 4 or 8 tiles):
+//   output tiles ('M': consecutive tiles down M; 'N': along N; 0: per form, see
+//   grouped_gemm.cu) and the swizzle width (1, 2, 4 or 8 tiles):
 //   JAXFUSE_GROUPED_GEMM_RASTER (M|N), JAXFUSE_GROUPED_GEMM_SWIZZLE.
 // - The tile configuration of problems that leave it at kAuto (kAuto: the heuristic):
-//   JAXFUSE_GROUPED_GEMM_TILE (large | large_cluster_m | small).
+//   JAXFUSE_GROUPED_GEMM_TILE (large | small).
 struct TuningOptions {
-  char raster = 'M';
+  char raster = 0;
   int swizzle = 1;
   TileConfig tile = TileConfig::kAuto;
 };
 TuningOptions& ActiveTuningOptions();
 
-// One entry point pair per kernel family (one family per .cu file). `config` is kLarge,
-// kSmall or kLargeClusterM (families without that config run kLarge for it; families with a
-// single config ignore it).
+// One entry point pair per kernel family (one family per .cu file). `config` is kLarge or
+// kSmall (families with a single config ignore it).
 #define JAXFUSE_GG_DECLARE_FAMILY(NAME)                                                    \
   size_t NAME##_WorkspaceBytes(TileConfig config, int num_groups, int sm_count);          \
   cudaError_t NAME##_Run(TileConfig config, const GemmArrays& arrays, int sm_count,        \

@@ -39,8 +39,6 @@ enum class TileConfig {
                // FP8: cooperative 128x128x128, cluster 1x2
   kSmall = 2,  // 16-bit: ping-pong 128x128x64, cluster 1x1; FP8: ping-pong 64x128x128, 1x1
                // (f16 has one config, the large one, for both)
-  kLargeClusterM = 3,  // kLarge's tile with a 2x1 cluster (along M) for bf16 and FP8
-                       // forward/dgrad (torch._grouped_mm's choice); elsewhere = kLarge
 };
 
 struct Problem {
@@ -79,7 +77,7 @@ bool IsSupported(const Problem& problem);
 
 // The tile configuration the heuristic picks from form, types, m, k, n, G and sm_count (host
 // values only). Run/WorkspaceBytes use it when tile_config == kAuto and the environment
-// variable JAXFUSE_GROUPED_GEMM_TILE (large | large_cluster_m | small) is not set.
+// variable JAXFUSE_GROUPED_GEMM_TILE (large | small) is not set.
 TileConfig ChooseTileConfig(const Problem& problem, int sm_count);
 
 }  // namespace jaxfuse::grouped_gemm

@@ -147,7 +147,11 @@ def main():
     for form, (fn, fn_args) in jaxfuse_steps(x, w, dy, offsets).items():
       results["jaxfuse"][form] = time_jax(fn, fn_args, calls)
     for form, (fn, fn_args) in ragged_dot_steps(x, w, dy, sizes_array).items():
-      results["ragged_dot"][form] = time_jax(fn, fn_args, max(3, calls // 4))
+      try:  # XLA's ragged_dot wgrad of 128 groups wants ~96 GB of temporaries per call
+        results["ragged_dot"][form] = time_jax(fn, fn_args, max(3, calls // 4))
+      except Exception as error:  # an out-of-memory baseline must not stop the run
+        print(f"ragged_dot {name} {form} failed: {type(error).__name__}: {str(error)[:200]}")
+        results["ragged_dot"][form] = None
     fp8_ms = {}
     for (precision, form), (fn, fn_args) in fp8_steps(x, w, dy, offsets).items():
       try:

@@ -10,7 +10,7 @@ inside a CUDA graph; a jitted JAX step is already one executable), plus a token 
 H=F=2048 for the TFLOP/s plot (benchmarks/plot_grouped_mlp.py). FLOPs count the GEMMs of
 routed rows: forward 2*T*H*2F + 2*T*F*H, forward + backward three times that.
 
-    python -m benchmarks.bench_grouped_mlp [--quick]
+    python -m benchmarks.bench_grouped_mlp [--quick] [--no-sweep] [--tag TAG]
 """
 
 from __future__ import annotations
@@ -240,6 +240,8 @@ def rows_for(section, name, tokens, hidden, ffn, jax_times, torch_times):
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true", help="fewer calls, shorter sweep")
+  parser.add_argument("--no-sweep", action="store_true", help="the seed cases only")
+  parser.add_argument("--tag", default="", help="suffix of the results file name")
   args = parser.parse_args()
   calls = 5 if args.quick else 20
   baseline_calls = 3 if args.quick else 10  # ragged_dot is G times the work
@@ -248,7 +250,7 @@ def main():
     jax_times = time_jax(tokens, hidden, ffn, calls, baseline_calls)
     torch_times = time_torch(tokens, hidden, ffn, calls, graphs=tokens <= 4096)
     rows += rows_for("case", name, tokens, hidden, ffn, jax_times, torch_times)
-  sweep = SWEEP_TOKENS[::2] if args.quick else SWEEP_TOKENS
+  sweep = [] if args.no_sweep else SWEEP_TOKENS[::2] if args.quick else SWEEP_TOKENS
   for tokens in sweep:
     if (tokens, SWEEP_HIDDEN, SWEEP_FFN) == CASES["T=65536 H=2048 F=2048"]:
       case_rows = [r for r in rows if r["case"] == "T=65536 H=2048 F=2048"]
@@ -262,7 +264,10 @@ def main():
                             "jaxfuse_fp8_tflops", "fp8_speedup", "torch_tflops",
                             "torch_graph_tflops", "ragged_dot_tflops", "jaxfuse_vs_torch",
                             "jaxfuse_vs_ragged_dot"])
-  common.write_results("grouped_mlp", rows, dtype="bfloat16",
+  common.write_results("grouped_mlp" + (f"_{args.tag}" if args.tag else ""), rows,
+                       dtype="bfloat16",
+                       grouped_gemm_raster=os.environ.get("JAXFUSE_GROUPED_GEMM_RASTER",
+                                                          "default"),
                        fp8_recipe="Float8CurrentScaling(per_group=True) (jaxfuse_fp8_*)",
                        activation="swiglu",
                        experts=EXPERTS,

@@ -2,13 +2,11 @@
 //
 // Current scaling (per group / per tensor), in one launch chain with no host sync:
 //   1. cudaMemsetAsync(amax, 0)
-//   2. RowKernel<kAmax> on a resident grid (each block loops over rows gridDim apart):
-//      each thread's running amax of the values (activation recomputed from x, never
-//      written) over the rows of one group, reduced over the block when the group changes
-//      and merged with atomicMax on the float bits into amax[group] (groups located by a
-//      binary search over the offsets, copied to shared memory; rows past the last offset
-//      belong to no group); the fused backward also writes dscales (a per-row reduction
-//      then) and dx when asked, in this pass
+//   2. RowKernel<kAmax>: per row, the block's amax of the values (activation recomputed
+//      from x, never written), atomicMax on the float bits into amax[group of row]
+//      (groups located by a binary search over the device offsets; rows past the last
+//      offset belong to no group); the fused backward also writes dscales (and dx when
+//      asked) in this pass
 //   3. CurrentScaleInvKernel: scale_inv[g] = 1 / (fp8_max / amax[g])
 //   4. RowKernel<kCurrent>: recomputes the values and writes FP8 with its group's scale;
 //      rows past the last offset are written as zeros.
@@ -55,9 +53,8 @@ ffi::Error LaunchRows(cudaStream_t stream, const P& p, SinkArgs<T> s, int64_t un
         cudaMemsetAsync(s.amax, 0, problem.num_groups * sizeof(float), stream) != cudaSuccess) {
       return Internal("zeroing the amax scratch failed");
     }
-    const int resident_grid = gpu::ResidentGridFor(s.rows, threads);
     if (s.rows > 0) {
-      gpu::RowKernel<P, SinkKind::kAmax, T><<<resident_grid, threads, 0, stream>>>(p, s);
+      gpu::RowKernel<P, SinkKind::kAmax, T><<<grid, threads, 0, stream>>>(p, s);
     }
     if (problem.num_groups > 0) {
       const int scale_threads = 256;
@@ -69,7 +66,7 @@ ffi::Error LaunchRows(cudaStream_t stream, const P& p, SinkArgs<T> s, int64_t un
     second.out = nullptr;   // dx (if any) and dscales were written by pass 1
     second.side = nullptr;
     if (s.rows > 0) {
-      gpu::RowKernel<P, SinkKind::kCurrent, T><<<resident_grid, threads, 0, stream>>>(p, second);
+      gpu::RowKernel<P, SinkKind::kCurrent, T><<<grid, threads, 0, stream>>>(p, second);
     }
     return gpu::LaunchError("current-scaling quantization kernels");
   }

@@ -14,10 +14,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <mutex>
-#include <unordered_map>
 
 #include "jaxfuse/activation.h"
 #include "jaxfuse/fp8.h"
@@ -332,60 +329,18 @@ struct SinkArgs {
   Fp8Format format = Fp8Format::kE4M3;
 };
 
-// Group offsets kept in shared memory when they fit: the per-row group lookup is a chain
-// of log2(G) dependent reads, which from global memory stalls every row.
-constexpr int kSharedOffsets = 1025;
-
-// The amax of the values of rows [.., ..) of one group, reduced over the block and merged
-// into amax[g] (all threads call it; g is uniform across the block).
-__device__ __forceinline__ void FlushGroupAmax(float* amax, int64_t g, int64_t num_groups,
-                                               float local) {
-  const float2 reduced = BlockReduceMaxSum(local, 0.0f);
-  if (threadIdx.x == 0 && g < num_groups) AtomicMaxNonNegative(amax + g, reduced.x);
-}
-
 template <class P, SinkKind kKind, typename T>
 __global__ void __launch_bounds__(256) RowKernel(P p, SinkArgs<T> s) {
   const int64_t units = p.Units();
   const int lanes = s.block / kUnit;  // block scaling: lanes per block (power of two)
   const float fp8_max = Fp8Max(s.format);
-  const int32_t* offsets = s.offsets;
-  if constexpr (kKind == SinkKind::kAmax || kKind == SinkKind::kCurrent) {
-    __shared__ int32_t shared_offsets[kSharedOffsets];
-    if (offsets != nullptr && s.num_groups + 1 <= kSharedOffsets) {
-      for (int64_t i = threadIdx.x; i <= s.num_groups; i += blockDim.x) {
-        shared_offsets[i] = offsets[i];
-      }
-      __syncthreads();
-      offsets = shared_offsets;
-    }
-  }
-  // The amax pass without a per-row side output keeps each thread's running amax across
-  // the rows of one group and reduces it over the block only when the group changes (rows
-  // of a block are gridDim apart, groups are contiguous runs of rows): no block-wide
-  // synchronization per row. With dscales (a per-row sum) the reduction is per row.
-  const bool per_row_reduction = P::kSide && s.side != nullptr;
-  int64_t open_group = -1;
-  float group_amax = 0.0f;
   for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
     float row_scale = 1.0f;
     bool row_valid = true;
     if constexpr (kKind == SinkKind::kCurrent) {
-      const int64_t g = GroupOfRow(offsets, s.num_groups, row, s.rows);
+      const int64_t g = GroupOfRow(s.offsets, s.num_groups, row, s.rows);
       row_valid = g < s.num_groups;
       if (row_valid) row_scale = ScaleFromAmax(s.amax[g], fp8_max);
-    }
-    if constexpr (kKind == SinkKind::kAmax) {
-      if (!per_row_reduction) {
-        const int64_t g = GroupOfRow(offsets, s.num_groups, row, s.rows);  // uniform
-        if (g != open_group) {
-          if (open_group >= 0) FlushGroupAmax(s.amax, open_group, s.num_groups, group_amax);
-          open_group = g;
-          group_amax = 0.0f;
-        }
-        // Rows past the groups count nowhere; they still write dx when asked.
-        if (g >= s.num_groups && s.out == nullptr) continue;
-      }
     }
     float amax = 0.0f, side = 0.0f;
     for (int64_t base = 0; base < units; base += blockDim.x) {
@@ -450,22 +405,15 @@ __global__ void __launch_bounds__(256) RowKernel(P p, SinkArgs<T> s) {
         }
       }
     }
-    if (kKind == SinkKind::kAmax && !per_row_reduction) {
-      group_amax = fmaxf(group_amax, amax);
-    } else if (kKind == SinkKind::kAmax || per_row_reduction) {  // uniform per block
+    if (kKind == SinkKind::kAmax || (P::kSide && s.side != nullptr)) {  // uniform per block
       const float2 reduced = BlockReduceMaxSum(amax, side);
       if (threadIdx.x == 0) {
         if constexpr (kKind == SinkKind::kAmax) {
-          const int64_t g = GroupOfRow(offsets, s.num_groups, row, s.rows);
+          const int64_t g = GroupOfRow(s.offsets, s.num_groups, row, s.rows);
           if (g < s.num_groups) AtomicMaxNonNegative(s.amax + g, reduced.x);
         }
         if (s.side != nullptr) s.side[row] = reduced.y;
       }
-    }
-  }
-  if constexpr (kKind == SinkKind::kAmax) {
-    if (!per_row_reduction && open_group >= 0) {
-      FlushGroupAmax(s.amax, open_group, s.num_groups, group_amax);
     }
   }
 }
@@ -481,29 +429,6 @@ inline int ThreadsFor(int64_t units) {
 
 inline int GridFor(int64_t rows) {
   return static_cast<int>(rows < (1 << 20) ? (rows > 0 ? rows : 1) : (1 << 20));
-}
-
-// As many blocks of `threads` as the device holds at once (2048 threads per SM), at most
-// one per row: for the current-scaling passes, whose per-block setup (the offsets in
-// shared memory) and per-group amax reduction are then paid once per block, not per row.
-// The SM count is read once per device (a host attribute query, no sync).
-inline int ResidentGridFor(int64_t rows, int threads) {
-  static std::mutex mutex;
-  static std::unordered_map<int, int> sm_counts;
-  int device = 0;
-  cudaGetDevice(&device);
-  int sms = 0;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto it = sm_counts.find(device);
-    if (it == sm_counts.end()) {
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-      it = sm_counts.emplace(device, sms > 0 ? sms : 1).first;
-    }
-    sms = it->second;
-  }
-  const int64_t resident = static_cast<int64_t>(sms) * std::max(1, 2048 / threads);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, resident)));
 }
 
 inline bool PointerAligned16(const void* p) {

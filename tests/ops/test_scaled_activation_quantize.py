@@ -135,10 +135,9 @@ def test_backward_without_dx_and_with_bf16_scales(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_current_scaling_with_many_rows_per_block(backend):
-  """Forward and backward at 20000 rows and 300 groups: on the GPU the forward's amax pass
-  keeps a running amax per group across the rows of a block of the resident grid; the
-  backward's (which also writes dscales) reduces per row."""
+def test_current_scaling_with_many_rows(backend):
+  """Forward and backward at 20000 rows and 300 groups: the fused amax passes (the
+  backward's also writes dscales) must merge every row into its own group's amax."""
   rng = np.random.default_rng(40)
   rows, f = 20000, 64
   x, scales, dy = inputs(41, f, jnp.bfloat16, "swiglu", rows=rows)

@@ -415,9 +415,9 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
 
   // One launch: setup arrays (block 0) and the zeroing of what the GEMM does not write.
   // At most one wave of blocks: every block pays a block-wide reduction of the offsets even
-  // when nothing is uncovered (the usual case), and a grid of 4 waves made the launch cost
-  // 7-11 us on the H200 against 2 us for the setup alone; one wave of 1024-thread blocks
-  // still zeroes at full bandwidth when there is something to zero.
+  // when nothing is uncovered (the usual case); on the H200 a grid of 4 waves made the
+  // launch cost 7.2 us, one wave 3.9 us (T=2048 grouped MLP). One wave of 1024-thread
+  // blocks still zeroes at full bandwidth when there is something to zero.
   ZeroParams z{static_cast<uint4*>(p.out), 0};
   dim3 grid(1, 1);
   if (!wgrad) {

@@ -18,6 +18,7 @@ Run on the GPU:  python -m benchmarks.bench_activations [--quick]
 from __future__ import annotations
 
 import argparse
+import os
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,7 @@ def bench(fn, args_list, iters):
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true", help="fewer timed calls")
+  parser.add_argument("--tag", default="", help="suffix of the results file name (sweeps)")
   args = parser.parse_args()
   iters = 10 if args.quick else 30
   copy_tbps = common.copy_bandwidth_tbps()
@@ -140,8 +142,10 @@ def main():
 
   common.print_table(rows, ["T", "two_F", "op", "impl", "median_ms", "TBps", "frac_of_copy",
                             "frac_of_copy_traffic", "speedup_vs_xla"])
-  common.write_results("activations", rows, copy_bandwidth_TBps=copy_tbps, groups=GROUPS,
-                       dtype="bfloat16")
+  common.write_results("activations" + (f"_{args.tag}" if args.tag else ""), rows,
+                       copy_bandwidth_TBps=copy_tbps, groups=GROUPS, dtype="bfloat16",
+                       rowwise_max_threads=os.environ.get("JAXFUSE_ROWWISE_MAX_THREADS",
+                                                          "default"))
 
 
 if __name__ == "__main__":

@@ -83,12 +83,17 @@ def copy_bandwidth_tbps(num_bytes: int = 4 << 30, iters: int = 20) -> float:
 
 
 def git_commit() -> str:
+  """HEAD's commit; on the GPU machine (no git history) JAXFUSE_COMMIT, or the commit that
+  scripts/prepare_gpu_run.sh packed (.gpu_src/COMMIT, which gpu_run.sh copies along)."""
   try:
     return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                    cwd=pathlib.Path(__file__).parent,
                                    stderr=subprocess.DEVNULL).strip()
   except (OSError, subprocess.CalledProcessError):
-    return os.environ.get("JAXFUSE_COMMIT", "unknown")
+    if "JAXFUSE_COMMIT" in os.environ:
+      return os.environ["JAXFUSE_COMMIT"]
+    packed = pathlib.Path(__file__).resolve().parent.parent / ".gpu_src" / "COMMIT"
+    return packed.read_text().strip() if packed.is_file() else "unknown"
 
 
 def environment() -> dict[str, Any]:

@@ -18,7 +18,8 @@ if [ -f .gpu_src/head.tar ] && [ "${GPU_RUN_FROM_WORKTREE:-0}" != 1 ]; then
   rm -rf /tmp/jaxfuse-head && mkdir -p /tmp/jaxfuse-head
   tar xf .gpu_src/head.tar -C /tmp/jaxfuse-head
   [ -d .whl ] && cp -r .whl /tmp/jaxfuse-head/
-  [ -d .gpu_src/prebuilt ] && mkdir -p /tmp/jaxfuse-head/.gpu_src && cp -r .gpu_src/prebuilt /tmp/jaxfuse-head/.gpu_src/
+  mkdir -p /tmp/jaxfuse-head/.gpu_src && cp .gpu_src/COMMIT /tmp/jaxfuse-head/.gpu_src/
+  [ -d .gpu_src/prebuilt ] && cp -r .gpu_src/prebuilt /tmp/jaxfuse-head/.gpu_src/
   # Keep the build directory between calls on a warm machine.
   mkdir -p build && ln -sfn "$PWD/build" /tmp/jaxfuse-head/build
   cd /tmp/jaxfuse-head && exec env GPU_RUN_FROM_WORKTREE=1 OUT="$OUT" bash scripts/gpu_run.sh "$@"

@@ -18,7 +18,6 @@ Run on the GPU:  python -m benchmarks.bench_activations [--quick]
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 import jax.numpy as jnp
@@ -142,10 +141,8 @@ def main():
 
   common.print_table(rows, ["T", "two_F", "op", "impl", "median_ms", "TBps", "frac_of_copy",
                             "frac_of_copy_traffic", "speedup_vs_xla"])
-  common.write_results("activations" + (f"_{args.tag}" if args.tag else ""), rows,
-                       copy_bandwidth_TBps=copy_tbps, groups=GROUPS, dtype="bfloat16",
-                       rowwise_max_threads=os.environ.get("JAXFUSE_ROWWISE_MAX_THREADS",
-                                                          "default"))
+  common.write_results("activations", rows, tag=args.tag, copy_bandwidth_TBps=copy_tbps,
+                       groups=GROUPS, dtype="bfloat16")
 
 
 if __name__ == "__main__":

@@ -264,10 +264,7 @@ def main():
                             "jaxfuse_fp8_tflops", "fp8_speedup", "torch_tflops",
                             "torch_graph_tflops", "ragged_dot_tflops", "jaxfuse_vs_torch",
                             "jaxfuse_vs_ragged_dot"])
-  common.write_results("grouped_mlp" + (f"_{args.tag}" if args.tag else ""), rows,
-                       dtype="bfloat16",
-                       grouped_gemm_raster=os.environ.get("JAXFUSE_GROUPED_GEMM_RASTER",
-                                                          "default"),
+  common.write_results("grouped_mlp", rows, tag=args.tag, dtype="bfloat16",
                        fp8_recipe="Float8CurrentScaling(per_group=True) (jaxfuse_fp8_*)",
                        activation="swiglu",
                        experts=EXPERTS,

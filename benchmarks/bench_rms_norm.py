@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -115,10 +114,8 @@ def main():
   common.print_table(rows, ["op", "tokens", "hidden", "pass", "jaxfuse_ms", "xla_ms",
                             "jaxfuse_tbps", "xla_tbps", "jaxfuse_of_copy", "xla_of_copy",
                             "speedup_vs_xla"])
-  common.write_results("rms_norm" + (f"_{args.tag}" if args.tag else ""), rows,
-                       dtype="bfloat16", gamma_dtype="float32",
-                       threads_per_row=os.environ.get("JAXFUSE_RMS_NORM_THREADS_PER_ROW", "default"),
-                       copy_tbps=copy_tbps,
+  common.write_results("rms_norm", rows, tag=args.tag, dtype="bfloat16",
+                       gamma_dtype="float32", copy_tbps=copy_tbps,
                        baseline="XLA fusion of the jnp reference (jaxfuse implementation='xla'), "
                                 "same run")
 

@@ -107,14 +107,19 @@ def environment() -> dict[str, Any]:
       "jax": jax.__version__,
       "timing": TIMING,
       "jaxfuse_build": {k: v for k, v in jaxfuse.build_info().items()},
+      # Tuning knobs set for this run (JAXFUSE_GROUPED_GEMM_RASTER, ..._THREADS_PER_ROW, ...):
+      # unset ones ran the library's defaults.
+      "jaxfuse_environment": {k: v for k, v in sorted(os.environ.items())
+                              if k.startswith("JAXFUSE_") and k != "JAXFUSE_COMMIT"},
   }
 
 
-def write_results(name: str, rows: list[dict], **extra) -> pathlib.Path:
+def write_results(name: str, rows: list[dict], tag: str = "", **extra) -> pathlib.Path:
+  """Writes results/<name>[_<tag>]_<date>_<commit>.json (a tag keeps sweep runs apart)."""
   env = environment()
   RESULTS_DIR.mkdir(parents=True, exist_ok=True)
   day = env["date"][:10]
-  path = RESULTS_DIR / f"{name}_{day}_{env['commit'][:8]}.json"
+  path = RESULTS_DIR / f"{name}{'_' + tag if tag else ''}_{day}_{env['commit'][:8]}.json"
   path.write_text(json.dumps({**env, **extra, "rows": rows}, indent=1, default=str) + "\n")
   print(f"wrote {path}")
   return path

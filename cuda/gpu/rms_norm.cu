@@ -3,8 +3,9 @@
 // Fast path (H a multiple of 16 bytes' worth of elements, 16-byte aligned buffers):
 // `tpr` threads per row, each holding kVecs 16-byte vectors of the row in registers
 // between the reduction and the write, so every byte is read once and written once.
-// Rows of fewer than 32 vectors share a warp (tpr = 1..32, a power of two); wider rows
-// use a multiple of 32 threads and a warp-shuffle + shared-memory block reduction.
+// Each thread holds at least 2 vectors; rows of up to 64 vectors share a warp (tpr = 1..32,
+// a power of two); wider rows use a multiple of 32 threads and a warp-shuffle +
+// shared-memory block reduction.
 // Threads of a row read consecutive 16-byte vectors (coalesced).
 //
 // Backward: a persistent grid of `slots` rows (blocks x rows per block) walks the rows
@@ -377,9 +378,6 @@ bool ChooseConfig(int64_t cols, int elems, int (*max_threads)(int), Config* conf
   return false;
 }
 
-int FwdMaxThreadsOf(int vecs) { return FwdMaxThreads(vecs); }
-int BwdMaxThreadsOf(int vecs) { return BwdMaxThreads(vecs); }
-
 bool Aligned16(const void* pointer) {
   return reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
 }
@@ -412,7 +410,7 @@ ffi::Error LaunchFwd(cudaStream_t stream, const FwdArgs& a) {
   Config c;
   const bool aligned = Aligned16(a.x) && Aligned16(a.gamma) && Aligned16(a.out) &&
                        (!kAdd || (Aligned16(a.residual) && Aligned16(a.new_residual)));
-  if (aligned && ChooseConfig(a.cols, Pack<T>::kElems, &FwdMaxThreadsOf, &c)) {
+  if (aligned && ChooseConfig(a.cols, Pack<T>::kElems, &FwdMaxThreads, &c)) {
     const dim3 block(c.tpr, c.rpb);
     const int64_t blocks = (a.rows + c.rpb - 1) / c.rpb;
     switch (c.vecs) {
@@ -458,7 +456,7 @@ ffi::Error LaunchBwd(cudaStream_t stream, const BwdArgs& a) {
     const bool aligned = Aligned16(a.dy) && Aligned16(a.s) && Aligned16(a.gamma) &&
                          Aligned16(a.dx) && Aligned16(a.partials) &&
                          (!kAdd || Aligned16(a.dz));
-    if (aligned && ChooseConfig(a.cols, Pack<T>::kElems, &BwdMaxThreadsOf, &c)) {
+    if (aligned && ChooseConfig(a.cols, Pack<T>::kElems, &BwdMaxThreads, &c)) {
       const dim3 block(c.tpr, c.rpb);
       const int64_t wanted = (a.rows + c.rpb - 1) / c.rpb;
       const int64_t blocks = std::max<int64_t>(1, std::min(wanted, a.max_slots / c.rpb));

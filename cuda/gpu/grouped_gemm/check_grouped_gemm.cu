@@ -34,6 +34,7 @@ namespace gg = jaxfuse::grouped_gemm;
   } while (0)
 
 static int g_failures = 0;
+static int g_sm_count = 0;
 
 const char* ConfigName(gg::TileConfig config) {
   switch (config) {
@@ -42,7 +43,6 @@ const char* ConfigName(gg::TileConfig config) {
     default: return "auto";
   }
 }
-static int g_sm_count = 0;
 
 // ---------------------------------------------------------------------------------------------
 // Element helpers.

@@ -3,7 +3,8 @@
 XLA rewrites the jnp expression into one cuBLASLt call with alpha and beta = 1, so this
 measures whether jaxfuse's custom call matches it (goal: within 3% or faster), forward
 and forward + backward, at 4096-65536 tokens x 4096-8192 features. Residuals are donated
-and fresh for every call, as in a training step that updates the residual stream.
+and each call's output is the next call's residual, as in a training step that updates
+the residual stream; the two variants run in alternating chunks (common.time_alternating).
 
     python benchmarks/bench_linear_scale_add.py [--quick]
 """
@@ -56,16 +57,21 @@ def operands(tokens, features, seed):
   return x, kernel, d_out
 
 
-def time_step(step, x, kernel, d_out, backward, calls) -> float:
-  """Median ms of `step`, with a fresh residual per call (it is donated)."""
+def time_pair(steps: dict, x, kernel, d_out, backward, rounds) -> dict[str, dict]:
+  """common.time_alternating over `steps` (label -> jitted step): each step's residual is
+  donated and replaced by its output, as a residual stream is updated in training."""
   tokens, features = d_out.shape
-  residuals = [jax.random.normal(jax.random.key(i), (tokens, features), jnp.bfloat16)
-               for i in range(calls)]
-  arg_tuples = [(x, kernel, r, d_out) if backward else (x, kernel, r) for r in residuals]
-  return common.time_fn(step, arg_tuples)["median_ms"]
+  variants = {}
+  for index, (label, step) in enumerate(steps.items()):
+    residual = jax.random.normal(jax.random.key(index), (tokens, features), jnp.bfloat16)
+    args = (x, kernel, residual, d_out) if backward else (x, kernel, residual)
+    advance = lambda args, outputs: (*args[:2], outputs[0] if backward else outputs,
+                                     *args[3:])
+    variants[label] = (step, args, advance)
+  return common.time_alternating(variants, rounds=rounds)
 
 
-def time_fp8(shapes, calls) -> list[dict]:
+def time_fp8(shapes, rounds) -> list[dict]:
   """FP8 linear_scale_add (forward, forward + backward) against bf16 XLA, same run."""
   rows = []
   for tokens, features in shapes:
@@ -73,13 +79,14 @@ def time_fp8(shapes, calls) -> list[dict]:
     flops = 2 * tokens * features * features
     for backward in (False, True):
       row = {"tokens": tokens, "features": features, "pass": "fwd+bwd" if backward else "fwd"}
-      for implementation, recipe, label in (("ffi", FP8_RECIPE, "jaxfuse_fp8"),
-                                            ("xla", None, "xla_bf16")):
-        ms = time_step(make_step(implementation, backward, recipe), x, kernel, d_out,
-                       backward, calls)
-        row[f"{label}_ms"] = ms
-        row[f"{label}_tflops"] = flops * (3 if backward else 1) / (ms * 1e-3) / 1e12
+      timing = time_pair({"xla_bf16": make_step("xla", backward),
+                          "jaxfuse_fp8": make_step("ffi", backward, FP8_RECIPE)},
+                         x, kernel, d_out, backward, rounds)
+      for label, stats in timing.items():
+        row[f"{label}_ms"] = stats["median_ms"]
+        row[f"{label}_tflops"] = flops * (3 if backward else 1) / (stats["median_ms"] * 1e-3) / 1e12
       row["fp8_speedup_vs_xla_bf16"] = row["xla_bf16_ms"] / row["jaxfuse_fp8_ms"]
+      row["paired_speedup"] = timing["jaxfuse_fp8"]["paired_speedup_vs_xla_bf16"]
       rows.append(row)
       print(row, flush=True)
   return rows
@@ -90,27 +97,30 @@ def main():
   parser.add_argument("--quick", action="store_true", help="two small shapes, few calls")
   args = parser.parse_args()
   shapes = SHAPES[:2] if args.quick else SHAPES
-  calls = 8 if args.quick else 23
+  rounds = 2 if args.quick else 12  # chunks per variant, alternating (common.CHUNK calls)
   rows = []
   for tokens, features in shapes:
     x, kernel, d_out = operands(tokens, features, tokens + features)
     flops = 2 * tokens * features * features
     for backward in (False, True):
       row = {"tokens": tokens, "features": features, "pass": "fwd+bwd" if backward else "fwd"}
-      for implementation, label in (("ffi", "jaxfuse"), ("xla", "xla")):
-        ms = time_step(make_step(implementation, backward), x, kernel, d_out, backward, calls)
-        row[f"{label}_ms"] = ms
-        row[f"{label}_tflops"] = flops * (3 if backward else 1) / (ms * 1e-3) / 1e12
+      timing = time_pair({"xla": make_step("xla", backward),
+                          "jaxfuse": make_step("ffi", backward)},
+                         x, kernel, d_out, backward, rounds)
+      for label, stats in timing.items():
+        row[f"{label}_ms"] = stats["median_ms"]
+        row[f"{label}_tflops"] = flops * (3 if backward else 1) / (stats["median_ms"] * 1e-3) / 1e12
       row["speedup_vs_xla"] = row["xla_ms"] / row["jaxfuse_ms"]
+      row["paired_speedup"] = timing["jaxfuse"]["paired_speedup_vs_xla"]
       rows.append(row)
       print(row, flush=True)
   common.print_table(rows, ["tokens", "features", "pass", "jaxfuse_ms", "xla_ms",
-                            "jaxfuse_tflops", "xla_tflops", "speedup_vs_xla"])
+                            "jaxfuse_tflops", "xla_tflops", "speedup_vs_xla", "paired_speedup"])
   common.write_results("linear_scale_add", rows, alpha=ALPHA, dtype="bfloat16",
                        baseline="XLA lowering of residual + alpha * (x @ kernel) in bf16, same run")
-  fp8_rows = time_fp8(FP8_SHAPES[:1] if args.quick else FP8_SHAPES, calls)
+  fp8_rows = time_fp8(FP8_SHAPES[:1] if args.quick else FP8_SHAPES, rounds)
   common.print_table(fp8_rows, ["tokens", "features", "pass", "jaxfuse_fp8_ms", "xla_bf16_ms",
-                                "jaxfuse_fp8_tflops", "fp8_speedup_vs_xla_bf16"])
+                                "jaxfuse_fp8_tflops", "fp8_speedup_vs_xla_bf16", "paired_speedup"])
   common.write_results("linear_scale_add_fp8", fp8_rows, alpha=ALPHA, recipe=repr(FP8_RECIPE),
                        baseline="XLA lowering of residual + alpha * (x @ kernel) in bf16, "
                                 "same run")

@@ -56,6 +56,51 @@ def time_fn(fn: Callable, args_per_call: Sequence[tuple], *, warmup: int = 3) ->
   return {"median_ms": statistics.median(times), "min_ms": min(times), "calls": len(timed)}
 
 
+def time_alternating(variants: dict[str, tuple[Callable, tuple, Callable]], *, rounds: int = 12,
+                     warmup: int = 3) -> dict[str, dict]:
+  """Times several variants in alternating chunks (A B, B A, A B, ...), ms per call each.
+
+  Back-to-back sweeps of one variant after another let clock and thermal drift of the
+  GPU (seen at +-10% between runs of one cuBLAS kernel on the H200) land on one variant
+  only; alternating chunks spreads it over all of them alike. Each variant is
+  ``(fn, args, advance)``: every call runs ``fn(*args)`` and then
+  ``args = advance(args, outputs)``, which lets a donated buffer be replaced by the output
+  that took its place (a residual stream updated in place, as in training) instead of
+  keeping one fresh buffer per call in memory.
+
+  Returns, per variant, ``median_ms``/``min_ms`` over its chunks (each chunk: ``CHUNK``
+  calls dispatched back to back, one sync), and ``paired_speedup_vs_<first variant>``:
+  the median over rounds of (first variant's chunk time / this one's).
+  """
+  state = {name: args for name, (_, args, _) in variants.items()}
+
+  def run_chunk(name, calls):
+    fn, _, advance = variants[name]
+    args = state[name]
+    start = time.perf_counter()
+    for _ in range(calls):
+      outputs = fn(*args)
+      args = advance(args, outputs)
+    jax.block_until_ready(args)
+    state[name] = args
+    return (time.perf_counter() - start) * 1e3 / calls
+
+  names = list(variants)
+  for name in names:
+    for _ in range(warmup):
+      run_chunk(name, 1)
+  times = {name: [] for name in names}
+  for round_index in range(rounds):
+    for name in (names if round_index % 2 == 0 else names[::-1]):
+      times[name].append(run_chunk(name, CHUNK))
+  first = names[0]
+  return {name: {"median_ms": statistics.median(times[name]), "min_ms": min(times[name]),
+                 "calls": rounds * CHUNK,
+                 "paired_speedup_vs_" + first: statistics.median(
+                     a / b for a, b in zip(times[first], times[name]))}
+          for name in names}
+
+
 def time_torch_ms(fn: Callable, calls: int, *, warmup: int = 3) -> float:
   """Median time in ms of a torch callable on the GPU, measured with CUDA events."""
   import torch  # pylint: disable=g-import-not-at-top  (torch is optional: baselines only)

@@ -78,15 +78,19 @@ PYEOF
     bench)
       # BENCHMARKS narrows the set (e.g. "bench_grouped_mlp"); default: every bench_*.py.
       # An entry NAME:ARGS passes its own arguments (commas for spaces), e.g.
-      # "bench_moe:--quick profile_kernels:--tag,default"; otherwise BENCH_ARGS.
+      # "bench_moe:--quick profile_kernels:--tag,default"; otherwise BENCH_ARGS. Leading
+      # VAR=VALUE: fields set environment variables for that entry only (a knob sweep), e.g.
+      # "JAXFUSE_ROWWISE_MAX_THREADS=512:bench_activations:--tag,threads512".
       for entry in ${BENCHMARKS:-benchmarks/bench_*.py}; do
+        entry_env=()
+        while [[ "${entry%%:*}" == *=* ]]; do entry_env+=("${entry%%:*}"); entry=${entry#*:}; done
         script=${entry%%:*}
         script_args=${BENCH_ARGS:-}
         [[ "$entry" == *:* ]] && script_args=${entry#*:} && script_args=${script_args//,/ }
         [[ "$script" == */* ]] || script="benchmarks/$script.py"
         name=$(basename "$script" .py)
-        log "benchmark $name $script_args"
-        timeout ${BENCH_TIMEOUT:-300} $PY -m "benchmarks.$name" $script_args 2>&1 | tee -a "$LOGS/$name.log" | tail -25
+        log "benchmark $name $script_args ${entry_env[*]}"
+        timeout ${BENCH_TIMEOUT:-300} env "${entry_env[@]}" $PY -m "benchmarks.$name" $script_args 2>&1 | tee -a "$LOGS/$name.log" | tail -25
         [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; log "BENCHMARK $name FAILED"; }
         # Archive results as they appear: they come back even if a later step runs out of
         # time, and as one file (at most 8 files come back from $OUT).

@@ -6,10 +6,11 @@
 // Each thread holds at least 2 vectors; rows of up to 64 vectors share a warp (tpr = 1..32,
 // a power of two); wider rows use a multiple of 32 threads and a warp-shuffle +
 // shared-memory block reduction.
-// Threads of a row read consecutive 16-byte vectors (coalesced).
+// Threads of a row read consecutive 16-byte vectors (coalesced). The grid is resident
+// (occupancy.cuh): each row slot (blocks x rows per block) walks the rows with a fixed
+// stride and loads its next row before reducing and storing the current one.
 //
-// Backward: a persistent grid of `slots` rows (blocks x rows per block) walks the rows
-// with a fixed stride; each slot accumulates its dgamma partial sum in registers and
+// Backward: the same resident grid of slots; each slot also accumulates its dgamma partial sum in registers and
 // writes it to a float32 [slots, H] scratch result, which a second kernel sums over
 // slots in a fixed order: deterministic, no atomics.
 //
@@ -28,6 +29,7 @@
 
 #include "jaxfuse/ffi_common.h"
 #include "jaxfuse/rms_norm.h"
+#include "occupancy.cuh"
 
 namespace jaxfuse {
 namespace {
@@ -57,6 +59,18 @@ int ThreadsPerRowTarget() {
     return kDefaultThreadsPerRow;
   }();
   return target;
+}
+
+// Register-resident grids are resident (as many blocks as fit on the GPU at once, each
+// walking rows with a stride and prefetching its next row) unless
+// JAXFUSE_RMS_NORM_PERSISTENT=0, which launches one block per row group instead (the
+// layout before the prefetch; a benchmark knob for the A/B). Read once.
+bool PersistentGrid() {
+  static const bool persistent = [] {
+    const char* value = std::getenv("JAXFUSE_RMS_NORM_PERSISTENT");
+    return value == nullptr || std::atoi(value) != 0;
+  }();
+  return persistent;
 }
 
 // --- conversions ------------------------------------------------------------------
@@ -131,58 +145,139 @@ __device__ __forceinline__ float RowSum(float value, int tpr) {
 
 // --- forward, register resident -------------------------------------------------------
 
+// Loads the kVecs vectors this thread holds of row `row` (x, and residual for kAdd) when
+// the row exists. kSum: xs receives x + residual as stored (rounded to T) and rs is
+// untouched, which keeps half the registers when the values are used at once.
+template <typename T, int kVecs, bool kAdd, bool kSum>
+__device__ __forceinline__ void LoadRow(const T* x, const T* residual, int64_t row,
+                                        int64_t rows, int64_t cols, int tpr,
+                                        Pack<T> (&xs)[kVecs], Pack<T> (&rs)[kVecs]) {
+  constexpr int kElems = Pack<T>::kElems;
+  if (row >= rows) return;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
+    if (col < cols) {
+      xs[v] = LoadPack(x, row * cols + col);
+      if constexpr (kAdd && kSum) {
+        const Pack<T> r = LoadPack(residual, row * cols + col);
+#pragma unroll
+        for (int k = 0; k < kElems; ++k) xs[v].v[k] = FromF<T>(ToF(xs[v].v[k]) + ToF(r.v[k]));
+      } else if constexpr (kAdd) {
+        rs[v] = LoadPack(residual, row * cols + col);
+      }
+    }
+  }
+}
+
+// A grid of `slots` rows (blocks x rows per block) walks the rows with a fixed stride.
+// With a resident grid (the default launch) each slot loads its next row before reducing
+// and storing the current one, so loads stay in flight through the reduction's barriers
+// and the stores: a one-row-per-block grid leaves the memory system idle in those phases.
+// kVecs = 8 (rows wider than 4 vectors x 512 threads) holds one row only: registers.
 template <typename T, typename G, int kVecs, bool kAdd>
 __global__ void __launch_bounds__(FwdMaxThreads(kVecs))
 RmsNormFwdKernel(const T* __restrict__ x, const T* residual, const G* __restrict__ gamma,
                  T* __restrict__ out, T* new_residual, float* __restrict__ rsigma,
                  int64_t rows, int64_t cols, float eps, bool zero_centered) {
   constexpr int kElems = Pack<T>::kElems;
+  constexpr bool kPrefetch = kVecs <= 4;
   const int tpr = blockDim.x;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  const bool valid_row = row < rows;
-  const int64_t base = row * cols;
-  Pack<T> s[kVecs];
-  float sum = 0.0f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * blockDim.y;
+  Pack<T> xs[kVecs], rs[kVecs];
+  if constexpr (kPrefetch) {
+    LoadRow<T, kVecs, kAdd, false>(x, residual, first_row + threadIdx.y, rows, cols, tpr, xs,
+                                   rs);
+  }
+  // Every thread of the block runs the same number of iterations (block-wide reductions).
+  for (int64_t row0 = first_row; row0 < rows; row0 += stride) {
+    const int64_t row = row0 + threadIdx.y;
+    const bool valid_row = row < rows;
+    const int64_t base = row * cols;
+    Pack<T> next_xs[kVecs], next_rs[kVecs];
+    if constexpr (kPrefetch) {
+      LoadRow<T, kVecs, kAdd, false>(x, residual, row + stride, rows, cols, tpr, next_xs,
+                                     next_rs);
+    } else {
+      LoadRow<T, kVecs, kAdd, true>(x, residual, row, rows, cols, tpr, xs, rs);
+    }
+    float sum = 0.0f;
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
-    if (valid_row && col < cols) {
-      s[v] = LoadPack(x, base + col);
-      if constexpr (kAdd) {
-        const Pack<T> r = LoadPack(residual, base + col);
+    for (int v = 0; v < kVecs; ++v) {
+      const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
+      if (valid_row && col < cols) {
+        if constexpr (kAdd) {
+          if constexpr (kPrefetch) {  // otherwise LoadRow summed already
 #pragma unroll
-        for (int k = 0; k < kElems; ++k) s[v].v[k] = FromF<T>(ToF(s[v].v[k]) + ToF(r.v[k]));
-        StorePack(new_residual, base + col, s[v]);
-      }
+            for (int k = 0; k < kElems; ++k) {
+              xs[v].v[k] = FromF<T>(ToF(xs[v].v[k]) + ToF(rs[v].v[k]));
+            }
+          }
+          StorePack(new_residual, base + col, xs[v]);
+        }
 #pragma unroll
-      for (int k = 0; k < kElems; ++k) {
-        const float f = ToF(s[v].v[k]);
-        sum += f * f;
+        for (int k = 0; k < kElems; ++k) {
+          const float f = ToF(xs[v].v[k]);
+          sum += f * f;
+        }
       }
     }
-  }
-  sum = RowSum(sum, tpr);
-  if (!valid_row) return;  // after the last block-wide reduction
-  const float rs = RmsNormRsigma(sum, cols, eps);
-  if (threadIdx.x == 0) rsigma[row] = rs;
+    sum = RowSum(sum, tpr);
+    if (valid_row) {
+      const float rsig = RmsNormRsigma(sum, cols, eps);
+      if (threadIdx.x == 0) rsigma[row] = rsig;
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
-    if (col < cols) {
-      float scale[kElems];
-      LoadScales(gamma, col, zero_centered, scale);
-      Pack<T> o;
+      for (int v = 0; v < kVecs; ++v) {
+        const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
+        if (col < cols) {
+          float scale[kElems];
+          LoadScales(gamma, col, zero_centered, scale);
+          Pack<T> o;
 #pragma unroll
-      for (int k = 0; k < kElems; ++k) {
-        o.v[k] = FromF<T>(RmsNormApply(ToF(s[v].v[k]), rs, scale[k]));
+          for (int k = 0; k < kElems; ++k) {
+            o.v[k] = FromF<T>(RmsNormApply(ToF(xs[v].v[k]), rsig, scale[k]));
+          }
+          StorePack(out, base + col, o);
+        }
       }
-      StorePack(out, base + col, o);
+    }
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        xs[v] = next_xs[v];
+        if constexpr (kAdd) rs[v] = next_rs[v];
+      }
     }
   }
 }
 
 // --- backward, register resident ------------------------------------------------------
 
+// Loads the kVecs vectors this thread holds of row `row` of dy and s (and dz when kAdd),
+// and the row's rsigma, when the row exists.
+template <typename T, int kVecs, bool kAdd>
+__device__ __forceinline__ void LoadBwdRow(const T* dy, const T* dz, const T* s,
+                                           const float* rsigma, int64_t row, int64_t rows,
+                                           int64_t cols, int tpr, Pack<T> (&gs)[kVecs],
+                                           Pack<T> (&xs)[kVecs], Pack<T> (&dzs)[kVecs],
+                                           float& rs) {
+  constexpr int kElems = Pack<T>::kElems;
+  if (row >= rows) return;
+  rs = rsigma[row];
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
+    if (col < cols) {
+      gs[v] = LoadPack(dy, row * cols + col);
+      xs[v] = LoadPack(s, row * cols + col);
+      if constexpr (kAdd) dzs[v] = LoadPack(dz, row * cols + col);
+    }
+  }
+}
+
+// Each slot loads its next row before working on the current one, as the forward does
+// (kVecs <= 4: the dgamma accumulators already hold kVecs x 8 registers).
 template <typename T, typename G, int kVecs, bool kAdd>
 __global__ void __launch_bounds__(BwdMaxThreads(kVecs))
 RmsNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz, const T* __restrict__ s,
@@ -190,6 +285,7 @@ RmsNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz, const T* __
                  T* __restrict__ dx, float* __restrict__ partials, int64_t slots_used,
                  int64_t rows, int64_t cols, bool zero_centered) {
   constexpr int kElems = Pack<T>::kElems;
+  constexpr bool kPrefetch = kVecs <= 4;
   const int tpr = blockDim.x;
   const int64_t slot = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
@@ -200,21 +296,31 @@ RmsNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz, const T* __
 #pragma unroll
     for (int k = 0; k < kElems; ++k) acc[v][k] = 0.0f;
 
-  // Every thread of the block runs the same number of iterations (block-wide reductions).
   const int64_t first_row = static_cast<int64_t>(blockIdx.x) * blockDim.y;
+  Pack<T> g[kVecs], x[kVecs], extra[kVecs];
+  float rs = 0.0f;
+  if constexpr (kPrefetch) {
+    LoadBwdRow<T, kVecs, kAdd>(dy, dz, s, rsigma, first_row + threadIdx.y, rows, cols, tpr,
+                               g, x, extra, rs);
+  }
+  // Every thread of the block runs the same number of iterations (block-wide reductions).
   for (int64_t row0 = first_row; row0 < rows; row0 += stride) {
     const int64_t row = row0 + threadIdx.y;
     const bool valid_row = row < rows;
     const int64_t base = row * cols;
-    const float rs = valid_row ? rsigma[row] : 0.0f;
-    Pack<T> g[kVecs], x[kVecs];
+    Pack<T> next_g[kVecs], next_x[kVecs], next_extra[kVecs];
+    float next_rs = 0.0f;
+    if constexpr (kPrefetch) {
+      LoadBwdRow<T, kVecs, kAdd>(dy, dz, s, rsigma, row + stride, rows, cols, tpr, next_g,
+                                 next_x, next_extra, next_rs);
+    } else {  // dz is loaded where it is used: registers
+      LoadBwdRow<T, kVecs, false>(dy, dz, s, rsigma, row, rows, cols, tpr, g, x, extra, rs);
+    }
     float dot = 0.0f;
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
       if (valid_row && col < cols) {
-        g[v] = LoadPack(dy, base + col);
-        x[v] = LoadPack(s, base + col);
         float scale[kElems];
         LoadScales(gamma, col, zero_centered, scale);
 #pragma unroll
@@ -228,23 +334,32 @@ RmsNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz, const T* __
     }
     dot = RowSum(dot, tpr);
     const float m = dot * inv_cols;
-    if (!valid_row) continue;
+    if (valid_row) {
 #pragma unroll
-    for (int v = 0; v < kVecs; ++v) {
-      const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
-      if (col < cols) {
-        float scale[kElems];
-        LoadScales(gamma, col, zero_centered, scale);
-        Pack<T> extra;
-        if constexpr (kAdd) extra = LoadPack(dz, base + col);
-        Pack<T> o;
+      for (int v = 0; v < kVecs; ++v) {
+        const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
+        if (col < cols) {
+          float scale[kElems];
+          LoadScales(gamma, col, zero_centered, scale);
+          if constexpr (kAdd && !kPrefetch) extra[v] = LoadPack(dz, base + col);
+          Pack<T> o;
 #pragma unroll
-        for (int k = 0; k < kElems; ++k) {
-          float value = RmsNormInputGrad(ToF(g[v].v[k]), ToF(x[v].v[k]), rs, scale[k], m);
-          if constexpr (kAdd) value += ToF(extra.v[k]);
-          o.v[k] = FromF<T>(value);
+          for (int k = 0; k < kElems; ++k) {
+            float value = RmsNormInputGrad(ToF(g[v].v[k]), ToF(x[v].v[k]), rs, scale[k], m);
+            if constexpr (kAdd) value += ToF(extra[v].v[k]);
+            o.v[k] = FromF<T>(value);
+          }
+          StorePack(dx, base + col, o);
         }
-        StorePack(dx, base + col, o);
+      }
+    }
+    if constexpr (kPrefetch) {
+      rs = next_rs;
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        g[v] = next_g[v];
+        x[v] = next_x[v];
+        if constexpr (kAdd) extra[v] = next_extra[v];
       }
     }
   }
@@ -412,13 +527,19 @@ ffi::Error LaunchFwd(cudaStream_t stream, const FwdArgs& a) {
                        (!kAdd || (Aligned16(a.residual) && Aligned16(a.new_residual)));
   if (aligned && ChooseConfig(a.cols, Pack<T>::kElems, &FwdMaxThreads, &c)) {
     const dim3 block(c.tpr, c.rpb);
-    const int64_t blocks = (a.rows + c.rpb - 1) / c.rpb;
+    const int64_t wanted = (a.rows + c.rpb - 1) / c.rpb;
     switch (c.vecs) {
 #define JAXFUSE_CASE(V)                                                                    \
-  case V:                                                                                  \
-    RmsNormFwdKernel<T, G, V, kAdd><<<blocks, block, 0, stream>>>(                         \
-        x, r, g, out, nr, a.rsigma, a.rows, a.cols, a.eps, a.zero_centered);               \
-    break;
+  case V: {                                                                                \
+    const auto kernel = &RmsNormFwdKernel<T, G, V, kAdd>;                                  \
+    const int64_t blocks = PersistentGrid()                                                \
+        ? std::min(wanted, gpu::ResidentBlocks(reinterpret_cast<const void*>(kernel),      \
+                                               c.tpr * c.rpb))                             \
+        : wanted;                                                                          \
+    kernel<<<blocks, block, 0, stream>>>(x, r, g, out, nr, a.rsigma, a.rows, a.cols,       \
+                                         a.eps, a.zero_centered);                          \
+    break;                                                                                 \
+  }
       JAXFUSE_CASE(2) JAXFUSE_CASE(4) JAXFUSE_CASE(8)
 #undef JAXFUSE_CASE
     }
@@ -459,15 +580,23 @@ ffi::Error LaunchBwd(cudaStream_t stream, const BwdArgs& a) {
     if (aligned && ChooseConfig(a.cols, Pack<T>::kElems, &BwdMaxThreads, &c)) {
       const dim3 block(c.tpr, c.rpb);
       const int64_t wanted = (a.rows + c.rpb - 1) / c.rpb;
-      const int64_t blocks = std::max<int64_t>(1, std::min(wanted, a.max_slots / c.rpb));
-      slots_used = std::min(blocks * c.rpb, a.max_slots);
+      // At most one resident wave: a second, partial wave of slots would run on a
+      // fraction of the GPU while holding its share of the rows.
+      const auto grid = [&](const void* kernel) {
+        int64_t blocks = std::min(wanted, a.max_slots / c.rpb);
+        if (PersistentGrid()) blocks = std::min(blocks, gpu::ResidentBlocks(kernel, c.tpr * c.rpb));
+        return std::max<int64_t>(1, blocks);
+      };
       switch (c.vecs) {
 #define JAXFUSE_CASE(V)                                                                    \
-  case V:                                                                                  \
-    RmsNormBwdKernel<T, G, V, kAdd><<<blocks, block, 0, stream>>>(                         \
-        dy, dz, s, g, a.rsigma, dx, a.partials, slots_used, a.rows, a.cols,                \
-        a.zero_centered);                                                                  \
-    break;
+  case V: {                                                                                \
+    const auto kernel = &RmsNormBwdKernel<T, G, V, kAdd>;                                  \
+    const int64_t blocks = grid(reinterpret_cast<const void*>(kernel));                    \
+    slots_used = std::min(blocks * c.rpb, a.max_slots);                                    \
+    kernel<<<blocks, block, 0, stream>>>(dy, dz, s, g, a.rsigma, dx, a.partials,           \
+                                         slots_used, a.rows, a.cols, a.zero_centered);     \
+    break;                                                                                 \
+  }
         JAXFUSE_CASE(2) JAXFUSE_CASE(4) JAXFUSE_CASE(8)
 #undef JAXFUSE_CASE
       }

@@ -113,6 +113,45 @@ __device__ __forceinline__ float LoadScale(const void* scales, bool scales_f32, 
                     : LoadOne(static_cast<const T*>(scales) + row);
 }
 
+// act(a[i], b[i]) for 8 elements, switching on the kind once: the element loop has no
+// branches, so the 8 exp/reciprocal chains interleave.
+__device__ __forceinline__ void ActivationForward8(const ActivationParams& params,
+                                                   const float (&a)[8], const float (&b)[8],
+                                                   float (&out)[8]) {
+  switch (params.kind) {
+    case Activation::kSwiglu:
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = SwigluForward(a[i], b[i]);
+      break;
+    case Activation::kClampedSwiglu:
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = ClampedSwigluForward(params, a[i], b[i]);
+      break;
+    default:
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = SreluForward(a[i]);
+  }
+}
+
+// The value and partial derivatives of 8 elements, switching on the kind once.
+__device__ __forceinline__ void ActivationBackward8(const ActivationParams& params,
+                                                    const float (&a)[8], const float (&b)[8],
+                                                    ActivationGrad (&out)[8]) {
+  switch (params.kind) {
+    case Activation::kSwiglu:
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = SwigluBackward(a[i], b[i]);
+      break;
+    case Activation::kClampedSwiglu:
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = ClampedSwigluBackward(params, a[i], b[i]);
+      break;
+    default:
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = SreluBackward(a[i]);
+  }
+}
+
 // --- producers ------------------------------------------------------------------------
 // Compute(row, unit, v, side) fills v[chunk][0..8) for output columns Col(chunk, unit) and
 // adds a row-reduction term to side (dscales). Valid(chunk, unit) elements of 8 are real.
@@ -165,8 +204,10 @@ struct ActProducer {
       for (int i = 0; i < 8; ++i) b[i] = 0.0f;
     }
     const float scale = LoadScale<T>(scales, scales_f32, row);
+    float act[8];
+    ActivationForward8(params, a, b, act);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[0][i] = ActivationForward(params, a[i], b[i]) * scale;
+    for (int i = 0; i < 8; ++i) v[0][i] = act[i] * scale;
   }
 };
 
@@ -204,9 +245,11 @@ struct DActPairProducer {
       for (int i = 0; i < 8; ++i) b[i] = 0.0f;
     }
     const float scale = LoadScale<T>(scales, scales_f32, row);
+    ActivationGrad grads[8];
+    ActivationBackward8(params, a, b, grads);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const ActivationGrad grad = ActivationBackward(params, a[i], b[i]);
+      const ActivationGrad& grad = grads[i];
       if (i < valid) side += g[i] * grad.value;
       const float gs = g[i] * scale;
       v[0][i] = gs * grad.da;
@@ -251,9 +294,11 @@ struct DActFlatProducer {
 #pragma unroll
         for (int i = 0; i < 8; ++i) b[i] = 0.0f;
       }
+      ActivationGrad grads[8];
+      ActivationBackward8(params, a, b, grads);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const ActivationGrad grad = ActivationBackward(params, a[i], b[i]);
+        const ActivationGrad& grad = grads[i];
         if (!second) side += g[i] * grad.value;
         v[0][i] = g[i] * scale * (second ? grad.db : grad.da);
       }

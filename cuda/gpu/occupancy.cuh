@@ -1,0 +1,36 @@
+// How many blocks of a kernel the current device holds at once, for persistent grids
+// (a grid larger than that runs in waves, and a partial last wave idles most of the GPU).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+namespace jaxfuse {
+namespace gpu {
+
+// Resident blocks of `kernel` launched with `threads` threads and no dynamic shared memory,
+// over all multiprocessors of the current device; at least 1. Queried once per (device,
+// kernel, threads) and cached: the handlers call it on every launch.
+inline int64_t ResidentBlocks(const void* kernel, int threads) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void*, int>, int64_t> cache;
+  int device = 0;
+  cudaGetDevice(&device);
+  const auto key = std::make_tuple(device, kernel, threads);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  int sms = 0, per_sm = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
+  cudaGetLastError();  // a failed query must not surface as a launch error later
+  const int64_t blocks = static_cast<int64_t>(per_sm > 0 ? per_sm : 1) * (sms > 0 ? sms : 1);
+  cache.emplace(key, blocks);
+  return blocks;
+}
+
+}  // namespace gpu
+}  // namespace jaxfuse

@@ -38,6 +38,11 @@ namespace {
 // keep more registers live (the backward with 8 vectors and its dgamma accumulators uses
 // ~250 registers: one 256-thread block per SM), so the 2-vector kernels take wider rows.
 constexpr int FwdMaxThreads(int) { return 512; }
+// Two vectors per thread fit three 512-thread blocks per SM (<= 42 registers) unless the
+// gamma scales are held too (58-60 registers: two blocks).
+constexpr int FwdMinBlocks(int vecs, bool hold_scales) {
+  return vecs > 2 ? 1 : (hold_scales ? 2 : 3);
+}
 constexpr int BwdMaxThreads(int vecs) { return vecs <= 2 ? 512 : 256; }
 // Measured on the H200 at 65536 x 8192 and 16384 x 4096 bf16 (README): 2 vectors per
 // thread (up to 512 threads per row) against the earlier 128-thread target (8 vectors at
@@ -71,6 +76,16 @@ bool PersistentGrid() {
     return value == nullptr || std::atoi(value) != 0;
   }();
   return persistent;
+}
+
+// Whether the forward holds its gamma scales in registers across rows (RmsNormFwdKernel):
+// JAXFUSE_RMS_NORM_HOLD_SCALES=0|1 (a benchmark knob; default 1). Read once.
+bool HoldScales() {
+  static const bool hold = [] {
+    const char* value = std::getenv("JAXFUSE_RMS_NORM_HOLD_SCALES");
+    return value == nullptr || std::atoi(value) != 0;
+  }();
+  return hold;
 }
 
 // --- conversions ------------------------------------------------------------------
@@ -145,13 +160,12 @@ __device__ __forceinline__ float RowSum(float value, int tpr) {
 
 // --- forward, register resident -------------------------------------------------------
 
-// Loads the kVecs vectors this thread holds of row `row` (x, and residual for kAdd) when
-// the row exists. kSum: xs receives x + residual as stored (rounded to T) and rs is
-// untouched, which keeps half the registers when the values are used at once.
-template <typename T, int kVecs, bool kAdd, bool kSum>
+// Loads the kVecs vectors this thread holds of row `row` when the row exists: x, or for
+// kAdd x + residual as stored (rounded to T).
+template <typename T, int kVecs, bool kAdd>
 __device__ __forceinline__ void LoadRow(const T* x, const T* residual, int64_t row,
                                         int64_t rows, int64_t cols, int tpr,
-                                        Pack<T> (&xs)[kVecs], Pack<T> (&rs)[kVecs]) {
+                                        Pack<T> (&xs)[kVecs]) {
   constexpr int kElems = Pack<T>::kElems;
   if (row >= rows) return;
 #pragma unroll
@@ -159,63 +173,53 @@ __device__ __forceinline__ void LoadRow(const T* x, const T* residual, int64_t r
     const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
     if (col < cols) {
       xs[v] = LoadPack(x, row * cols + col);
-      if constexpr (kAdd && kSum) {
+      if constexpr (kAdd) {
         const Pack<T> r = LoadPack(residual, row * cols + col);
 #pragma unroll
         for (int k = 0; k < kElems; ++k) xs[v].v[k] = FromF<T>(ToF(xs[v].v[k]) + ToF(r.v[k]));
-      } else if constexpr (kAdd) {
-        rs[v] = LoadPack(residual, row * cols + col);
       }
     }
   }
 }
 
-// A grid of `slots` rows (blocks x rows per block) walks the rows with a fixed stride.
-// With a resident grid (the default launch) each slot loads its next row before reducing
-// and storing the current one, so loads stay in flight through the reduction's barriers
-// and the stores: a one-row-per-block grid leaves the memory system idle in those phases.
-// kVecs = 8 (rows wider than 4 vectors x 512 threads) holds one row only: registers.
-template <typename T, typename G, int kVecs, bool kAdd>
-__global__ void __launch_bounds__(FwdMaxThreads(kVecs))
+// A grid of `slots` rows (blocks x rows per block) walks the rows with a fixed stride, so
+// a thread's columns never change: with kHoldScales it loads its gamma scales once
+// (kVecs <= 4; 8 vectors would need 64 more registers) instead of once per row, which for
+// an fp32 gamma is twice the bytes of the x vector it scales, at the price of ~18 more
+// registers (58-60 at 2 vectors: two 512-thread blocks per SM instead of three).
+// Measured on the H200 (9e2113f4): prefetching the next row as well gained nothing for
+// rms_norm and cost add_rms_norm a third (72 registers: one 512-thread block per SM).
+template <typename T, typename G, int kVecs, bool kAdd, bool kHoldScales>
+__global__ void __launch_bounds__(FwdMaxThreads(kVecs), FwdMinBlocks(kVecs, kHoldScales))
 RmsNormFwdKernel(const T* __restrict__ x, const T* residual, const G* __restrict__ gamma,
                  T* __restrict__ out, T* new_residual, float* __restrict__ rsigma,
                  int64_t rows, int64_t cols, float eps, bool zero_centered) {
   constexpr int kElems = Pack<T>::kElems;
-  constexpr bool kPrefetch = kVecs <= 4;
+  constexpr bool kScalesHeld = kHoldScales && kVecs <= 4;
   const int tpr = blockDim.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
   const int64_t first_row = static_cast<int64_t>(blockIdx.x) * blockDim.y;
-  Pack<T> xs[kVecs], rs[kVecs];
-  if constexpr (kPrefetch) {
-    LoadRow<T, kVecs, kAdd, false>(x, residual, first_row + threadIdx.y, rows, cols, tpr, xs,
-                                   rs);
+  float held[kScalesHeld ? kVecs : 1][kElems];
+  if constexpr (kScalesHeld) {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
+      if (col < cols) LoadScales(gamma, col, zero_centered, held[v]);
+    }
   }
   // Every thread of the block runs the same number of iterations (block-wide reductions).
   for (int64_t row0 = first_row; row0 < rows; row0 += stride) {
     const int64_t row = row0 + threadIdx.y;
     const bool valid_row = row < rows;
     const int64_t base = row * cols;
-    Pack<T> next_xs[kVecs], next_rs[kVecs];
-    if constexpr (kPrefetch) {
-      LoadRow<T, kVecs, kAdd, false>(x, residual, row + stride, rows, cols, tpr, next_xs,
-                                     next_rs);
-    } else {
-      LoadRow<T, kVecs, kAdd, true>(x, residual, row, rows, cols, tpr, xs, rs);
-    }
+    Pack<T> xs[kVecs];
+    LoadRow<T, kVecs, kAdd>(x, residual, row, rows, cols, tpr, xs);
     float sum = 0.0f;
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
       if (valid_row && col < cols) {
-        if constexpr (kAdd) {
-          if constexpr (kPrefetch) {  // otherwise LoadRow summed already
-#pragma unroll
-            for (int k = 0; k < kElems; ++k) {
-              xs[v].v[k] = FromF<T>(ToF(xs[v].v[k]) + ToF(rs[v].v[k]));
-            }
-          }
-          StorePack(new_residual, base + col, xs[v]);
-        }
+        if constexpr (kAdd) StorePack(new_residual, base + col, xs[v]);
 #pragma unroll
         for (int k = 0; k < kElems; ++k) {
           const float f = ToF(xs[v].v[k]);
@@ -224,29 +228,22 @@ RmsNormFwdKernel(const T* __restrict__ x, const T* residual, const G* __restrict
       }
     }
     sum = RowSum(sum, tpr);
-    if (valid_row) {
-      const float rsig = RmsNormRsigma(sum, cols, eps);
-      if (threadIdx.x == 0) rsigma[row] = rsig;
+    if (!valid_row) continue;  // after the block-wide reduction
+    const float rsig = RmsNormRsigma(sum, cols, eps);
+    if (threadIdx.x == 0) rsigma[row] = rsig;
 #pragma unroll
-      for (int v = 0; v < kVecs; ++v) {
-        const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
-        if (col < cols) {
-          float scale[kElems];
-          LoadScales(gamma, col, zero_centered, scale);
-          Pack<T> o;
+    for (int v = 0; v < kVecs; ++v) {
+      const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
+      if (col < cols) {
+        float loaded[kElems];
+        if constexpr (!kScalesHeld) LoadScales(gamma, col, zero_centered, loaded);
+        const float (&scale)[kElems] = kScalesHeld ? held[kScalesHeld ? v : 0] : loaded;
+        Pack<T> o;
 #pragma unroll
-          for (int k = 0; k < kElems; ++k) {
-            o.v[k] = FromF<T>(RmsNormApply(ToF(xs[v].v[k]), rsig, scale[k]));
-          }
-          StorePack(out, base + col, o);
+        for (int k = 0; k < kElems; ++k) {
+          o.v[k] = FromF<T>(RmsNormApply(ToF(xs[v].v[k]), rsig, scale[k]));
         }
-      }
-    }
-    if constexpr (kPrefetch) {
-#pragma unroll
-      for (int v = 0; v < kVecs; ++v) {
-        xs[v] = next_xs[v];
-        if constexpr (kAdd) rs[v] = next_rs[v];
+        StorePack(out, base + col, o);
       }
     }
   }
@@ -531,7 +528,8 @@ ffi::Error LaunchFwd(cudaStream_t stream, const FwdArgs& a) {
     switch (c.vecs) {
 #define JAXFUSE_CASE(V)                                                                    \
   case V: {                                                                                \
-    const auto kernel = &RmsNormFwdKernel<T, G, V, kAdd>;                                  \
+    const auto kernel = HoldScales() ? &RmsNormFwdKernel<T, G, V, kAdd, true>              \
+                                     : &RmsNormFwdKernel<T, G, V, kAdd, false>;            \
     const int64_t blocks = PersistentGrid()                                                \
         ? std::min(wanted, gpu::ResidentBlocks(reinterpret_cast<const void*>(kernel),      \
                                                c.tpr * c.rpb))                             \

@@ -38,11 +38,9 @@ namespace {
 // keep more registers live (the backward with 8 vectors and its dgamma accumulators uses
 // ~250 registers: one 256-thread block per SM), so the 2-vector kernels take wider rows.
 constexpr int FwdMaxThreads(int) { return 512; }
-// Two vectors per thread fit three 512-thread blocks per SM (<= 42 registers) unless the
-// gamma scales are held too (58-60 registers: two blocks).
-constexpr int FwdMinBlocks(int vecs, bool hold_scales) {
-  return vecs > 2 ? 1 : (hold_scales ? 2 : 3);
-}
+// Two vectors per thread fit three 512-thread blocks per SM (<= 42 registers; the
+// compiler picked 53 for rms_norm's strided loop when left alone).
+constexpr int FwdMinBlocks(int vecs) { return vecs > 2 ? 1 : 3; }
 constexpr int BwdMaxThreads(int vecs) { return vecs <= 2 ? 512 : 256; }
 // Measured on the H200 at 65536 x 8192 and 16384 x 4096 bf16 (README): 2 vectors per
 // thread (up to 512 threads per row) against the earlier 128-thread target (8 vectors at
@@ -67,25 +65,15 @@ int ThreadsPerRowTarget() {
 }
 
 // Register-resident grids are resident (as many blocks as fit on the GPU at once, each
-// walking rows with a stride and prefetching its next row) unless
-// JAXFUSE_RMS_NORM_PERSISTENT=0, which launches one block per row group instead (the
-// layout before the prefetch; a benchmark knob for the A/B). Read once.
+// walking rows with a stride; the backward's slots also prefetch their next row) unless
+// JAXFUSE_RMS_NORM_PERSISTENT=0, which launches one block per row group (a benchmark knob:
+// on the H200 the two were within run-to-run noise of each other in the forward). Read once.
 bool PersistentGrid() {
   static const bool persistent = [] {
     const char* value = std::getenv("JAXFUSE_RMS_NORM_PERSISTENT");
     return value == nullptr || std::atoi(value) != 0;
   }();
   return persistent;
-}
-
-// Whether the forward holds its gamma scales in registers across rows (RmsNormFwdKernel):
-// JAXFUSE_RMS_NORM_HOLD_SCALES=0|1 (a benchmark knob; default 1). Read once.
-bool HoldScales() {
-  static const bool hold = [] {
-    const char* value = std::getenv("JAXFUSE_RMS_NORM_HOLD_SCALES");
-    return value == nullptr || std::atoi(value) != 0;
-  }();
-  return hold;
 }
 
 // --- conversions ------------------------------------------------------------------
@@ -182,33 +170,23 @@ __device__ __forceinline__ void LoadRow(const T* x, const T* residual, int64_t r
   }
 }
 
-// A grid of `slots` rows (blocks x rows per block) walks the rows with a fixed stride, so
-// a thread's columns never change: with kHoldScales it loads its gamma scales once
-// (kVecs <= 4; 8 vectors would need 64 more registers) instead of once per row, which for
-// an fp32 gamma is twice the bytes of the x vector it scales, at the price of ~18 more
-// registers (58-60 at 2 vectors: two 512-thread blocks per SM instead of three).
-// Measured on the H200 (9e2113f4): prefetching the next row as well gained nothing for
-// rms_norm and cost add_rms_norm a third (72 registers: one 512-thread block per SM).
-template <typename T, typename G, int kVecs, bool kAdd, bool kHoldScales>
-__global__ void __launch_bounds__(FwdMaxThreads(kVecs), FwdMinBlocks(kVecs, kHoldScales))
+// A grid of `slots` rows (blocks x rows per block) walks the rows with a fixed stride.
+// Measured on the H200 at 65536 x 8192 bf16 (c8688e9c, 9e2113f4), against this kernel at
+// 0.64 ms (rms_norm) and 1.14 ms (add_rms_norm): prefetching each slot's next row gained
+// nothing for rms_norm and cost add_rms_norm a third (72 registers: one 512-thread block
+// per SM); holding the gamma scales in registers across rows (loaded once per slot, 58-62
+// registers: two blocks per SM) was 12% and 6% slower. Hence three blocks per SM.
+template <typename T, typename G, int kVecs, bool kAdd>
+__global__ void __launch_bounds__(FwdMaxThreads(kVecs), FwdMinBlocks(kVecs))
 RmsNormFwdKernel(const T* __restrict__ x, const T* residual, const G* __restrict__ gamma,
                  T* __restrict__ out, T* new_residual, float* __restrict__ rsigma,
                  int64_t rows, int64_t cols, float eps, bool zero_centered) {
   constexpr int kElems = Pack<T>::kElems;
-  constexpr bool kScalesHeld = kHoldScales && kVecs <= 4;
   const int tpr = blockDim.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
-  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * blockDim.y;
-  float held[kScalesHeld ? kVecs : 1][kElems];
-  if constexpr (kScalesHeld) {
-#pragma unroll
-    for (int v = 0; v < kVecs; ++v) {
-      const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
-      if (col < cols) LoadScales(gamma, col, zero_centered, held[v]);
-    }
-  }
   // Every thread of the block runs the same number of iterations (block-wide reductions).
-  for (int64_t row0 = first_row; row0 < rows; row0 += stride) {
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * blockDim.y; row0 < rows;
+       row0 += stride) {
     const int64_t row = row0 + threadIdx.y;
     const bool valid_row = row < rows;
     const int64_t base = row * cols;
@@ -235,9 +213,8 @@ RmsNormFwdKernel(const T* __restrict__ x, const T* residual, const G* __restrict
     for (int v = 0; v < kVecs; ++v) {
       const int64_t col = (static_cast<int64_t>(v) * tpr + threadIdx.x) * kElems;
       if (col < cols) {
-        float loaded[kElems];
-        if constexpr (!kScalesHeld) LoadScales(gamma, col, zero_centered, loaded);
-        const float (&scale)[kElems] = kScalesHeld ? held[kScalesHeld ? v : 0] : loaded;
+        float scale[kElems];
+        LoadScales(gamma, col, zero_centered, scale);
         Pack<T> o;
 #pragma unroll
         for (int k = 0; k < kElems; ++k) {
@@ -528,8 +505,7 @@ ffi::Error LaunchFwd(cudaStream_t stream, const FwdArgs& a) {
     switch (c.vecs) {
 #define JAXFUSE_CASE(V)                                                                    \
   case V: {                                                                                \
-    const auto kernel = HoldScales() ? &RmsNormFwdKernel<T, G, V, kAdd, true>              \
-                                     : &RmsNormFwdKernel<T, G, V, kAdd, false>;            \
+    const auto kernel = &RmsNormFwdKernel<T, G, V, kAdd>;                                  \
     const int64_t blocks = PersistentGrid()                                                \
         ? std::min(wanted, gpu::ResidentBlocks(reinterpret_cast<const void*>(kernel),      \
                                                c.tpr * c.rpb))                             \

@@ -155,8 +155,11 @@ PYEOF
       done
       ;;
     *.py)
+      # Examples and scripts import jaxfuse from this tree (the prebuilt extension lands here).
       log "script $stage"
-      $PY "$stage" 2>&1 | tee "$LOGS/$(basename "$stage" .py).log" | tail -30
+      PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout ${SCRIPT_TIMEOUT:-300} $PY "$stage" 2>&1 \
+        | tee "$LOGS/$(basename "$stage" .py).log" | tail -30
+      [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; log "SCRIPT $stage FAILED"; }
       ;;
     *) log "unknown stage $stage"; status=1 ;;
   esac

@@ -1,0 +1,21 @@
+"""rms_norm and add_rms_norm forwards at 65536 x 8192 bf16 (fp32 gamma), a few calls each:
+a target for Nsight Compute on the GPU machine, e.g.
+
+    ncu --clock-control none -k regex:RmsNormFwd -c 2 --section SpeedOfLight \
+        python3 scripts/ncu_rms_norm.py
+"""
+
+import jax
+import jax.numpy as jnp
+
+import jaxfuse
+
+x = jax.random.normal(jax.random.key(0), (65536, 8192), jnp.bfloat16)
+residual = jax.random.normal(jax.random.key(1), (65536, 8192), jnp.bfloat16)
+gamma = 1.0 + 0.1 * jax.random.normal(jax.random.key(2), (8192,), jnp.float32)
+plain = jax.jit(lambda x, g: jaxfuse.rms_norm_inference(x, g))
+added = jax.jit(lambda x, r, g: jaxfuse.add_rms_norm(x, r, g))
+for _ in range(2):
+  jax.block_until_ready(plain(x, gamma))
+  jax.block_until_ready(added(x, residual, gamma))
+print("done")

@@ -13,7 +13,7 @@ import jaxfuse
 x = jax.random.normal(jax.random.key(0), (65536, 8192), jnp.bfloat16)
 residual = jax.random.normal(jax.random.key(1), (65536, 8192), jnp.bfloat16)
 gamma = 1.0 + 0.1 * jax.random.normal(jax.random.key(2), (8192,), jnp.float32)
-plain = jax.jit(lambda x, g: jaxfuse.rms_norm_inference(x, g))
+plain = jax.jit(lambda x, g: jaxfuse.rms_norm(x, g))
 added = jax.jit(lambda x, r, g: jaxfuse.add_rms_norm(x, r, g))
 for _ in range(2):
   jax.block_until_ready(plain(x, gamma))

@@ -47,7 +47,7 @@ template <class P, typename T>
 ffi::Error LaunchRows(cudaStream_t stream, const P& p, SinkArgs<T> s, int64_t units,
                       const QuantizeProblem& problem) {
   const int grid = gpu::GridFor(s.rows);
-  const int threads = gpu::ThreadsFor(units);
+  const int threads = gpu::ThreadsFor(s.rows, units);
   if (problem.mode == ScalingMode::kCurrent) {
     if (problem.num_groups > 0 &&
         cudaMemsetAsync(s.amax, 0, problem.num_groups * sizeof(float), stream) != cudaSuccess) {

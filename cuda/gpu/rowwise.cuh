@@ -467,27 +467,40 @@ __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
 }
 
 // Upper bound on threads per block: 256 by default; JAXFUSE_ROWWISE_MAX_THREADS (64, 128,
-// 256 or 512) overrides it, read once per process. A benchmark knob: RMSNorm gained
-// 18-26 points of copy bandwidth on the H200 from wider rows with fewer vectors in flight
-// per thread, and these kernels (SwiGLU forward at 74% of copy at T=65536, 2F=8192, where
-// a row is 512 units) have not been swept yet.
-inline int MaxRowThreads() {
+// 256 or 512) overrides it, read once per process (a benchmark knob).
+inline int MaxRowThreads(bool* overridden = nullptr) {
   static const int max_threads = [] {
     if (const char* value = std::getenv("JAXFUSE_ROWWISE_MAX_THREADS")) {
       const int parsed = std::atoi(value);
       if (parsed == 64 || parsed == 128 || parsed == 256 || parsed == 512) return parsed;
     }
-    return 256;
+    return 0;  // not set
   }();
-  return max_threads;
+  if (overridden != nullptr) *overridden = max_threads != 0;
+  return max_threads != 0 ? max_threads : 256;
 }
 
-// Threads per block for `units` units per row: enough to cover a row (up to
-// MaxRowThreads()), a multiple of 32 (block-scaling lane groups must not straddle warps).
-inline int ThreadsFor(int64_t units) {
+// Problems of at least this many units (rows x units per row) launch kLargeProblemThreads
+// threads per block unless JAXFUSE_ROWWISE_MAX_THREADS is set. Measured on the H200 at
+// T=65536, 2F=8192 (512 units per row, 33.5M units; b6cdc018 against 9e2113f4): 64
+// threads per row, each walking 8 units, against 256 covering it in 2 steps: SwiGLU forward
+// 0.514 -> 0.469 ms (76% -> 82% of copy), backward 0.910 -> 0.848, 1x128 quantized
+// 0.688 -> 0.652, per-group current scaling 0.940 -> 0.825, its backward 1.720 -> 1.503;
+// 512 threads was slower than 256 throughout. At T=2048, 2F=2048 (262K units) covering
+// the row stayed faster (40 vs 58 us forward), hence the size rule.
+constexpr int64_t kLargeProblemUnits = int64_t{1} << 22;
+constexpr int kLargeProblemThreads = 64;
+
+// Threads per block for `rows` rows of `units` units: enough to cover a row (up to
+// MaxRowThreads()) for small problems, kLargeProblemThreads for large ones; a multiple of
+// 32 (block-scaling lane groups must not straddle warps).
+inline int ThreadsFor(int64_t rows, int64_t units) {
+  bool overridden = false;
+  const int max_threads = MaxRowThreads(&overridden);
+  if (!overridden && rows * units >= kLargeProblemUnits) return kLargeProblemThreads;
   int64_t threads = ((units + 31) / 32) * 32;
   if (threads < 64) threads = 64;
-  if (threads > MaxRowThreads()) threads = MaxRowThreads();
+  if (threads > max_threads) threads = max_threads;
   return static_cast<int>(threads);
 }
 

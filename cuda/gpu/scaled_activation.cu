@@ -42,7 +42,8 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer sca
     s.rows = problem.rows;
     s.cols = problem.out_cols;
     gpu::RowKernel<gpu::ActProducer<T>, gpu::SinkKind::kStore, T>
-        <<<gpu::GridFor(problem.rows), gpu::ThreadsFor((problem.out_cols + 7) / 8), 0, stream>>>(p, s);
+        <<<gpu::GridFor(problem.rows), gpu::ThreadsFor(problem.rows, (problem.out_cols + 7) / 8),
+           0, stream>>>(p, s);
     return gpu::LaunchError("scaled_activation forward kernel");
   });
 }
@@ -82,7 +83,8 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x
     s.rows = problem.rows;
     s.cols = problem.in_cols;
     gpu::RowKernel<gpu::DActPairProducer<T>, gpu::SinkKind::kStore, T>
-        <<<gpu::GridFor(problem.rows), gpu::ThreadsFor((problem.out_cols + 7) / 8), 0, stream>>>(p, s);
+        <<<gpu::GridFor(problem.rows), gpu::ThreadsFor(problem.rows, (problem.out_cols + 7) / 8),
+           0, stream>>>(p, s);
     return gpu::LaunchError("scaled_activation backward kernel");
   });
 }

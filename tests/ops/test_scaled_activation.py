@@ -296,3 +296,23 @@ def test_shard_map_on_8_cpu_devices():
   expected = jax.grad(total("xla"), argnums=(0, 1))(x, scales)
   for got, want in zip(grads, expected):
     helpers.assert_close(got, helpers.as_f64(want), jnp.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+def test_gpu_large_problem_matches_float64(activation):
+  # 8192 rows x 512 vectors of 8 outputs: past the size from which the CUDA kernels walk
+  # each row with 64 threads of 8 vectors each (rowwise.cuh, kLargeProblemUnits = 2^22)
+  # instead of covering it.
+  leading, f = (8192,), 4096
+  assert leading[0] * f // 8 >= 1 << 22
+  x, scales = on("gpu", *make_inputs(11, leading, f, jnp.bfloat16, activation, magnitude=4.0))
+  out = jaxfuse.scaled_activation(x, scales, activation, implementation="ffi")
+  helpers.assert_close(out, np_forward(x, scales, activation), jnp.bfloat16, msg="forward")
+  dy = on("gpu", helpers.random_array(np.random.default_rng(12), out.shape, jnp.bfloat16))[0]
+  _, vjp = jax.vjp(lambda x, s: jaxfuse.scaled_activation(x, s, activation,
+                                                          implementation="ffi"), x, scales)
+  dx, dscales = vjp(dy)
+  want_dx, want_ds = np_backward(dy, x, scales, activation)
+  helpers.assert_close(dx, want_dx, jnp.bfloat16, msg="dx")
+  helpers.assert_close(dscales, want_ds, jnp.bfloat16, msg="dscales")  # from bf16 dy, x

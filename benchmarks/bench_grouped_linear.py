@@ -9,13 +9,15 @@ x [m, K] x w^T [G, N, K]; dgrad: E5M2 dy x E4M3 w [G, K, N]), and "op fwd" / "op
 jaxfuse.grouped_linear with recipe=Float8CurrentScaling(per_group=True), quantization
 included, against the bf16 op (precision "bf16", same rows). There is no FP8 wgrad.
 
-    python -m benchmarks.bench_grouped_linear [--quick]
+jaxfuse bf16, jaxfuse FP8 and torch._grouped_mm run in alternating chunks with the same
+host-clock timing (common.time_alternating), so GPU clock drift cannot favour one of them.
+
+    python -m benchmarks.bench_grouped_linear [--quick] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -91,49 +93,76 @@ def time_jax(fn, args, calls):
   return common.time_fn(fn, [args] * (calls + 3))["median_ms"]  # 3 warm-up calls
 
 
-def torch_times(sizes, calls):
+def torch_variants(sizes, k, n):
+  """{form: time_alternating variant} of torch._grouped_mm on fresh bf16 operands, or {}
+  without torch or CUDA. Timed like the JAX variants: host clock around chunks."""
   try:
-    import torch
+    import torch  # pylint: disable=g-import-not-at-top  (optional baseline)
   except ImportError:
-    return {form: None for form in FORMS}
-  m = sum(sizes)
-  g = len(sizes)
-  x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
-  w = torch.randn(g, K, N, device="cuda", dtype=torch.bfloat16) / K**0.5
-  dy = torch.randn(m, N, device="cuda", dtype=torch.bfloat16)
+    return {}
+  if not torch.cuda.is_available():
+    return {}
+  m, g = sum(sizes), len(sizes)
+  x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+  w = torch.randn(g, k, n, device="cuda", dtype=torch.bfloat16) / k**0.5
+  dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
   offs = torch.tensor(np.cumsum(sizes), device="cuda", dtype=torch.int32)
   w_t = w.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major per group, as torch prefers
-  fns = {
-      "fwd": lambda: torch._grouped_mm(x, w_t, offs=offs),
-      "dgrad": lambda: torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs),
-      "wgrad": lambda: torch._grouped_mm(x.t(), dy, offs=offs),
+  wait = lambda _: torch.cuda.synchronize()  # noqa: E731
+  return {
+      "fwd": (lambda: torch._grouped_mm(x, w_t, offs=offs), (), common.keep_args, wait),
+      "dgrad": (lambda: torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs), (),
+                common.keep_args, wait),
+      "wgrad": (lambda: torch._grouped_mm(x.t(), dy, offs=offs), (), common.keep_args, wait),
   }
-  out = {}
-  for form, fn in fns.items():
+
+
+def alternate(variants, rounds) -> dict[str, float | None]:
+  """Median ms per variant from common.time_alternating; a variant whose call fails (out
+  of memory, unsupported) is reported, dropped and gets None."""
+  variants = dict(variants)
+  while variants:
     try:
-      out[form] = common.time_torch_ms(fn, calls)
-    except Exception as error:  # report, keep going
-      print(f"torch._grouped_mm {form} failed: {error}")
-      out[form] = None
-  del x, w, dy
-  torch.cuda.empty_cache()
-  return out
+      stats = common.time_alternating(variants, rounds=rounds)
+      return {name: stats.get(name, {}).get("median_ms") for name in variants}
+    except Exception as error:  # find the failing variant, keep the others
+      for name, (fn, args, *_) in list(variants.items()):
+        try:
+          jax.block_until_ready(fn(*args))
+        except Exception:  # pylint: disable=broad-except
+          print(f"{name} failed: {type(error).__name__}: {str(error)[:200]}")
+          del variants[name]
+          break
+      else:
+        raise
+  return {}
 
 
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--smoke", action="store_true",
+                      help="tiny sizes on whatever device exists (checks the script, e.g. on "
+                           "CPU); writes no results")
   args = parser.parse_args()
-  calls = 5 if args.quick else 20
+  global K, N
+  cases = CASES
+  if args.smoke:
+    K, N = 64, 128
+    cases = {name: [max(0, size // 256) for size in sizes][:16] for name, sizes in CASES.items()}
+  calls = 5 if args.quick or args.smoke else 20
+  rounds = max(2, calls // common.CHUNK)  # alternating chunks per variant
   rows = []
   # Dense ceiling: one bf16 GEMM of 65536 x 2048 x 4096 through XLA, same run.
-  a = jax.random.normal(jax.random.key(0), (65536, K), jnp.bfloat16)
+  dense_m = 256 if args.smoke else 65536
+  a = jax.random.normal(jax.random.key(0), (dense_m, K), jnp.bfloat16)
   b = jax.random.normal(jax.random.key(1), (K, N), jnp.bfloat16)
   dense_ms = time_jax(jax.jit(jnp.matmul), (a, b), calls)
-  dense_tflops = 2 * 65536 * K * N / (dense_ms * 1e-3) / 1e12
+  dense_tflops = 2 * dense_m * K * N / (dense_ms * 1e-3) / 1e12
   del a, b
-  print(f"dense XLA bf16 65536x{K}x{N}: {dense_ms:.3f} ms, {dense_tflops:.1f} TFLOP/s", flush=True)
-  for name, sizes in CASES.items():
+  print(f"dense XLA bf16 {dense_m}x{K}x{N}: {dense_ms:.3f} ms, {dense_tflops:.1f} TFLOP/s",
+        flush=True)
+  for name, sizes in cases.items():
     m, g = sum(sizes), len(sizes)
     key = jax.random.key(m + g)
     kx, kw, kd = jax.random.split(key, 3)
@@ -143,50 +172,62 @@ def main():
     sizes_array = jnp.asarray(sizes, jnp.int32)
     offsets = grouped_api.group_offsets(sizes_array)
     flops = 2 * m * K * N
-    results = {"jaxfuse": {}, "ragged_dot": {}}
-    for form, (fn, fn_args) in jaxfuse_steps(x, w, dy, offsets).items():
-      results["jaxfuse"][form] = time_jax(fn, fn_args, calls)
+    gemms = jaxfuse_steps(x, w, dy, offsets)
+    fp8 = fp8_steps(x, w, dy, offsets)
+    torch_gemms = torch_variants(sizes, K, N)
+    # jaxfuse bf16, jaxfuse FP8 (fwd, dgrad) and torch._grouped_mm in alternating chunks.
+    times = {}
+    for form in FORMS:
+      variants = {"jaxfuse": (*gemms[form], common.keep_args)}
+      if ("fp8", form) in fp8:
+        variants["fp8"] = (*fp8["fp8", form], common.keep_args)
+      if form in torch_gemms:
+        variants["torch"] = torch_gemms[form]
+      times[form] = alternate(variants, rounds)
+    del torch_gemms
+    # The whole op (quantization included), FP8 against bf16, alternating.
+    for form in ("op fwd", "op fwd+bwd"):
+      times[form] = alternate({"bf16": (*fp8["bf16", form], common.keep_args),
+                               "fp8": (*fp8["fp8", form], common.keep_args)}, rounds)
+    ragged = {}
     for form, (fn, fn_args) in ragged_dot_steps(x, w, dy, sizes_array).items():
       try:  # XLA's ragged_dot wgrad of 128 groups wants ~96 GB of temporaries per call
-        results["ragged_dot"][form] = time_jax(fn, fn_args, max(3, calls // 4))
+        ragged[form] = time_jax(fn, fn_args, max(3, calls // 4))
       except Exception as error:  # an out-of-memory baseline must not stop the run
         print(f"ragged_dot {name} {form} failed: {type(error).__name__}: {str(error)[:200]}")
-        results["ragged_dot"][form] = None
-    fp8_ms = {}
-    for (precision, form), (fn, fn_args) in fp8_steps(x, w, dy, offsets).items():
-      try:
-        fp8_ms[precision, form] = time_jax(fn, fn_args, calls)
-      except Exception as error:  # report, keep the bf16 rows
-        print(f"{precision} {form} failed: {type(error).__name__}: {str(error)[:200]}")
-        fp8_ms[precision, form] = None
-    del x, w, dy
-    results["torch"] = torch_times(sizes, calls)
+        ragged[form] = None
+    del x, w, dy, gemms, fp8
+    tflops = lambda ms, passes=1: passes * flops / (ms * 1e-3) / 1e12 if ms else None  # noqa: E731
     for form in FORMS:
+      jaxfuse_ms, torch_ms = times[form].get("jaxfuse"), times[form].get("torch")
       row = {"case": name, "groups": g, "rows": m, "K": K, "N": N, "form": form,
-             "precision": "bf16"}
-      for impl, times in results.items():
-        ms = times[form]
-        row[f"{impl}_ms"] = ms
-        row[f"{impl}_tflops"] = flops / (ms * 1e-3) / 1e12 if ms else None
-      row["jaxfuse_vs_dense"] = row["jaxfuse_tflops"] / dense_tflops
-      row["jaxfuse_vs_torch"] = (row["torch_ms"] / row["jaxfuse_ms"]) if row["torch_ms"] else None
+             "precision": "bf16", "jaxfuse_ms": jaxfuse_ms, "jaxfuse_tflops": tflops(jaxfuse_ms),
+             "ragged_dot_ms": ragged[form], "ragged_dot_tflops": tflops(ragged[form]),
+             "torch_ms": torch_ms, "torch_tflops": tflops(torch_ms)}
+      row["jaxfuse_vs_dense"] = row["jaxfuse_tflops"] / dense_tflops if jaxfuse_ms else None
+      row["jaxfuse_vs_torch"] = torch_ms / jaxfuse_ms if torch_ms and jaxfuse_ms else None
       rows.append(row)
       print(row, flush=True)
-    for (precision, form), ms in fp8_ms.items():
+    for form in ("fwd", "dgrad", "op fwd", "op fwd+bwd"):
+      bf16_ms = times[form].get("jaxfuse" if form in FORMS else "bf16")
+      fp8_ms = times[form].get("fp8")
       passes = 3 if form == "op fwd+bwd" else 1
-      row = {"case": name, "groups": g, "rows": m, "K": K, "N": N, "form": form,
-             "precision": precision, "jaxfuse_ms": ms,
-             "jaxfuse_tflops": passes * flops / (ms * 1e-3) / 1e12 if ms else None}
-      bf16_ms = (results["jaxfuse"].get(form) if form in FORMS
-                 else fp8_ms.get(("bf16", form)))
-      row["fp8_speedup"] = bf16_ms / ms if precision == "fp8" and ms and bf16_ms else None
-      rows.append(row)
-      print(row, flush=True)
+      for precision, ms in (("fp8", fp8_ms),) + ((("bf16", bf16_ms),) if form not in FORMS else ()):
+        row = {"case": name, "groups": g, "rows": m, "K": K, "N": N, "form": form,
+               "precision": precision, "jaxfuse_ms": ms, "jaxfuse_tflops": tflops(ms, passes),
+               "fp8_speedup": bf16_ms / ms if precision == "fp8" and ms and bf16_ms else None}
+        rows.append(row)
+        print(row, flush=True)
   common.print_table(rows, ["case", "form", "precision", "jaxfuse_tflops", "fp8_speedup",
                             "torch_tflops",
                             "ragged_dot_tflops", "jaxfuse_vs_dense", "jaxfuse_vs_torch"])
+  if args.smoke:
+    return
   common.write_results("grouped_linear", rows, dtype="bfloat16", dense_xla_tflops=dense_tflops,
-                       baselines="jax.lax.ragged_dot (XLA) and torch._grouped_mm, same run")
+                       baselines="jax.lax.ragged_dot (XLA) and torch._grouped_mm, same run",
+                       method="jaxfuse bf16, jaxfuse FP8 and torch._grouped_mm timed in "
+                              "alternating chunks (common.time_alternating), host clock "
+                              "around each chunk for all three; ragged_dot alone")
 
 
 if __name__ == "__main__":

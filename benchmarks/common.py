@@ -56,32 +56,36 @@ def time_fn(fn: Callable, args_per_call: Sequence[tuple], *, warmup: int = 3) ->
   return {"median_ms": statistics.median(times), "min_ms": min(times), "calls": len(timed)}
 
 
-def time_alternating(variants: dict[str, tuple[Callable, tuple, Callable]], *, rounds: int = 12,
+def time_alternating(variants: dict[str, tuple], *, rounds: int = 12,
                      warmup: int = 3) -> dict[str, dict]:
   """Times several variants in alternating chunks (A B, B A, A B, ...), ms per call each.
 
   Back-to-back sweeps of one variant after another let clock and thermal drift of the
   GPU (seen at +-10% between runs of one cuBLAS kernel on the H200) land on one variant
   only; alternating chunks spreads it over all of them alike. Each variant is
-  ``(fn, args, advance)``: every call runs ``fn(*args)`` and then
-  ``args = advance(args, outputs)``, which lets a donated buffer be replaced by the output
-  that took its place (a residual stream updated in place, as in training) instead of
-  keeping one fresh buffer per call in memory.
+  ``(fn, args, advance)`` or ``(fn, args, advance, wait)``: every call runs ``fn(*args)``
+  and then ``args = advance(args, outputs)``, which lets a donated buffer be replaced by
+  the output that took its place (a residual stream updated in place, as in training)
+  instead of keeping one fresh buffer per call in memory (``keep_args`` leaves them as
+  they are). A chunk ends with ``wait(last outputs)``: ``jax.block_until_ready`` unless
+  given (a torch baseline passes ``lambda _: torch.cuda.synchronize()``, so that both
+  frameworks are timed the same way, by the host clock around whole chunks).
 
   Returns, per variant, ``median_ms``/``min_ms`` over its chunks (each chunk: ``CHUNK``
   calls dispatched back to back, one sync), and ``paired_speedup_vs_<first variant>``:
   the median over rounds of (first variant's chunk time / this one's).
   """
-  state = {name: args for name, (_, args, _) in variants.items()}
+  state = {name: variant[1] for name, variant in variants.items()}
 
   def run_chunk(name, calls):
-    fn, _, advance = variants[name]
+    fn, _, advance, *rest = variants[name]
+    wait = rest[0] if rest else jax.block_until_ready
     args = state[name]
     start = time.perf_counter()
     for _ in range(calls):
       outputs = fn(*args)
       args = advance(args, outputs)
-    jax.block_until_ready(args)
+    wait(outputs)
     state[name] = args
     return (time.perf_counter() - start) * 1e3 / calls
 
@@ -99,6 +103,12 @@ def time_alternating(variants: dict[str, tuple[Callable, tuple, Callable]], *, r
                  "paired_speedup_vs_" + first: statistics.median(
                      a / b for a, b in zip(times[first], times[name]))}
           for name in names}
+
+
+def keep_args(args, outputs):
+  """``advance`` for time_alternating when the arguments are reused unchanged."""
+  del outputs
+  return args
 
 
 def time_torch_ms(fn: Callable, calls: int, *, warmup: int = 3) -> float:

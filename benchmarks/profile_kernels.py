@@ -99,6 +99,27 @@ def rms_norm_case(rows, hidden):
   return step, (x, residual, gamma, dy)
 
 
+def grouped_linear_fp8_case(groups, rows_per_group, k=2048, n=4096):
+  """The FP8 grouped_linear forward (per-group current scaling, quantization included) as
+  bench_grouped_linear's "op fwd" times it: where the time beyond the FP8 GEMM goes."""
+  keys = jax.random.split(jax.random.key(4), 2)
+  x = jax.random.normal(keys[0], (groups * rows_per_group, k), jnp.bfloat16)
+  w = (jax.random.normal(keys[1], (groups, k, n)) / k**0.5).astype(jnp.bfloat16)
+  sizes = jnp.full((groups,), rows_per_group, jnp.int32)
+  recipe = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
+  step = jax.jit(lambda x, w, s: jaxfuse.grouped_linear(x, w, s, recipe=recipe))
+  return step, (x, w, sizes)
+
+
+def linear_scale_add_fp8_case(tokens, features):
+  """FP8 linear_scale_add forward (per-tensor current scaling): quantization passes
+  against the FP8 cuBLASLt GEMM (issue 3's 1.7x goal over bf16 XLA)."""
+  x, kernel, residual = bench_linear_scale_add.operands(tokens, features, 1)
+  recipe = jaxfuse.quantization.Float8CurrentScaling(per_group=False)
+  step = jax.jit(lambda x, w, r: jaxfuse.linear_scale_add(x, w, r, 0.5, recipe=recipe))
+  return step, (x, kernel, residual)
+
+
 CASES = {
     "grouped_mlp T=2048 H=1024 F=1024": lambda: grouped_mlp_case(2048, 1024, 1024),
     "grouped_mlp T=65536 H=2048 F=2048": lambda: grouped_mlp_case(65536, 2048, 2048),
@@ -114,6 +135,9 @@ CASES = {
     "swiglu fwd+bwd T=65536 2F=8192": lambda: activation_case(65536, 8192, False),
     "swiglu+fp8 quantize T=65536 2F=8192": lambda: activation_case(65536, 8192, True),
     "add_rms_norm bwd 65536x8192": lambda: rms_norm_case(65536, 8192),
+    "grouped_linear fp8 op fwd 128x512": lambda: grouped_linear_fp8_case(128, 512),
+    "grouped_linear fp8 op fwd 8x8192": lambda: grouped_linear_fp8_case(8, 8192),
+    "linear_scale_add fp8 8192^3 fwd": lambda: linear_scale_add_fp8_case(8192, 8192),
 }
 
 

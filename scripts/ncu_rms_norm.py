@@ -1,8 +1,9 @@
 """rms_norm and add_rms_norm forwards at 65536 x 8192 bf16 (fp32 gamma), a few calls each:
-a target for Nsight Compute on the GPU machine, e.g.
+a target for Nsight Compute on the GPU machine, e.g. after `gpu_run.sh prebuilt` (the
+prebuilt extension sits in /tmp/jaxfuse-head, which is not on sys.path by default):
 
-    ncu --clock-control none -k regex:RmsNormFwd -c 2 --section SpeedOfLight \
-        python3 scripts/ncu_rms_norm.py
+    cd /tmp/jaxfuse-head && PYTHONPATH=$PWD ncu --clock-control none -k regex:RmsNormFwd \
+        -c 2 --section SpeedOfLight --section WarpStateStats python3 scripts/ncu_rms_norm.py
 """
 
 import jax

@@ -10,7 +10,8 @@ Bandwidth counts the fewest bytes: every input read once and every output writte
 (frac_of_copy, the issue's measure). Current scaling must read x (and dy) twice, since a
 group's amax is needed before any of its elements is quantized: that caps frac_of_copy near
 5/9 at T=65536; frac_of_copy_traffic counts the second read. Inputs are rotated across calls
-when one set would fit in the 50 MB L2.
+when one set would fit in the 50 MB L2; jaxfuse and XLA run in alternating chunks
+(common.time_alternating).
 
 Run on the GPU:  python -m benchmarks.bench_activations [--quick]
 """
@@ -48,17 +49,12 @@ def make_sets(t, w, count, seed=0):
   return sets, per_set
 
 
-def bench(fn, args_list, iters):
-  calls = [args_list[i % len(args_list)] for i in range(iters + 3)]
-  return common.time_fn(fn, calls, warmup=3)["median_ms"]
-
-
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true", help="fewer timed calls")
   parser.add_argument("--tag", default="", help="suffix of the results file name (sweeps)")
   args = parser.parse_args()
-  iters = 10 if args.quick else 30
+  rounds = 2 if args.quick else 6  # alternating chunks of common.CHUNK calls per variant
   copy_tbps = common.copy_bandwidth_tbps()
   print(f"device copy bandwidth: {copy_tbps:.2f} TB/s")
   rows = []
@@ -84,9 +80,13 @@ def main():
       return ms
 
     def pair(op, ours, theirs, operands, num_bytes, traffic_bytes=None):
-      xla_ms = record(op, "xla", bench(jax.jit(theirs), operands, iters), num_bytes,
+      # XLA and jaxfuse in alternating chunks (common.time_alternating).
+      stats = common.time_alternating({"xla": common.rotating(jax.jit(theirs), operands),
+                                       "jaxfuse": common.rotating(jax.jit(ours), operands)},
+                                      rounds=rounds)
+      xla_ms = record(op, "xla", stats["xla"]["median_ms"], num_bytes,
                       traffic_bytes=traffic_bytes)
-      record(op, "jaxfuse", bench(jax.jit(ours), operands, iters), num_bytes, xla_ms,
+      record(op, "jaxfuse", stats["jaxfuse"]["median_ms"], num_bytes, xla_ms,
              traffic_bytes=traffic_bytes)
 
     fwd_args = [(x, s) for x, s, _ in sets]

@@ -5,11 +5,13 @@ jaxfuse's custom calls against XLA's own fusion of ``jaxfuse._src.ops.rms_norm.r
 in the same run, reported in TB/s of the fewest bytes each pass must move (forward: read x
 (and the residual), write out (and the new residual); backward: read dy, the saved input
 (and dz), write dx; gamma and rsigma ignored) and as a fraction of the device copy
-bandwidth measured at the start of the same run. Goal: >= 85% of copy for the forward at
-65536 x 8192 (XLA: 62% for add + RMSNorm on the H200).
+bandwidth measured at the start of the same run (and again at its end, to show drift).
+Goal: >= 85% of copy for the forward at 65536 x 8192 (XLA: 62% for add + RMSNorm on the
+H200).
 
-Residuals are donated and fresh for every call (the in-place update); inputs rotate
-across several sets where one set would sit in the 50 MB L2.
+jaxfuse and XLA run in alternating chunks (common.time_alternating). Residuals are donated,
+each call's new residual being the next call's residual (the in-place update); inputs
+rotate across several sets where one set would sit in the 50 MB L2.
 
     python benchmarks/bench_rms_norm.py [--quick] [--shapes 65536x8192 ...] [--tag TAG]
 
@@ -19,6 +21,7 @@ JAXFUSE_RMS_NORM_THREADS_PER_ROW (32-1024) overrides the kernels' threads-per-ro
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 
 import jax
@@ -58,6 +61,28 @@ def make_step(implementation: str, add: bool, backward: bool):
   return jax.jit(step)
 
 
+def variant(implementation, add, backward, xs, dys, dzs, gamma):
+  """A common.time_alternating variant: inputs rotate over the sets (L2), and the donated
+  residual of add_rms_norm is the previous call's new residual (the in-place update)."""
+  step = make_step(implementation, add, backward)
+  counter = itertools.count(1)
+
+  def args_for(index, residual=None):
+    j = index % len(xs)
+    if add:
+      return (xs[j], residual, gamma, dys[j], dzs[j]) if backward else (xs[j], residual, gamma)
+    return (xs[j], gamma, dys[j]) if backward else (xs[j], gamma)
+
+  def advance(args, outputs):
+    new_residual = None
+    if add:
+      new_residual = outputs[0][0] if backward else outputs[0]
+    return args_for(next(counter), new_residual)
+
+  first_residual = jnp.array(xs[-1]) if add else None  # a buffer of its own: it is donated
+  return step, args_for(0, first_residual), advance
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true", help="two small shapes, few calls")
@@ -67,7 +92,7 @@ def main():
   shapes = SHAPES[-2:] if args.quick else SHAPES
   if args.shapes:
     shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
-  calls = 8 if args.quick else 33  # 3 warm-up + 30 timed
+  rounds = 2 if args.quick else 8  # alternating chunks of common.CHUNK calls per variant
   copy_tbps = common.copy_bandwidth_tbps()
   print(f"device copy bandwidth: {copy_tbps:.3f} TB/s", flush=True)
   dtype = jnp.bfloat16
@@ -89,35 +114,30 @@ def main():
         if backward:
           moved += rms_api.bytes_moved(shape, dtype, add=add, backward=True)
         row["bytes"] = moved
-        for implementation, label in (("ffi", "jaxfuse"), ("xla", "xla")):
-          step = make_step(implementation, add, backward)
-          arg_tuples = []
-          for i in range(calls):
-            j = i % sets
-            if add:
-              residual = jax.random.normal(jax.random.key(1000 + i), shape, dtype)  # donated
-              arg_tuples.append((xs[j], residual, gamma, dys[j], dzs[j]) if backward
-                                else (xs[j], residual, gamma))
-            else:
-              arg_tuples.append((xs[j], gamma, dys[j]) if backward else (xs[j], gamma))
-          jax.block_until_ready(arg_tuples)
-          stats = common.time_fn(step, arg_tuples)
-          del arg_tuples
-          tbps = moved / (stats["median_ms"] * 1e-3) / 1e12
-          row[f"{label}_ms"] = stats["median_ms"]
+        stats = common.time_alternating(
+            {label: variant(implementation, add, backward, xs, dys, dzs, gamma)
+             for implementation, label in (("xla", "xla"), ("ffi", "jaxfuse"))},
+            rounds=rounds)
+        for label, timing in stats.items():
+          tbps = moved / (timing["median_ms"] * 1e-3) / 1e12
+          row[f"{label}_ms"] = timing["median_ms"]
           row[f"{label}_tbps"] = tbps
           row[f"{label}_of_copy"] = tbps / copy_tbps
         row["speedup_vs_xla"] = row["xla_ms"] / row["jaxfuse_ms"]
+        row["paired_speedup"] = stats["jaxfuse"]["paired_speedup_vs_xla"]
         rows.append(row)
         print(row, flush=True)
     del xs, dys, dzs
+  copy_tbps_end = common.copy_bandwidth_tbps()
+  print(f"device copy bandwidth at the end: {copy_tbps_end:.3f} TB/s", flush=True)
   common.print_table(rows, ["op", "tokens", "hidden", "pass", "jaxfuse_ms", "xla_ms",
                             "jaxfuse_tbps", "xla_tbps", "jaxfuse_of_copy", "xla_of_copy",
-                            "speedup_vs_xla"])
+                            "speedup_vs_xla", "paired_speedup"])
   common.write_results("rms_norm", rows, tag=args.tag, dtype="bfloat16",
                        gamma_dtype="float32", copy_tbps=copy_tbps,
+                       copy_tbps_at_end=copy_tbps_end,
                        baseline="XLA fusion of the jnp reference (jaxfuse implementation='xla'), "
-                                "same run")
+                                "same run, in alternating chunks (common.time_alternating)")
 
 
 if __name__ == "__main__":

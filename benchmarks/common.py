@@ -10,6 +10,7 @@ date, device and software versions, so every figure is traceable to the code tha
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import pathlib
@@ -111,6 +112,13 @@ def keep_args(args, outputs):
   return args
 
 
+def rotating(fn: Callable, args_list: Sequence[tuple]) -> tuple:
+  """A time_alternating variant calling ``fn`` on each tuple of ``args_list`` in turn
+  (inputs rotated so that one set does not sit in the L2 cache)."""
+  counter = itertools.count(1)
+  return fn, args_list[0], lambda args, outputs: args_list[next(counter) % len(args_list)]
+
+
 def time_torch_ms(fn: Callable, calls: int, *, warmup: int = 3) -> float:
   """Median time in ms of a torch callable on the GPU, measured with CUDA events."""
   import torch  # pylint: disable=g-import-not-at-top  (torch is optional: baselines only)
@@ -128,8 +136,11 @@ def time_torch_ms(fn: Callable, calls: int, *, warmup: int = 3) -> float:
   return statistics.median(times)
 
 
-def copy_bandwidth_tbps(num_bytes: int = 4 << 30, iters: int = 20) -> float:
-  """Device copy bandwidth (bytes read + written per second) through XLA, in TB/s."""
+def copy_bandwidth_tbps(num_bytes: int | None = None, iters: int = 20) -> float:
+  """Device copy bandwidth (bytes read + written per second) through XLA, in TB/s, of a
+  4 GiB float32 array on a GPU (64 MiB elsewhere: smoke runs of the scripts on the CPU)."""
+  if num_bytes is None:
+    num_bytes = 4 << 30 if jax.devices()[0].platform == "gpu" else 64 << 20
   n = num_bytes // 4
   source = jnp.arange(n, dtype=jnp.float32)
   copy = jax.jit(lambda x: x * 1.0 + 0.0)  # not folded away: a real read and write

@@ -8,11 +8,12 @@
 // shared-memory block reduction.
 // Threads of a row read consecutive 16-byte vectors (coalesced). The grid is resident
 // (occupancy.cuh): each row slot (blocks x rows per block) walks the rows with a fixed
-// stride and loads its next row before reducing and storing the current one.
+// stride.
 //
-// Backward: the same resident grid of slots; each slot also accumulates its dgamma partial sum in registers and
-// writes it to a float32 [slots, H] scratch result, which a second kernel sums over
-// slots in a fixed order: deterministic, no atomics.
+// Backward: the same resident grid of slots, each loading its next row before working on
+// the current one; each slot accumulates its dgamma partial sum in registers and writes
+// it to a float32 [slots, H] scratch result, which a second kernel sums over slots in a
+// fixed order: deterministic, no atomics.
 //
 // Generic path (odd H, misaligned buffers, H beyond the register-resident capacity):
 // scalar loads, two passes over the row (the second pass mostly hits L2), the backward's
@@ -42,10 +43,11 @@ constexpr int FwdMaxThreads(int) { return 512; }
 // compiler picked 53 for rms_norm's strided loop when left alone).
 constexpr int FwdMinBlocks(int vecs) { return vecs > 2 ? 1 : 3; }
 constexpr int BwdMaxThreads(int vecs) { return vecs <= 2 ? 512 : 256; }
-// Measured on the H200 at 65536 x 8192 and 16384 x 4096 bf16 (README): 2 vectors per
-// thread (up to 512 threads per row) against the earlier 128-thread target (8 vectors at
-// H = 8192): rms_norm forward 51% -> 69% of copy bandwidth, add_rms_norm forward 70% -> 90%,
-// their forward + backward 44% -> 56% and 40% -> 52%; 1 vector per thread was slower.
+// Measured on the H200 at 65536 x 8192 and 16384 x 4096 bf16 (2237ad74, results README):
+// 2 vectors per thread (up to 512 threads per row) against the earlier 128-thread target
+// (8 vectors at H = 8192): rms_norm forward 51% -> 69% of copy bandwidth, add_rms_norm
+// forward 70% -> 90%, their forward + backward 44% -> 56% and 40% -> 52%; 1 vector per
+// thread was slower. (Since c8688e9c, with the resident grids: 80-83% and 88-94%.)
 constexpr int kDefaultThreadsPerRow = 512;
 constexpr int kBlockThreads = 256;  // threads per block when rows share a block
 constexpr int kGenericThreads = 256;

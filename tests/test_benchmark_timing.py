@@ -1,0 +1,68 @@
+"""The benchmarks' timing helpers (benchmarks/common.py): alternation order, chained
+arguments, the wait on the last outputs, the paired ratio, and bench_grouped_linear's
+handling of a failing variant. Host-only: sleeps stand in for device work."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from benchmarks import bench_grouped_linear
+from benchmarks import common
+
+
+def test_alternating_order_chaining_and_wait():
+  calls, waited = [], []
+
+  def make(name):
+    def fn(value):
+      calls.append(name)
+      return value + 1
+    return fn
+
+  variants = {
+      "a": (make("a"), (0,), lambda args, out: (out,), waited.append),
+      "b": (make("b"), (100,), common.keep_args, waited.append),
+  }
+  stats = common.time_alternating(variants, rounds=3, warmup=1)
+  chunk = common.CHUNK
+  # Warm-up (one call each), then a b, b a, a b in chunks of CHUNK calls.
+  expected = ["a", "b"] + ["a"] * chunk + ["b"] * chunk + ["b"] * chunk + ["a"] * chunk + (
+      ["a"] * chunk + ["b"] * chunk)
+  assert calls == expected
+  # "a" chained its output into its next call (1 + 3 * CHUNK calls from 0); "b" did not.
+  assert waited[-1] == 1 + 3 * chunk or waited[-2] == 1 + 3 * chunk
+  assert 101 in waited and max(w for w in waited if w >= 100) == 101
+  assert stats["a"]["calls"] == stats["b"]["calls"] == 3 * chunk
+
+
+def test_alternating_times_and_paired_ratio():
+  variants = {
+      "fast": (lambda: time.sleep(0.002), (), common.keep_args, lambda _: None),
+      "slow": (lambda: time.sleep(0.008), (), common.keep_args, lambda _: None),
+  }
+  stats = common.time_alternating(variants, rounds=2, warmup=1)
+  assert 1.5 <= stats["fast"]["median_ms"] <= 20.0
+  assert stats["slow"]["median_ms"] > stats["fast"]["median_ms"] * 1.8
+  assert stats["fast"]["paired_speedup_vs_fast"] == pytest.approx(1.0)
+  assert 0.1 <= stats["slow"]["paired_speedup_vs_fast"] <= 0.75
+
+
+def test_rotating_cycles_through_the_argument_sets():
+  seen = []
+  fn, first, advance = common.rotating(lambda value: seen.append(value), [(1,), (2,), (3,)])
+  common.time_alternating({"r": (fn, first, advance, lambda _: None)}, rounds=1, warmup=2)
+  assert seen[:2] == [1, 2]  # warm-up
+  assert seen[2:] == [[3, 1, 2][i % 3] for i in range(common.CHUNK)]
+
+
+def test_a_failing_variant_is_dropped_and_the_others_timed(capsys):
+  def fails():
+    raise MemoryError("out of memory")
+
+  times = bench_grouped_linear.alternate(
+      {"ok": (lambda: time.sleep(0.001), (), common.keep_args, lambda _: None),
+       "bad": (fails, (), common.keep_args, lambda _: None)}, rounds=1)
+  assert set(times) == {"ok"} and times["ok"] > 0
+  assert "bad failed" in capsys.readouterr().out

@@ -375,8 +375,8 @@ struct SinkArgs {
   Fp8Format format = Fp8Format::kE4M3;
 };
 
-// Launch bounds of 512 threads, the largest MaxRowThreads(): every instantiation stays at
-// or under 60 registers with it (48-58 with the earlier bound of 256), so none spills.
+// Launch bounds of 512 threads, the most ThreadsFor() returns: every instantiation stays
+// at or under 60 registers with it (48-58 with the earlier bound of 256), so none spills.
 template <class P, SinkKind kKind, typename T>
 __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
   const int64_t units = p.Units();
@@ -466,19 +466,20 @@ __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
   }
 }
 
-// Upper bound on threads per block: 256 by default; JAXFUSE_ROWWISE_MAX_THREADS (64, 128,
-// 256 or 512) overrides it, read once per process (a benchmark knob).
-inline int MaxRowThreads(bool* overridden = nullptr) {
+// JAXFUSE_ROWWISE_MAX_THREADS (64, 128, 256 or 512), or 0 when unset: an upper bound on
+// threads per block that replaces the rules of ThreadsFor (a benchmark knob). Read once.
+inline int RowThreadsOverride() {
   static const int max_threads = [] {
     if (const char* value = std::getenv("JAXFUSE_ROWWISE_MAX_THREADS")) {
       const int parsed = std::atoi(value);
       if (parsed == 64 || parsed == 128 || parsed == 256 || parsed == 512) return parsed;
     }
-    return 0;  // not set
+    return 0;
   }();
-  if (overridden != nullptr) *overridden = max_threads != 0;
-  return max_threads != 0 ? max_threads : 256;
+  return max_threads;
 }
+
+constexpr int kDefaultMaxRowThreads = 256;
 
 // Problems of at least this many units (rows x units per row) launch kLargeProblemThreads
 // threads per block unless JAXFUSE_ROWWISE_MAX_THREADS is set. Measured on the H200 at
@@ -492,12 +493,12 @@ constexpr int64_t kLargeProblemUnits = int64_t{1} << 22;
 constexpr int kLargeProblemThreads = 64;
 
 // Threads per block for `rows` rows of `units` units: enough to cover a row (up to
-// MaxRowThreads()) for small problems, kLargeProblemThreads for large ones; a multiple of
-// 32 (block-scaling lane groups must not straddle warps).
+// kDefaultMaxRowThreads or the override) for small problems, kLargeProblemThreads for
+// large ones; a multiple of 32 (block-scaling lane groups must not straddle warps).
 inline int ThreadsFor(int64_t rows, int64_t units) {
-  bool overridden = false;
-  const int max_threads = MaxRowThreads(&overridden);
-  if (!overridden && rows * units >= kLargeProblemUnits) return kLargeProblemThreads;
+  const int override_threads = RowThreadsOverride();
+  if (override_threads == 0 && rows * units >= kLargeProblemUnits) return kLargeProblemThreads;
+  const int max_threads = override_threads != 0 ? override_threads : kDefaultMaxRowThreads;
   int64_t threads = ((units + 31) / 32) * 32;
   if (threads < 64) threads = 64;
   if (threads > max_threads) threads = max_threads;

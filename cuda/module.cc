@@ -16,7 +16,8 @@ size_t LoadedVersion();
 }
 namespace jaxfuse {
 size_t GroupedGemmWorkspaceBytes(int32_t form, int32_t a_type, int32_t b_type, int64_t m,
-                                 int64_t k, int64_t n, int64_t groups, int sm_count);
+                                 int64_t k, int64_t n, int64_t groups, int sm_count,
+                                 bool fast_accumulation);
 }
 #endif
 
@@ -34,6 +35,7 @@ namespace py = pybind11;
   X("jaxfuse_scaled_activation_fwd", JaxfuseScaledActivationFwdCpu)               \
   X("jaxfuse_scaled_activation_bwd", JaxfuseScaledActivationBwdCpu)               \
   X("jaxfuse_quantize", JaxfuseQuantizeCpu)                                       \
+  X("jaxfuse_quantize_transposed", JaxfuseQuantizeTransposedCpu)                  \
   X("jaxfuse_scaled_activation_quantize", JaxfuseScaledActivationQuantizeCpu)     \
   X("jaxfuse_scaled_dactivation_quantize", JaxfuseScaledDactivationQuantizeCpu)   \
   X("jaxfuse_rms_norm_fwd", JaxfuseRmsNormFwdCpu)                                 \
@@ -63,6 +65,7 @@ namespace py = pybind11;
   X("jaxfuse_scaled_activation_fwd", JaxfuseScaledActivationFwdCuda)                \
   X("jaxfuse_scaled_activation_bwd", JaxfuseScaledActivationBwdCuda)                \
   X("jaxfuse_quantize", JaxfuseQuantizeCuda)                                        \
+  X("jaxfuse_quantize_transposed", JaxfuseQuantizeTransposedCuda)                   \
   X("jaxfuse_scaled_activation_quantize", JaxfuseScaledActivationQuantizeCuda)      \
   X("jaxfuse_scaled_dactivation_quantize", JaxfuseScaledDactivationQuantizeCuda)    \
   X("jaxfuse_rms_norm_fwd", JaxfuseRmsNormFwdCuda)                                  \
@@ -182,11 +185,14 @@ size_t LoadedCublasLtVersion() {
 }
 
 // Scratch bytes of the CUDA grouped GEMM (0 without the CUDA part). Types: 0 bf16, 1 f16,
-// 2 float8_e4m3fn, 3 float8_e5m2; forms: 0 forward, 1 dgrad, 2 wgrad.
+// 2 float8_e4m3fn, 3 float8_e5m2; forms: 0 forward, 1 dgrad, 2 wgrad; fast_accumulation: the
+// FP8 forward's fast-accumulation kernels (their own tile shapes).
 size_t GroupedGemmWorkspaceBytes(int32_t form, int32_t a_type, int32_t b_type, int64_t m,
-                                 int64_t k, int64_t n, int64_t groups, int sm_count) {
+                                 int64_t k, int64_t n, int64_t groups, int sm_count,
+                                 bool fast_accumulation) {
 #if defined(JAXFUSE_WITH_CUDA)
-  return jaxfuse::GroupedGemmWorkspaceBytes(form, a_type, b_type, m, k, n, groups, sm_count);
+  return jaxfuse::GroupedGemmWorkspaceBytes(form, a_type, b_type, m, k, n, groups, sm_count,
+                                            fast_accumulation);
 #else
   return 0;
 #endif
@@ -201,7 +207,7 @@ PYBIND11_MODULE(_jaxfuse, module) {
   module.def("build_info", &BuildInfo, "What this extension was built with");
   module.def("grouped_gemm_workspace_bytes", &GroupedGemmWorkspaceBytes, py::arg("form"),
              py::arg("a_type"), py::arg("b_type"), py::arg("m"), py::arg("k"), py::arg("n"),
-             py::arg("groups"), py::arg("sm_count"),
+             py::arg("groups"), py::arg("sm_count"), py::arg("fast_accumulation") = false,
              "Scratch bytes the CUDA grouped GEMM needs (0 without the CUDA part)");
   module.def("loaded_cublaslt_version", &LoadedCublasLtVersion,
              "Version of the cuBLASLt library opened at run time, 0 if none");

@@ -140,10 +140,16 @@ void GroupedGemmFp8(const GroupedProblem& p, const std::vector<int64_t>& rows,
 
 ffi::Error GroupedGemmFp8CpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer offsets,
                                  ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
-                                 ffi::Result<ffi::AnyBuffer> out, int32_t form) {
+                                 ffi::Result<ffi::AnyBuffer> out, int32_t form,
+                                 bool fast_accumulation) {
   GroupedProblem problem;
   if (auto error = ParseGroupedProblem(a, b, offsets, *out, form, &problem,
                                        /*weight_transposed=*/form == 0);
+      error.failure()) {
+    return error;
+  }
+  // The loops below accumulate exactly either way; the flag is checked, not used.
+  if (auto error = CheckFastAccumulation(form, a.element_type(), fast_accumulation);
       error.failure()) {
     return error;
   }
@@ -197,4 +203,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8Cpu, jaxfuse::GroupedGemmFp8C
                                   .Arg<xla::ffi::AnyBuffer>()  // a_scale_inv: float32 [G]
                                   .Arg<xla::ffi::AnyBuffer>()  // b_scale_inv: float32 [G]
                                   .Ret<xla::ffi::AnyBuffer>()  // out: bf16 y [m, n] or dx [m, k]
-                                  .Attr<int32_t>("form"));     // 0 forward, 1 dgrad
+                                  .Attr<int32_t>("form")       // 0 forward, 1 dgrad
+                                  .Attr<bool>("fast_accumulation"));  // forward only; exact here

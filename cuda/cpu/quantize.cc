@@ -42,6 +42,20 @@ ffi::Error QuantizeCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer offsets,
   return ffi::Error::Success();
 }
 
+ffi::Error QuantizeTransposedCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer amax,
+                                     ffi::Result<ffi::AnyBuffer> data,
+                                     ffi::Result<ffi::AnyBuffer> scale_inv) {
+  TransposedProblem problem;
+  if (auto error = ParseQuantizeTransposed(x, amax, *data, *scale_inv, &problem);
+      error.failure()) {
+    return error;
+  }
+  QuantizeTransposedCpu(problem, x, static_cast<const float*>(amax.untyped_data()),
+                        static_cast<uint8_t*>(data->untyped_data()),
+                        static_cast<float*>(scale_inv->untyped_data()));
+  return ffi::Error::Success();
+}
+
 ffi::Error ActivationQuantizeCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                      ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> data,
                                      ffi::Result<ffi::AnyBuffer> scale_inv,
@@ -144,6 +158,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeCpu, jaxfuse::QuantizeCpuImpl,
                                   .Ret<xffi::AnyBuffer>()  // amax float32 [G] (scratch)
                                   .Attr<int32_t>("mode")
                                   .Attr<int32_t>("block"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeTransposedCpu, jaxfuse::QuantizeTransposedCpuImpl,
+                              xffi::Ffi::Bind()
+                                  .Arg<xffi::AnyBuffer>()   // x [B, R, C]
+                                  .Arg<xffi::AnyBuffer>()   // amax float32 [B] (given)
+                                  .Ret<xffi::AnyBuffer>()   // data fp8 [B, C, R]
+                                  .Ret<xffi::AnyBuffer>()); // scale_inv float32 [B]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledActivationQuantizeCpu,
                               jaxfuse::ActivationQuantizeCpuImpl,

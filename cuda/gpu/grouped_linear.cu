@@ -43,10 +43,15 @@ int SmCount(int device) {
 ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
                const ffi::AnyBuffer& b, const ffi::AnyBuffer& offsets,
                const ffi::AnyBuffer* a_scale_inv, const ffi::AnyBuffer* b_scale_inv,
-               ffi::AnyBuffer out, ffi::AnyBuffer workspace, int32_t form) {
+               ffi::AnyBuffer out, ffi::AnyBuffer workspace, int32_t form,
+               bool fast_accumulation) {
   GroupedProblem shape;
   const bool fp8 = a_scale_inv != nullptr;  // FP8 forward takes the weight K-major
   if (auto error = ParseGroupedProblem(a, b, offsets, out, form, &shape, fp8 && form == 0);
+      error.failure()) {
+    return error;
+  }
+  if (auto error = CheckFastAccumulation(form, a.element_type(), fast_accumulation);
       error.failure()) {
     return error;
   }
@@ -70,6 +75,7 @@ ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
   problem.out = out.untyped_data();
   problem.a_scale_inv = a_scale_inv ? static_cast<const float*>(a_scale_inv->untyped_data()) : nullptr;
   problem.b_scale_inv = b_scale_inv ? static_cast<const float*>(b_scale_inv->untyped_data()) : nullptr;
+  problem.fast_accumulation = fast_accumulation;
   problem.workspace = workspace.untyped_data();
   problem.workspace_bytes = workspace.size_bytes();
   if (!gg::IsSupported(problem)) {
@@ -94,23 +100,28 @@ ffi::Error GroupedGemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer a
                            ffi::AnyBuffer b, ffi::AnyBuffer offsets,
                            ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::AnyBuffer> workspace, int32_t form) {
-  return Run(stream, device, a, b, offsets, nullptr, nullptr, *out, *workspace, form);
+  return Run(stream, device, a, b, offsets, nullptr, nullptr, *out, *workspace, form,
+             /*fast_accumulation=*/false);
 }
 
 ffi::Error GroupedGemmFp8Cuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
                               ffi::AnyBuffer b, ffi::AnyBuffer offsets,
                               ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
                               ffi::Result<ffi::AnyBuffer> out,
-                              ffi::Result<ffi::AnyBuffer> workspace, int32_t form) {
-  return Run(stream, device, a, b, offsets, &a_scale_inv, &b_scale_inv, *out, *workspace, form);
+                              ffi::Result<ffi::AnyBuffer> workspace, int32_t form,
+                              bool fast_accumulation) {
+  return Run(stream, device, a, b, offsets, &a_scale_inv, &b_scale_inv, *out, *workspace, form,
+             fast_accumulation);
 }
 
 }  // namespace
 
 // Workspace the CUDA handler needs (for the Python wrapper, which sizes the scratch result).
 size_t GroupedGemmWorkspaceBytes(int32_t form, int32_t a_type, int32_t b_type, int64_t m,
-                                 int64_t k, int64_t n, int64_t groups, int sm_count) {
+                                 int64_t k, int64_t n, int64_t groups, int sm_count,
+                                 bool fast_accumulation) {
   gg::Problem problem{};
+  problem.fast_accumulation = fast_accumulation;
   problem.form = static_cast<gg::Form>(form);
   problem.a_type = static_cast<gg::ElementType>(a_type);
   problem.b_type = static_cast<gg::ElementType>(b_type);
@@ -150,5 +161,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8Cuda, jaxfuse::GroupedGemmFp8
                                   .Arg<ffi::AnyBuffer>()  // b_scale_inv: float32 [G]
                                   .Ret<ffi::AnyBuffer>()  // out: bf16 y [m, n] or dx [m, k]
                                   .Ret<ffi::AnyBuffer>()  // workspace
-                                  .Attr<int32_t>("form"),
+                                  .Attr<int32_t>("form")  // 0 forward, 1 dgrad
+                                  .Attr<bool>("fast_accumulation"),  // forward only: FP8 accumulator
                               {ffi::Traits::kCmdBufferCompatible});

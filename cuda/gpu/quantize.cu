@@ -99,6 +99,82 @@ SinkArgs<T> MakeSink(const QuantizeProblem& problem, ffi::AnyBuffer offsets, ffi
   return s;
 }
 
+// --- transposed, given amax (the FP8 forward weights of the grouped GEMM) ----------------
+
+// One CUDA block per tile of kTileRows x kTileCols input elements of one batch entry: the
+// 16-byte loads run along C (coalesced), the FP8 bytes are staged in shared memory
+// transposed, and the 16-byte stores run along R (coalesced). The shared row pitch of 132
+// bytes keeps the transposing byte stores at 2-way bank conflicts and the 4-byte reads of
+// the store phase conflict-free (a pitch of 144 would allow 16-byte reads but puts all
+// eight lanes of a column on one bank).
+constexpr int kTransposeTileRows = 128;  // R per tile: one 128-byte FP8 line per output row
+constexpr int kTransposeTileCols = 64;   // C per tile: one 128-byte bf16 line per input row
+constexpr int kTransposePitch = kTransposeTileRows + 4;
+constexpr int kTransposeThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kTransposeThreads)
+QuantizeTransposedKernel(const T* __restrict__ x, const float* __restrict__ amax,
+                         uint8_t* __restrict__ data, float* __restrict__ scale_inv,
+                         int64_t batch, int64_t rows, int64_t cols, int64_t row_tiles,
+                         int64_t col_tiles, Fp8Format format, bool vector_in,
+                         bool vector_out) {
+  __shared__ __align__(16) uint8_t tile[kTransposeTileCols * kTransposePitch];
+  constexpr int kUnitsPerRow = kTransposeTileCols / 8;   // 8-element loads per tile row
+  constexpr int kChunksPerCol = kTransposeTileRows / 16; // 16-byte stores per output row
+  constexpr int kLoads = kTransposeTileRows * kUnitsPerRow / kTransposeThreads;
+  static_assert(kLoads * kTransposeThreads == kTransposeTileRows * kUnitsPerRow, "even split");
+  const int64_t tiles = batch * row_tiles * col_tiles;
+  const float fp8_max = Fp8Max(format);
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t b = t / (row_tiles * col_tiles);
+    const int64_t rt = (t / col_tiles) % row_tiles;
+    const int64_t ct = t % col_tiles;
+    const float scale = ScaleFromAmax(amax[b], fp8_max);
+    if (rt == 0 && ct == 0 && threadIdx.x == 0) scale_inv[b] = 1.0f / scale;
+    const int64_t r0 = rt * kTransposeTileRows, c0 = ct * kTransposeTileCols;
+    const T* in = x + b * rows * cols;
+    // All loads of a thread first (kLoads 16-byte vectors in flight), then the conversions.
+    float v[kLoads][8];
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      const int i = threadIdx.x + j * kTransposeThreads;
+      const int r = i / kUnitsPerRow, u = i % kUnitsPerRow;
+      const int64_t row = r0 + r, col = c0 + u * 8;
+      const int64_t left = row < rows ? cols - col : 0;
+      const int valid = left <= 0 ? 0 : (left >= 8 ? 8 : static_cast<int>(left));
+      gpu::Load8(in + row * cols + col, vector_in, valid, v[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      const int i = threadIdx.x + j * kTransposeThreads;
+      const int r = i / kUnitsPerRow, u = i % kUnitsPerRow;
+#pragma unroll
+      for (int k = 0; k < 8; k += 2) {
+        const uint16_t pair = gpu::Fp8x2(v[j][k] * scale, v[j][k + 1] * scale, format);
+        tile[(u * 8 + k) * kTransposePitch + r] = static_cast<uint8_t>(pair);
+        tile[(u * 8 + k + 1) * kTransposePitch + r] = static_cast<uint8_t>(pair >> 8);
+      }
+    }
+    __syncthreads();
+    uint8_t* out = data + b * cols * rows;
+    for (int i = threadIdx.x; i < kTransposeTileCols * kChunksPerCol; i += kTransposeThreads) {
+      const int c = i / kChunksPerCol, q = i % kChunksPerCol;
+      const int64_t col = c0 + c, row = r0 + q * 16;
+      if (col >= cols || row >= rows) continue;
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(tile + c * kTransposePitch + q * 16);
+      uint8_t* dst = out + col * rows + row;
+      if (vector_out) {  // rows % 16 == 0: a whole 16-byte chunk
+        *reinterpret_cast<uint4*>(dst) = make_uint4(src[0], src[1], src[2], src[3]);
+      } else {
+        const int valid = rows - row >= 16 ? 16 : static_cast<int>(rows - row);
+        for (int k = 0; k < valid; ++k) dst[k] = tile[c * kTransposePitch + q * 16 + k];
+      }
+    }
+    __syncthreads();  // the tile is rewritten by the next iteration
+  }
+}
+
 // --- 2-D blocks (weights) ---------------------------------------------------------------
 
 template <typename T>
@@ -194,6 +270,40 @@ ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer of
     p.vector = problem.cols % 8 == 0 && PointerAligned16(px);
     SinkArgs<T> s = MakeSink<T>(problem, offsets, *data, *scale_inv, *amax);
     return LaunchRows(stream, p, s, CeilDiv(problem.cols, 8), problem);
+  });
+}
+
+ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax,
+                                  ffi::Result<ffi::AnyBuffer> data,
+                                  ffi::Result<ffi::AnyBuffer> scale_inv) {
+  TransposedProblem problem;
+  if (auto error = ParseQuantizeTransposed(x, amax, *data, *scale_inv, &problem);
+      error.failure()) {
+    return error;
+  }
+  if (problem.batch == 0) return ffi::Error::Success();
+  const int64_t row_tiles = CeilDiv(problem.rows, kTransposeTileRows);
+  const int64_t col_tiles = CeilDiv(problem.cols, kTransposeTileCols);
+  const int64_t tiles = problem.batch * row_tiles * col_tiles;
+  if (tiles == 0) {  // no elements (R or C is 0): only the scales
+    CurrentScaleInvKernel<<<1, 256, 0, stream>>>(static_cast<const float*>(amax.untyped_data()),
+                                                 static_cast<float*>(scale_inv->untyped_data()),
+                                                 problem.batch, problem.format);
+    return gpu::LaunchError("scale_inv kernel");
+  }
+  // Enough blocks for every SM several times over; each walks tiles with a stride.
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, int64_t{1} << 20));
+  return gpu::DispatchFloat(x.element_type(), [&](auto zero) -> ffi::Error {
+    using T = decltype(zero);
+    const T* px = static_cast<const T*>(x.untyped_data());
+    uint8_t* pd = static_cast<uint8_t*>(data->untyped_data());
+    const bool vector_in = problem.cols % 8 == 0 && PointerAligned16(px);
+    const bool vector_out = problem.rows % 16 == 0 && PointerAligned16(pd);
+    QuantizeTransposedKernel<T><<<grid, kTransposeThreads, 0, stream>>>(
+        px, static_cast<const float*>(amax.untyped_data()), pd,
+        static_cast<float*>(scale_inv->untyped_data()), problem.batch, problem.rows,
+        problem.cols, row_tiles, col_tiles, problem.format, vector_in, vector_out);
+    return gpu::LaunchError("transposed quantization kernel");
   });
 }
 
@@ -300,6 +410,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeCuda, jaxfuse::QuantizeCuda,
                                   .Ret<xffi::AnyBuffer>()  // amax float32 (scratch)
                                   .Attr<int32_t>("mode")
                                   .Attr<int32_t>("block"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeTransposedCuda, jaxfuse::QuantizeTransposedCuda,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::AnyBuffer>()  // x [B, R, C]
+                                  .Arg<xffi::AnyBuffer>()  // amax float32 [B] (given)
+                                  .Ret<xffi::AnyBuffer>()  // data fp8 [B, C, R]
+                                  .Ret<xffi::AnyBuffer>(), // scale_inv float32 [B]
                               {xffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledActivationQuantizeCuda,

@@ -589,7 +589,7 @@ def _aqgl8_forward(x, scales, kernel, offsets, act, recipe, implementation, vary
     y = _fp8_gemm_reference(q.data, q.scale_inv, w_t, w_scale_inv, offsets, x.dtype)
   else:
     y = grouped_linear_api.fp8_gemm(q.data, q.scale_inv, w_t, w_scale_inv, offsets,
-                                    grouped_linear_api.ffi.FORWARD, x.dtype)
+                                    grouped_linear_api.ffi.FORWARD, x.dtype, recipe)
   return y, (x, scales, q, w_t, w_scale_inv, offsets, kernel if implementation == "xla"
              else None)
 
@@ -687,7 +687,7 @@ def _glact_forward(x, kernel, scales, offsets, act, recipe, varying_axes):
                                                                  "forward", "ffi")
     w_t, w_scale_inv = grouped_linear_reference.quantize_experts_t(kernel, recipe, "ffi")
     h = grouped_linear_api.fp8_gemm(x_data, x_scale_inv, w_t, w_scale_inv, offsets,
-                                    ffi.FORWARD, x.dtype)
+                                    ffi.FORWARD, x.dtype, recipe)
     weights = (w_t, w_scale_inv)
   a = activation_api.scaled_activation(h, scales, act.activation, implementation="ffi",
                                        **_act_kwargs(act))
@@ -712,7 +712,7 @@ def _glact_backward(act, recipe, varying_axes, saved, da):
         da, h, scales, activation=act.activation, recipe=recipe, group_offsets=offsets,
         return_dx=True, implementation="ffi", **_act_kwargs(act))
     dx = grouped_linear_api.fp8_gemm(dh_q.data, dh_q.scale_inv, jnp.swapaxes(w_t, 1, 2),
-                                     w_scale_inv, offsets, ffi.DGRAD, x.dtype)
+                                     w_scale_inv, offsets, ffi.DGRAD, x.dtype, recipe)
   d_kernel = grouped_linear_sharding.grouped_gemm(x, dh, offsets, form=ffi.WGRAD)
   return (*_match((dx, d_kernel, d_scales.astype(scales.dtype)), varying_axes), None)
 

@@ -17,6 +17,10 @@ from tests import helpers
 from tests.ops.test_grouped_linear import BACKENDS, make_inputs, on, sizes_cases
 
 RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
+# The forward GEMM accumulates fast by default (RECIPE); PROMOTED promotes to fp32 like dgrad.
+PROMOTED = jaxfuse.quantization.Float8CurrentScaling(per_group=True,
+                                                     forward_fast_accumulation=False)
+ACCUMULATIONS = [pytest.param(RECIPE, id="fast"), pytest.param(PROMOTED, id="promoted")]
 # The jnp reference ("xla") is checked on the CPU; on the GPU it would only add minutes
 # of XLA compilation and autotuning of its float32 ragged_dot.
 BACKEND_IMPLEMENTATIONS = [
@@ -37,6 +41,21 @@ BF16_ULP = 2.0 ** -7
 # 2^-12 of sum(|products|) allows several truncations per promotion interval; a wrong
 # scale, operand or layout errs by percents of |result| and fails it.
 FP8_ACCUMULATION = 2.0 ** -12
+# Fast accumulation never promotes: each of the k/32 wgmma steps adds its chunk to the
+# reduced-precision accumulator with a truncation of up to 2^-13 of the running sum.
+# At k = 512 that is 2^-9 of sum(|products|), about 3% of |result| for random data; a wrong
+# scale, operand or layout still errs by tens of percents and fails it.
+
+
+def fast_accumulation_bound(k: int) -> float:
+  return max(k // 32, 1) * 2.0 ** -13
+
+
+def accumulation_bound(recipe, backend: str, k: int) -> float:
+  # The CPU handler sums exactly; only the GPU's fast accumulation needs the wider bound.
+  if backend == "gpu" and recipe.forward_fast_accumulation:
+    return fast_accumulation_bound(k)
+  return FP8_ACCUMULATION
 
 
 def relative_error(actual, expected) -> float:
@@ -58,8 +77,8 @@ def group_rows(sizes, m):
   return bounds
 
 
-def fp8_linear(implementation):
-  return lambda x, w, s: jaxfuse.grouped_linear(x, w, s, recipe=RECIPE,
+def fp8_linear(implementation, recipe=RECIPE):
+  return lambda x, w, s: jaxfuse.grouped_linear(x, w, s, recipe=recipe,
                                                 implementation=implementation)
 
 
@@ -82,11 +101,12 @@ def fp8_products(x, kernel, sizes):
   return exact, abs_sum
 
 
-def assert_within_accumulation_bound(actual, exact, abs_sum, msg=""):
-  """|actual - exact| <= FP8_ACCUMULATION * sum|products| + one bf16 rounding of exact."""
+def assert_within_accumulation_bound(actual, exact, abs_sum, msg="",
+                                     accumulation=FP8_ACCUMULATION):
+  """|actual - exact| <= accumulation * sum|products| + one bf16 rounding of exact."""
   actual = helpers.as_f64(actual)
   assert not np.isnan(actual).any(), msg
-  bound = FP8_ACCUMULATION * abs_sum + BF16_ULP * np.abs(exact) + 1e-30
+  bound = accumulation * abs_sum + BF16_ULP * np.abs(exact) + 1e-30
   worst = float(np.max(np.abs(actual - exact) / bound, initial=0.0))
   assert worst <= 1.0, f"{msg}: error {worst:.3g} x the accumulation bound"
 
@@ -123,27 +143,30 @@ def test_reference_matches_float64_numpy_on_the_same_fp8_values(case):
   np.testing.assert_allclose(w_s, amax / 448.0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("recipe", ACCUMULATIONS)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", CASES)
-def test_ffi_matches_the_fp8_reference(backend, case):
+def test_ffi_matches_the_fp8_reference(backend, case, recipe):
   m, k, n = shapes(backend)
   sizes = sizes_cases(m)[case]
   x, kernel = make_inputs(11, m, k, n, len(sizes), jnp.bfloat16)
   x, kernel, group_sizes = on(backend, x, kernel, jnp.asarray(sizes, jnp.int32))
-  out = jax.jit(fp8_linear("ffi"))(x, kernel, group_sizes)
+  out = jax.jit(fp8_linear("ffi", recipe))(x, kernel, group_sizes)
   assert out.dtype == jnp.bfloat16 and out.shape == (m, n)
-  expected = helpers.on_cpu(fp8_linear("xla"), x, kernel, group_sizes)
+  expected = helpers.on_cpu(fp8_linear("xla", recipe), x, kernel, group_sizes)
   exact, abs_sum = fp8_products(x, kernel, sizes)
   # The XLA reference is the exact FP8 product rounded once to bf16.
   assert_bf16_close(expected, exact, f"{case} (reference)")
-  assert_within_accumulation_bound(out, exact, abs_sum, case)
+  assert_within_accumulation_bound(out, exact, abs_sum, case,
+                                   accumulation_bound(recipe, backend, k))
   covered = group_rows(sizes, m)[-1][1]
   assert not np.asarray(out[covered:], np.float32).any(), "rows past the groups must be zero"
 
 
+@pytest.mark.parametrize("recipe", ACCUMULATIONS)
 @pytest.mark.parametrize("backend, implementation", BACKEND_IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", ["uniform", "empty_groups", "sum_less_than_rows"])
-def test_accuracy_against_the_bf16_op(backend, implementation, case):
+def test_accuracy_against_the_bf16_op(backend, implementation, case, recipe):
   """E4M3 keeps 3 mantissa bits; over a K-term product of unit-variance data the errors
   average out to a few percent of the norm. dgrad uses E5M2 (2 bits) for dy; wgrad is
   16-bit."""
@@ -152,7 +175,7 @@ def test_accuracy_against_the_bf16_op(backend, implementation, case):
   x, kernel = make_inputs(12, m, k, n, len(sizes), jnp.bfloat16)
   d_out = helpers.random_array(np.random.default_rng(13), (m, n), jnp.bfloat16)
   x, kernel, d_out, group_sizes = on(backend, x, kernel, d_out, jnp.asarray(sizes, jnp.int32))
-  fp8 = lambda x, w: fp8_linear(implementation)(x, w, group_sizes)
+  fp8 = lambda x, w: fp8_linear(implementation, recipe)(x, w, group_sizes)
   bf16 = lambda x, w: jaxfuse.grouped_linear(x, w, group_sizes, implementation="xla")
   out, vjp = jax.vjp(fp8, x, kernel)
   want, want_vjp = jax.vjp(bf16, x, kernel)
@@ -227,6 +250,42 @@ def test_handler_rejects_fp8_wgrad_and_bad_scales():
   with pytest.raises(Exception, match=r"scale_inv must be float32 \[G = 2\]"):
     jax.block_until_ready(gemm_ffi.grouped_gemm(a, w_t, offsets, form=gemm_ffi.FORWARD,
                                                 a_scale_inv=ones[:1], b_scale_inv=ones))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_handler_rejects_fast_accumulation_outside_the_e4m3_forward(backend):
+  offsets = jnp.asarray([0, 8, 16], jnp.int32)
+  ones = jnp.ones((2,), jnp.float32)
+  dy = jnp.ones((16, 16), jnp.float8_e5m2)
+  w = jnp.ones((2, 16, 16), jnp.float8_e4m3fn)
+  dy, w, offsets, ones = on(backend, dy, w, offsets, ones)
+  with pytest.raises(Exception, match="fast_accumulation is only available for the forward"):
+    jax.block_until_ready(gemm_ffi.grouped_gemm(dy, w, offsets, form=gemm_ffi.DGRAD,
+                                                a_scale_inv=ones, b_scale_inv=ones,
+                                                fast_accumulation=True))
+  x = jnp.ones((16, 16), jnp.float8_e5m2)
+  x, = on(backend, x)
+  with pytest.raises(Exception, match="with float8_e5m2"):
+    jax.block_until_ready(gemm_ffi.grouped_gemm(x, w, offsets, form=gemm_ffi.FORWARD,
+                                                a_scale_inv=ones, b_scale_inv=ones,
+                                                fast_accumulation=True))
+
+
+def test_forward_fast_accumulation_reaches_only_the_forward_gemm():
+  x, kernel = make_inputs(18, 32, 32, 16, 2, jnp.bfloat16)
+  group_sizes = jnp.asarray([20, 12], jnp.int32)
+
+  def fast_flags(recipe):
+    loss = lambda x, w: jnp.sum(fp8_linear("ffi", recipe)(x, w, group_sizes)
+                                .astype(jnp.float32))
+    hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, kernel).as_text()
+    return sorted(line.split("fast_accumulation = ")[1].startswith("true")
+                  for line in hlo.splitlines()
+                  if "jaxfuse_grouped_gemm_fp8" in line and "fast_accumulation = " in line)
+
+  # The lowering keeps this platform's branch: one forward and one dgrad call.
+  assert fast_flags(RECIPE) == [False, True]
+  assert fast_flags(PROMOTED) == [False, False]
 
 
 def test_handler_decodes_fp8_exactly():

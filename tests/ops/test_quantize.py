@@ -361,3 +361,77 @@ def test_errors():
     jaxfuse.quantize(jnp.ones((4, 4), jnp.int32), Float8BlockScaling())
   with pytest.raises(TypeError, match="dequantize expects a QuantizedArray"):
     jaxfuse.dequantize(x)
+
+
+# --- the grouped GEMM's FP8 forward weights: transposed, per expert ---------------------
+
+
+def experts_with_special_values(rng, shape, dtype):
+  """Random experts [G, K, N]; expert 1 all zeros, expert 2 with NaN, inf and a huge value
+  (when G allows), so zero amax, NaN-as-zero amax and infinite amax are all covered."""
+  kernel = rng.standard_normal(shape).astype(np.float32) * np.exp2(
+      rng.integers(-6, 7, shape[:1])).astype(np.float32)[:, None, None]
+  if shape[0] > 1 and kernel[1].size:
+    kernel[1] = 0.0
+  if shape[0] > 2 and kernel[2].size >= 3:
+    kernel[2].flat[0] = np.nan
+    kernel[2].flat[1] = 6e4 if dtype == jnp.float16 else 1e30
+    kernel[2].flat[2] = -np.inf
+  return jnp.asarray(kernel, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(4, 256, 128),  # whole tiles, vector loads and stores
+                                   (3, 300, 200),  # partial tiles
+                                   (5, 40, 24),    # 8-wide loads, byte stores (40 % 16)
+                                   (2, 33, 17),    # scalar loads and stores
+                                   (1, 16, 16)])
+def test_experts_transposed_kernel_matches_the_reference_bit_for_bit(backend, dtype, shape):
+  from jaxfuse._src.ops.grouped_linear import reference  # pylint: disable=g-import-not-at-top
+  recipe = Float8CurrentScaling()
+  kernel = experts_with_special_values(np.random.default_rng(sum(shape)), shape, dtype)
+  want_data, want_scale_inv = helpers.on_cpu(
+      lambda k: reference.quantize_experts_t(k, recipe, "xla"), kernel)
+  kernel, = on(backend, kernel)
+  data, scale_inv = jax.jit(lambda k: reference.quantize_experts_t(k, recipe, "ffi"))(kernel)
+  assert data.shape == (shape[0], shape[2], shape[1]) and data.dtype == jnp.float8_e4m3fn
+  same_bits(data, want_data)
+  same_bits(scale_inv, want_scale_inv)
+  # Against float64 numpy: scale_inv = amax / 448 (NaN counts as 0; zero or inf amax give 1),
+  # and every finite element round-trips within E4M3's half-ulp (2^-4 relative).
+  k64 = np.asarray(helpers.as_f64(kernel))
+  magnitude = np.where(np.isnan(k64), 0.0, np.abs(k64))
+  amax = magnitude.reshape(shape[0], -1).max(axis=1, initial=0.0)
+  expected_scale_inv = np.where((amax > 0) & np.isfinite(amax), amax / 448.0, 1.0)
+  np.testing.assert_allclose(np.asarray(scale_inv, np.float64), expected_scale_inv, rtol=1e-6)
+  dequantized = np.asarray(data, np.float64) * expected_scale_inv[:, None, None]
+  transposed = np.swapaxes(k64, 1, 2)
+  # Finite values within the FP8 range at their expert's scale (an infinite amax gives
+  # scale 1, so the huge value saturates instead).
+  finite = np.abs(transposed) <= 448.0 * expected_scale_inv[:, None, None]
+  np.testing.assert_allclose(dequantized[finite], transposed[finite], rtol=2.0 ** -4,
+                             atol=expected_scale_inv.max() * 2.0 ** -9)
+  assert np.isnan(np.asarray(data, np.float32)[~finite & np.isnan(transposed)]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_transposed_quantization_of_empty_experts_still_writes_the_scales(backend):
+  from jaxfuse._src.ops.quantize import ffi as quantize_ffi  # pylint: disable=g-import-not-at-top
+  kernel, amax = on(backend, jnp.zeros((3, 0, 16), jnp.bfloat16),
+                    jnp.asarray([0.0, 896.0, np.inf], jnp.float32))
+  data, scale_inv = quantize_ffi.quantize_transposed(kernel, amax, fmt="e4m3")
+  assert data.shape == (3, 16, 0)
+  np.testing.assert_array_equal(np.asarray(scale_inv), [1.0, 2.0, 1.0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_transposed_quantization_rejects_bad_shapes(backend):
+  from jaxfuse._src.ops.quantize import ffi as quantize_ffi  # pylint: disable=g-import-not-at-top
+  kernel, wrong_amax, integers, amax = on(
+      backend, jnp.ones((2, 16, 16), jnp.bfloat16), jnp.ones((3,), jnp.float32),
+      jnp.ones((2, 16, 16), jnp.int32), jnp.ones((2,), jnp.float32))
+  with pytest.raises(Exception, match=r"amax must be float32 \[B = 2\]"):
+    jax.block_until_ready(quantize_ffi.quantize_transposed(kernel, wrong_amax, fmt="e4m3"))
+  with pytest.raises(Exception, match=r"x must be a float32/bfloat16/float16 array \[B, R, C\]"):
+    jax.block_until_ready(quantize_ffi.quantize_transposed(integers, amax, fmt="e4m3"))

@@ -38,7 +38,7 @@ struct Family {
 // The kernel family for a problem (types/form only), or a null family when unsupported.
 Family PickFamily(const Problem& p) {
   if (Is16Bit(p.a_type)) {
-    if (p.b_type != p.a_type || p.out_type != p.a_type) return {};
+    if (p.b_type != p.a_type || p.out_type != p.a_type || p.fast_accumulation) return {};
     const bool bf16 = p.a_type == ElementType::kBF16;
     switch (p.form) {
       case Form::kForward:
@@ -55,8 +55,14 @@ Family PickFamily(const Problem& p) {
     // column-wise FP8 copies with 16-aligned group starts).
     if (p.b_type != ElementType::kFloat8E4M3 || p.out_type != ElementType::kBF16) return {};
     if (p.form == Form::kWgrad) return {};
-    return p.a_type == ElementType::kFloat8E4M3 ? JAXFUSE_GG_FAMILY(Fp8E4m3E4m3, true)
-                                                : JAXFUSE_GG_FAMILY(Fp8E5m2E4m3, true);
+    const bool e4m3 = p.a_type == ElementType::kFloat8E4M3;
+    if (p.fast_accumulation) {
+      // Only the forward (E4M3 activations) accumulates fast; gradients keep the promoted
+      // mainloop, as in TransformerEngine.
+      if (p.form != Form::kForward || !e4m3) return {};
+      return JAXFUSE_GG_FAMILY(Fp8E4m3FastAccum, true);
+    }
+    return e4m3 ? JAXFUSE_GG_FAMILY(Fp8E4m3E4m3, true) : JAXFUSE_GG_FAMILY(Fp8E5m2E4m3, true);
   }
   return {};
 }
@@ -315,9 +321,9 @@ bool IsSupported(const Problem& p) {
 // problems and narrow outputs only.
 TileConfig ChooseTileConfig(const Problem& p, int sm_count) {
   if (sm_count <= 0) sm_count = 132;
-  // Large-config CTA tile N: 256 (16-bit), 128 (FP8: the promoted mainloop's two accumulator
-  // sets do not fit a 128x256 cooperative tile without spilling).
-  const int64_t tile_n = IsFp8(p.a_type) ? 128 : 256;
+  // Large-config CTA tile N: 256 (16-bit and FP8 fast accumulation), 128 (promoted FP8: the
+  // two accumulator sets do not fit a 128x256 cooperative tile without spilling).
+  const int64_t tile_n = IsFp8(p.a_type) && !p.fast_accumulation ? 128 : 256;
   const int64_t groups = std::max(1, p.num_groups);
   const int64_t rows_per_group = std::max<int64_t>(1, p.m / groups);
   if (p.form == Form::kWgrad) {

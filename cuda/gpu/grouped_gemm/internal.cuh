@@ -63,6 +63,7 @@ JAXFUSE_GG_DECLARE_FAMILY(F16Wgrad)
 // FP8 families: A K-major, B K-major, bf16 output, per-group alpha.
 JAXFUSE_GG_DECLARE_FAMILY(Fp8E4m3E4m3)
 JAXFUSE_GG_DECLARE_FAMILY(Fp8E5m2E4m3)
+JAXFUSE_GG_DECLARE_FAMILY(Fp8E4m3FastAccum)  // forward only: FP8 fast accumulation
 
 #undef JAXFUSE_GG_DECLARE_FAMILY
 

@@ -14,6 +14,9 @@
 //   kDgrad    a = dy [m, n] e4m3|e5m2, b = w [G, k, n] e4m3
 //   kWgrad    not supported (IsSupported returns false).
 //   out = (a_scale_inv[g] * b_scale_inv[g]) * (a @ b) per group (a null scale pointer means 1).
+//   fast_accumulation (kForward with e4m3 x e4m3 only): accumulate in the tensor cores' FP8
+//   accumulator without promoting to fp32 registers every few k-blocks (faster, a little less
+//   precise; TransformerEngine's default for the forward GEMM).
 //
 // group_offsets: DEVICE int32 [G+1]; offsets[0] = 0, non-decreasing by contract. The kernels
 // never trust it: every offset is clamped to [0, m] and made non-decreasing (running max), so
@@ -36,7 +39,7 @@ enum class Form { kForward, kDgrad, kWgrad };
 enum class TileConfig {
   kAuto = 0,
   kLarge = 1,  // 16-bit: cooperative 128x256x64 (cluster 1x2; wgrad 2x1);
-               // FP8: cooperative 128x128x128, cluster 1x2
+               // FP8: cooperative 128x128x128, cluster 1x2 (fast accumulation: 128x256x128)
   kSmall = 2,  // 16-bit: ping-pong 128x128x64, cluster 1x1; FP8: ping-pong 64x128x128, 1x1
                // (f16 has one config, the large one, for both)
 };
@@ -57,6 +60,7 @@ struct Problem {
   const float* b_scale_inv;  // FP8 only: DEVICE [G] (or nullptr = 1)
   void* workspace;           // DEVICE scratch, >= WorkspaceBytes(problem, sm_count) bytes,
   size_t workspace_bytes;    // 256-byte aligned (XLA buffers are)
+  bool fast_accumulation = false;  // FP8 forward only (e4m3 x e4m3), see above
   TileConfig tile_config = TileConfig::kAuto;  // optional override
 };
 
@@ -72,7 +76,8 @@ size_t WorkspaceBytes(const Problem& problem, int sm_count);
 cudaError_t Run(const Problem& problem, int sm_count, cudaStream_t stream);
 
 // Host check of types, shapes and alignment (k, n multiples of 8 for 16-bit types, of 16 for
-// FP8; 16-byte aligned a/b/out pointers; m, k, n < 2^31; G >= 1). Upstream raises on false.
+// FP8; 16-byte aligned a/b/out pointers; m, k, n < 2^31; G >= 1; fast_accumulation only for
+// the e4m3 x e4m3 forward). Upstream raises on false.
 bool IsSupported(const Problem& problem);
 
 // The tile configuration the heuristic picks from form, types, m, k, n, G and sm_count (host

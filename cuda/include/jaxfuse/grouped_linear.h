@@ -75,6 +75,20 @@ inline ffi::Error ParseGroupedProblem(const ffi::AnyBuffer& a, const ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+// FP8 fast accumulation (the tensor cores' FP8 accumulator, no promotion to fp32 registers)
+// exists for the forward form with E4M3 activations only; gradients keep the promoted
+// mainloop, as in TransformerEngine. Both handlers check it the same way.
+inline ffi::Error CheckFastAccumulation(int32_t form, ffi::DataType a_type,
+                                        bool fast_accumulation) {
+  if (fast_accumulation &&
+      (form != static_cast<int32_t>(GroupedForm::kForward) || a_type != ffi::DataType::F8E4M3FN)) {
+    return InvalidArgument("FP8 grouped GEMM: fast_accumulation is only available for the "
+                           "forward form (0) with float8_e4m3fn activations, got form ", form,
+                           " with ", DataTypeName(a_type));
+  }
+  return ffi::Error::Success();
+}
+
 // offsets' of the contract above, on the host (CPU handler).
 inline std::vector<int64_t> ClampOffsets(const int32_t* offsets, int64_t groups, int64_t m) {
   std::vector<int64_t> clamped(groups + 1);

@@ -107,6 +107,55 @@ inline ffi::Error CheckQuantizeOutputs(QuantizeProblem& problem, const ffi::AnyB
   return ffi::Error::Success();
 }
 
+// Transposed quantization with given amaxes (the FP8 forward weights of the grouped GEMM:
+// kernel [G, K, N] -> K-major [G, N, K]): x [B, R, C] float -> data [B, C, R] FP8 with
+// data[b, c, r] = fp8(x[b, r, c] * scale[b]), scale[b] = ScaleFromAmax(amax[b]) and
+// scale_inv[b] = 1 / scale[b]. The amaxes come from the caller (a plain max reduction
+// that XLA partitions like any other), which keeps this kernel free of reductions.
+struct TransposedProblem {
+  int64_t batch = 0, rows = 0, cols = 0;
+  Fp8Format format = Fp8Format::kE4M3;
+};
+
+inline ffi::Error ParseQuantizeTransposed(const ffi::AnyBuffer& x, const ffi::AnyBuffer& amax,
+                                          const ffi::AnyBuffer& data,
+                                          const ffi::AnyBuffer& scale_inv,
+                                          TransposedProblem* problem) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 3 || !IsFloatType(x.element_type())) {
+    return InvalidArgument("quantize_transposed: x must be a float32/bfloat16/float16 array "
+                           "[B, R, C], got ", DataTypeName(x.element_type()), " ",
+                           ShapeString(dims));
+  }
+  problem->batch = dims[0];
+  problem->rows = dims[1];
+  problem->cols = dims[2];
+  const auto amax_dims = amax.dimensions();
+  if (amax.element_type() != ffi::DataType::F32 || amax_dims.size() != 1 ||
+      amax_dims[0] != problem->batch) {
+    return InvalidArgument("quantize_transposed: amax must be float32 [B = ", problem->batch,
+                           "], got ", DataTypeName(amax.element_type()), " ",
+                           ShapeString(amax_dims));
+  }
+  if (auto error = Fp8FormatOf(data.element_type(), &problem->format); error.failure()) {
+    return error;
+  }
+  const auto data_dims = data.dimensions();
+  if (data_dims.size() != 3 || data_dims[0] != problem->batch ||
+      data_dims[1] != problem->cols || data_dims[2] != problem->rows) {
+    return InvalidArgument("quantize_transposed: data must be [B, C, R] = [", problem->batch,
+                           ", ", problem->cols, ", ", problem->rows, "], got ",
+                           ShapeString(data_dims));
+  }
+  if (scale_inv.element_type() != ffi::DataType::F32 ||
+      scale_inv.element_count() != static_cast<size_t>(problem->batch)) {
+    return InvalidArgument("quantize_transposed: scale_inv must be float32 [B = ",
+                           problem->batch, "], got ", DataTypeName(scale_inv.element_type()),
+                           " ", ShapeString(scale_inv.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
 #if !defined(__CUDACC__)
 // --- CPU reference implementation (plain loops) ------------------------------------
 
@@ -203,6 +252,22 @@ inline void QuantizeCpu(const QuantizeProblem& p, const float* values, const int
         static_cast<float*>(scale_inv)[r * col_blocks + cb] = 1.0f / scale;
       }
       for (int64_t c = c0; c < c1; ++c) data[r * cols + c] = quantize(values[r * cols + c], scale);
+    }
+  }
+}
+// The transposed quantization above, on the host.
+inline void QuantizeTransposedCpu(const TransposedProblem& p, const ffi::AnyBuffer& x,
+                                  const float* amax, uint8_t* data, float* scale_inv) {
+  const float fp8_max = Fp8Max(p.format);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const float scale = ScaleFromAmax(amax[b], fp8_max);
+    scale_inv[b] = 1.0f / scale;
+    const int64_t in = b * p.rows * p.cols;
+    for (int64_t r = 0; r < p.rows; ++r) {
+      for (int64_t c = 0; c < p.cols; ++c) {
+        const float value = LoadAsFloat(x.untyped_data(), x.element_type(), in + r * p.cols + c);
+        data[in + c * p.rows + r] = FloatToFp8(value * scale, p.format);
+      }
     }
   }
 }

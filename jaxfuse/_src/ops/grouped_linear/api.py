@@ -108,10 +108,16 @@ def validate_fp8(recipe, k: int, n: int, op: str, names=("K", "N")) -> None:
                        f"(16-byte aligned FP8 rows for TMA), got {size}")
 
 
-def fp8_gemm(a_data, a_scale_inv, b_data, b_scale_inv, group_offsets, form, dtype):
-  """One FP8 grouped GEMM form (bfloat16 result) cast to `dtype`."""
+def fp8_gemm(a_data, a_scale_inv, b_data, b_scale_inv, group_offsets, form, dtype, recipe):
+  """One FP8 grouped GEMM form (bfloat16 result) cast to `dtype`.
+
+  The forward accumulates fast when recipe.forward_fast_accumulation is set; dgrad always
+  promotes to fp32 (TransformerEngine's split accumulator for the gradient GEMMs).
+  """
+  fast = int(form) == ffi.FORWARD and recipe.forward_fast_accumulation
   out = sharding.grouped_gemm(a_data, b_data, group_offsets, form=form,
-                              a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv)
+                              a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv,
+                              fast_accumulation=fast)
   return out.astype(dtype)
 
 
@@ -134,7 +140,7 @@ def _fp8_forward(x, kernel, group_offsets, recipe, varying_axes):
   x_data, x_scale_inv = reference.quantize_rows(x, recipe, group_offsets, "forward", "ffi")
   w_t_data, w_scale_inv = reference.quantize_experts_t(kernel, recipe, "ffi")
   out = fp8_gemm(x_data, x_scale_inv, w_t_data, w_scale_inv, group_offsets, ffi.FORWARD,
-                 x.dtype)
+                 x.dtype, recipe)
   return out, (x, w_t_data, w_scale_inv, group_offsets)
 
 
@@ -144,7 +150,7 @@ def fp8_dgrad(d_out, w_t_data, w_scale_inv, group_offsets, recipe, dtype):
   dy_data, dy_scale_inv = reference.quantize_rows(d_out, recipe, group_offsets, "gradient",
                                                   "ffi")
   return fp8_gemm(dy_data, dy_scale_inv, jnp.swapaxes(w_t_data, 1, 2), w_scale_inv,
-                  group_offsets, ffi.DGRAD, dtype)
+                  group_offsets, ffi.DGRAD, dtype, recipe)
 
 
 def _fp8_backward(recipe, varying_axes, saved, d_out):

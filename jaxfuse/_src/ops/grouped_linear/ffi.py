@@ -26,24 +26,27 @@ def _sm_count() -> int:
   return max(counts, default=_DEFAULT_SM_COUNT) or _DEFAULT_SM_COUNT
 
 
-def _workspace_bytes(form, a, b, m, k, n, groups) -> int:
+def _workspace_bytes(form, a, b, m, k, n, groups, fast_accumulation) -> int:
   extension = ffi_registry.require_extension()
   a_code = _TYPE_CODES.get(jnp.dtype(a.dtype))
   b_code = _TYPE_CODES.get(jnp.dtype(b.dtype))
   if a_code is None or b_code is None:
     return 0  # the handler reports the unsupported dtype
   return int(extension.grouped_gemm_workspace_bytes(form, a_code, b_code, m, k, n, groups,
-                                                    _sm_count()))
+                                                    _sm_count(), fast_accumulation))
 
 
 def grouped_gemm(a: jax.Array, b: jax.Array, group_offsets: jax.Array, *, form: int,
-                 a_scale_inv=None, b_scale_inv=None, out_dtype=None) -> jax.Array:
+                 a_scale_inv=None, b_scale_inv=None, out_dtype=None,
+                 fast_accumulation: bool = False) -> jax.Array:
   """One grouped GEMM form (see cuda/include/jaxfuse/grouped_linear.h).
 
   forward: a = x [m, k], b = w [G, k, n] -> [m, n]; dgrad: a = dy [m, n], b = w -> [m, k];
   wgrad: a = x [m, k], b = dy [m, n] -> [G, k, n]. group_offsets: int32 [G + 1] on the
   device. FP8 (a_scale_inv, b_scale_inv: float32 [G]) takes the forward weight as
-  [G, n, k] and returns bfloat16.
+  [G, n, k] and returns bfloat16; fast_accumulation (FP8 forward with E4M3 activations
+  only, else the handler raises) keeps the tensor cores' FP8 accumulator instead of
+  promoting to fp32 every few k-blocks.
   """
   ffi_registry.ensure_registered()
   groups = group_offsets.shape[0] - 1
@@ -64,12 +67,15 @@ def grouped_gemm(a: jax.Array, b: jax.Array, group_offsets: jax.Array, *, form: 
   target = "jaxfuse_grouped_gemm_fp8" if fp8 else "jaxfuse_grouped_gemm"
   operands = (a, b, group_offsets) + ((a_scale_inv, b_scale_inv) if fp8 else ())
   attrs = dict(form=np.int32(form))
+  if fp8:
+    attrs["fast_accumulation"] = bool(fast_accumulation)
 
   def cpu(*args):
     return jax.ffi.ffi_call(target, out_type, vmap_method="sequential")(*args, **attrs)
 
   def cuda(*args):
-    workspace = jax.ShapeDtypeStruct((_workspace_bytes(form, a, b, m, k, n, groups),), jnp.uint8)
+    workspace = jax.ShapeDtypeStruct((_workspace_bytes(form, a, b, m, k, n, groups,
+                                                  fast_accumulation),), jnp.uint8)
     out, _ = jax.ffi.ffi_call(target, (out_type, workspace),
                               vmap_method="sequential")(*args, **attrs)
     return out

@@ -51,13 +51,14 @@ def _rule(attrs, in_ranks, out_ranks):
   return [["m", "k"], ["m", "n"], ["o"], *scales], [["g", "k", "n"]]
 
 
-def _gemm(a, b, offsets, *scales, form, out_dtype):
+def _gemm(a, b, offsets, *scales, form, out_dtype, fast_accumulation=False):
   a_scale_inv, b_scale_inv = scales if scales else (None, None)
   return ffi.grouped_gemm(a, b, offsets, form=form, a_scale_inv=a_scale_inv,
-                          b_scale_inv=b_scale_inv, out_dtype=out_dtype)
+                          b_scale_inv=b_scale_inv, out_dtype=out_dtype,
+                          fast_accumulation=fast_accumulation)
 
 
-def _local(factor_axes, a, b, offsets, *scales, form, out_dtype):
+def _local(factor_axes, a, b, offsets, *scales, form, out_dtype, fast_accumulation=False):
   token_axes = tuple(factor_axes.get("m", ()))
   if token_axes:
     rows = a.shape[0]
@@ -65,7 +66,8 @@ def _local(factor_axes, a, b, offsets, *scales, form, out_dtype):
     # Offsets past the global M (and padding rows of uneven blocks) belong to no group.
     total = sharding.global_size(rows, factor_axes, "m")
     offsets = jnp.clip(jnp.clip(offsets, 0, total) - start, 0, rows).astype(jnp.int32)
-  out = _gemm(a, b, offsets, *scales, form=form, out_dtype=out_dtype)
+  out = _gemm(a, b, offsets, *scales, form=form, out_dtype=out_dtype,
+              fast_accumulation=fast_accumulation)
   summed = {ffi.DGRAD: tuple(factor_axes.get("n", ())), ffi.WGRAD: token_axes}.get(form, ())
   if summed:
     out = jax.lax.psum(out.astype(jnp.float32), summed).astype(out.dtype)
@@ -85,12 +87,12 @@ _BY_FORM = {ffi.FORWARD: _forward, ffi.DGRAD: _dgrad, ffi.WGRAD: _wgrad}
 
 
 def grouped_gemm(a, b, group_offsets, *, form, a_scale_inv=None, b_scale_inv=None,
-                 out_dtype=None):
+                 out_dtype=None, fast_accumulation=False):
   """ffi.grouped_gemm with the sharding rules above (16-bit and FP8)."""
   fn = _BY_FORM[int(form)]
   if a_scale_inv is not None:
     out_dtype = jnp.dtype(out_dtype or jnp.bfloat16)
     return fn(a, b, group_offsets, a_scale_inv, b_scale_inv, form=int(form),
-              out_dtype=out_dtype)
+              out_dtype=out_dtype, fast_accumulation=bool(fast_accumulation))
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   return fn(a, b, group_offsets, form=int(form), out_dtype=out_dtype)

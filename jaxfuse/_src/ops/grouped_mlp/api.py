@@ -157,13 +157,13 @@ class _Fp8:
                                                          "ffi")
     w1_t, w1_scale_inv = linear_reference.quantize_experts_t(kernel1, recipe, "ffi")
     h = linear_api.fp8_gemm(x_data, x_scale_inv, w1_t, w1_scale_inv, group_offsets,
-                            gemm_ffi.FORWARD, x.dtype)
+                            gemm_ffi.FORWARD, x.dtype, recipe)
     a_q = quantize_api.scaled_activation_quantize(
         h, scales, recipe=recipe, group_offsets=group_offsets, implementation="ffi",
         **config.act_kwargs)
     w2_t, w2_scale_inv = linear_reference.quantize_experts_t(kernel2, recipe, "ffi")
     y = linear_api.fp8_gemm(a_q.data, a_q.scale_inv, w2_t, w2_scale_inv, group_offsets,
-                            gemm_ffi.FORWARD, x.dtype)
+                            gemm_ffi.FORWARD, x.dtype, recipe)
     saved_activation = _activation(h, scales, config) if config.save_activation else None
     return y, (x, w1_t, w1_scale_inv, w2_t, w2_scale_inv, group_offsets, scales, h,
                saved_activation)
@@ -181,7 +181,7 @@ class _Fp8:
         da, h, scales, recipe=recipe, group_offsets=group_offsets, return_dx=True,
         implementation="ffi", **config.act_kwargs)
     dx = linear_api.fp8_gemm(dh_q.data, dh_q.scale_inv, jnp.swapaxes(w1_t, 1, 2),
-                             w1_scale_inv, group_offsets, gemm_ffi.DGRAD, x.dtype)
+                             w1_scale_inv, group_offsets, gemm_ffi.DGRAD, x.dtype, recipe)
     d_kernel1 = _gemm(x, dh, group_offsets, gemm_ffi.WGRAD)
     x_axes, k1_axes, k2_axes, _, s_axes = varying_axes
     return (compat.match_varying_axes(dx, x_axes),

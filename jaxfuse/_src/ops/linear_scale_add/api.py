@@ -114,7 +114,7 @@ def _fp8_forward(x, kernel, residual, alpha, recipe, varying_axes):
   kernel_t_fp8, kernel_scale_inv = _quantize(kernel.T, recipe, "forward")
   out = sharding.linear_scale_add_fp8(x_fp8.reshape(x.shape), kernel_t_fp8, residual,
                                       x_scale_inv, kernel_scale_inv, alpha=alpha,
-                                      fast_accumulation=True)
+                                      fast_accumulation=recipe.forward_fast_accumulation)
   saved = (x_fp8, x_scale_inv, kernel_t_fp8, kernel_scale_inv,
            jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
   return out, saved

@@ -20,6 +20,10 @@
   rows gathered back) around the kernel. Unsharded, the kernel runs alone.
 * "block_2d" (128 x 128 tiles of [R, K]): tiles span rows; x is kept replicated.
 
+``quantize_transposed`` (x [B, R, C] -> data [B, C, R] with a given amax [B]): every
+dimension may be sharded; each device quantizes its block with the given amax, so nothing
+is communicated (the caller's amax reduction is what XLA partitions).
+
 ``scaled_activation_quantize`` / ``scaled_dactivation_quantize``: rows may be sharded (x,
 scales, dy, dx, dscales and the data keep the row sharding). The feature dimension may be
 sharded for "srelu" (elementwise) under current scaling (dscales is then a per-device
@@ -239,3 +243,19 @@ def scaled_dactivation_quantize(dy, x, scales, offsets, **attrs):
   attrs["return_dx"] = bool(attrs["return_dx"])
   data, scale_inv, dx, dscales = fn(dy, x, scales, offsets, **attrs)
   return data, scale_inv, (dx if attrs["return_dx"] else None), dscales
+
+
+# --- quantize_transposed ---------------------------------------------------------------
+
+
+def _transposed_rule(attrs, in_ranks, out_ranks):
+  del attrs, in_ranks, out_ranks
+  return [["b", "r", "c"], ["b"]], [["b", "c", "r"], ["b"]]
+
+
+_transposed = sharding.partitioned(ffi.quantize_transposed, _transposed_rule)
+
+
+def quantize_transposed(x, amax, *, fmt):
+  """ffi.quantize_transposed with its sharding rule (purely local)."""
+  return _transposed(x, amax.astype(jnp.float32), fmt=fmt)

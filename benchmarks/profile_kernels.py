@@ -32,6 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jaxfuse  # noqa: E402
 from benchmarks import common  # noqa: E402
+from benchmarks import bench_grouped_linear  # noqa: E402
 from benchmarks import bench_grouped_mlp  # noqa: E402
 from benchmarks import bench_linear_scale_add  # noqa: E402
 
@@ -120,6 +121,30 @@ def linear_scale_add_fp8_case(tokens, features):
   return step, (x, kernel, residual)
 
 
+def grouped_gemm_case(groups, rows_per_group, form, torch_baseline=False):
+  """One bf16 grouped GEMM form on bench_grouped_linear's operands (K=2048, N=4096, equal
+  sizes), jaxfuse's or torch._grouped_mm: the kernels' own device time, next to the
+  benchmark's host-clock chunks (which also hold dispatch and the setup launch)."""
+  sizes = [rows_per_group] * groups
+  k, n = bench_grouped_linear.K, bench_grouped_linear.N
+  if torch_baseline:
+    import torch  # pylint: disable=g-import-not-at-top
+    fn = bench_grouped_linear.torch_variants(sizes, k, n)[form][0]
+
+    def torch_step():
+      fn()
+      torch.cuda.synchronize()
+
+    return torch_step, ()
+  m = groups * rows_per_group
+  keys = jax.random.split(jax.random.key(5), 3)
+  x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+  w = (jax.random.normal(keys[1], (groups, k, n)) / k**0.5).astype(jnp.bfloat16)
+  dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+  offsets = jaxfuse.group_offsets(jnp.asarray(sizes, jnp.int32))
+  return bench_grouped_linear.jaxfuse_steps(x, w, dy, offsets)[form]
+
+
 CASES = {
     "grouped_mlp T=2048 H=1024 F=1024": lambda: grouped_mlp_case(2048, 1024, 1024),
     "grouped_mlp T=65536 H=2048 F=2048": lambda: grouped_mlp_case(65536, 2048, 2048),
@@ -139,6 +164,11 @@ CASES = {
     "grouped_linear fp8 op fwd 8x8192": lambda: grouped_linear_fp8_case(8, 8192),
     "linear_scale_add fp8 8192^3 fwd": lambda: linear_scale_add_fp8_case(8192, 8192),
 }
+for _groups, _rows in ((8, 8192), (64, 512), (128, 512)):
+  for _form in ("fwd", "dgrad", "wgrad"):
+    for _torch in (False, True):
+      CASES[f"grouped_gemm {'torch' if _torch else 'jaxfuse'} {_form} {_groups}x{_rows}"] = (
+          lambda g=_groups, r=_rows, f=_form, t=_torch: grouped_gemm_case(g, r, f, t))
 
 
 def profile(step, args, carry=None):
@@ -191,6 +221,8 @@ def command_buffer_summary(step, args) -> dict:
   CUSTOM_CALL forced, while bench_dispatch saw forced command buffers cut the host cost of
   some custom calls) keep their graphs out of the HLO. bench_dispatch is the measurement.
   """
+  if not hasattr(step, "lower"):  # a torch baseline
+    return {"in_command_buffers": {}, "eager": {}}
   text = step.lower(*args).compile().as_text()
   inside, outside = collections.Counter(), collections.Counter()
   computation = ""

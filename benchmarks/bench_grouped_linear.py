@@ -12,6 +12,9 @@ included, against the bf16 op (precision "bf16", same rows). There is no FP8 wgr
 
 jaxfuse bf16, jaxfuse FP8 and torch._grouped_mm run in alternating chunks with the same
 host-clock timing (common.time_alternating), so GPU clock drift cannot favour one of them.
+Chunks are CHUNK calls long: a chunk's time includes its first call's latency once (a
+jitted JAX call's is several times torch's, see scripts/call_latency.py), which over 20
+calls of a millisecond-long GEMM weighs ~1%, over the default 5 calls up to ~10%.
 
     python -m benchmarks.bench_grouped_linear [--quick] [--smoke]
 """
@@ -36,6 +39,7 @@ CASES = {
     "128x512": [512] * 128,
 }
 FORMS = ("fwd", "dgrad", "wgrad")
+CHUNK = 20  # calls per alternating chunk (see the module docstring)
 
 
 def jaxfuse_steps(x, w, dy, offsets):
@@ -126,7 +130,7 @@ def alternate(variants, rounds) -> dict[str, float | None]:
   variants = dict(variants)
   while variants:
     try:
-      stats = common.time_alternating(variants, rounds=rounds)
+      stats = common.time_alternating(variants, rounds=rounds, chunk=CHUNK)
       return {name: stats.get(name, {}).get("median_ms") for name in variants}
     except Exception as error:  # find the failing variant, keep the others
       for name, (fn, args, *_) in list(variants.items()):

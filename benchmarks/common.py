@@ -58,7 +58,7 @@ def time_fn(fn: Callable, args_per_call: Sequence[tuple], *, warmup: int = 3) ->
 
 
 def time_alternating(variants: dict[str, tuple], *, rounds: int = 12,
-                     warmup: int = 3) -> dict[str, dict]:
+                     warmup: int = 3, chunk: int = CHUNK) -> dict[str, dict]:
   """Times several variants in alternating chunks (A B, B A, A B, ...), ms per call each.
 
   Back-to-back sweeps of one variant after another let clock and thermal drift of the
@@ -72,9 +72,12 @@ def time_alternating(variants: dict[str, tuple], *, rounds: int = 12,
   given (a torch baseline passes ``lambda _: torch.cuda.synchronize()``, so that both
   frameworks are timed the same way, by the host clock around whole chunks).
 
-  Returns, per variant, ``median_ms``/``min_ms`` over its chunks (each chunk: ``CHUNK``
+  Returns, per variant, ``median_ms``/``min_ms`` over its chunks (each chunk: ``chunk``
   calls dispatched back to back, one sync), and ``paired_speedup_vs_<first variant>``:
-  the median over rounds of (first variant's chunk time / this one's).
+  the median over rounds of (first variant's chunk time / this one's). A chunk's time
+  includes the latency of its first call once (for a jitted JAX call on the H200 about
+  0.1-0.4 ms, against ~0.05 ms for torch); a longer ``chunk`` amortizes it when the
+  device time per call is what is compared.
   """
   state = {name: variant[1] for name, variant in variants.items()}
 
@@ -97,10 +100,10 @@ def time_alternating(variants: dict[str, tuple], *, rounds: int = 12,
   times = {name: [] for name in names}
   for round_index in range(rounds):
     for name in (names if round_index % 2 == 0 else names[::-1]):
-      times[name].append(run_chunk(name, CHUNK))
+      times[name].append(run_chunk(name, chunk))
   first = names[0]
   return {name: {"median_ms": statistics.median(times[name]), "min_ms": min(times[name]),
-                 "calls": rounds * CHUNK,
+                 "calls": rounds * chunk,
                  "paired_speedup_vs_" + first: statistics.median(
                      a / b for a, b in zip(times[first], times[name]))}
           for name in names}

@@ -15,6 +15,8 @@ from tests.ops.test_grouped_mlp import (ACTIVATIONS, ALPHA, BACKENDS, LIMIT, LIN
                                         group_rows, make_inputs, on, sizes_cases)
 
 RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
+PROMOTED = jaxfuse.quantization.Float8CurrentScaling(per_group=True,
+                                                     forward_fast_accumulation=False)
 # The jnp reference ("xla") is checked on the CPU; on the GPU it would only add minutes
 # of XLA compilation and autotuning of its float32 ragged_dot.
 BACKEND_IMPLEMENTATIONS = [
@@ -39,10 +41,12 @@ def call(impl, activation, recipe=RECIPE, save_activation=False):
       alpha=ALPHA, linear_offset=LINEAR_OFFSET, save_activation=save_activation)
 
 
+@pytest.mark.parametrize("recipe", [pytest.param(RECIPE, id="fast"),
+                                    pytest.param(PROMOTED, id="promoted")])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("case", list(sizes_cases(64)))
-def test_ffi_matches_the_fp8_reference(backend, activation, case):
+def test_ffi_matches_the_fp8_reference(backend, activation, case, recipe):
   """Same quantization and FP8 products; h may differ by one bf16 rounding, which can move
   an activation across an FP8 rounding boundary, hence bf16-level (not bit) agreement.
 
@@ -50,19 +54,25 @@ def test_ffi_matches_the_fp8_reference(backend, activation, case):
   test_grouped_linear_fp8.FP8_ACCUMULATION), so more activations cross an E4M3 rounding
   boundary than on the CPU; each crossing moves one FC2 input by one E4M3 step (2^-3 of
   it). The largest element error then reaches a few percent of the largest output (2-4%
-  measured on the H200 at 97f44ec0) while the Frobenius error stays at the 1e-2 level."""
+  measured on the H200 at 97f44ec0) while the Frobenius error stays at the 1e-2 level.
+
+  With fast accumulation (the default recipe) neither forward GEMM promotes to fp32: FC1's
+  sums drift by up to k/32 truncations (test_grouped_linear_fp8.fast_accumulation_bound),
+  and more activations cross a boundary. The H200 measured 2.1% Frobenius (swiglu, 5863d69;
+  the largest element error stayed within 2^-4): the budget is 4e-2 there."""
   m, hidden, ffn = shapes(backend)
   sizes = sizes_cases(m)[case]
   x, k1, k2, scales = make_inputs(30, m, hidden, ffn, len(sizes), activation, jnp.bfloat16)
   x, k1, k2, scales, group_sizes = on(backend, x, k1, k2, scales,
                                       jnp.asarray(sizes, jnp.int32))
-  out = jax.jit(call("ffi", activation))(x, k1, k2, group_sizes, scales)
+  out = jax.jit(call("ffi", activation, recipe))(x, k1, k2, group_sizes, scales)
   assert out.dtype == jnp.bfloat16 and out.shape == (m, hidden)
-  expected = helpers.on_cpu(call("xla", activation), x, k1, k2, group_sizes, scales)
+  expected = helpers.on_cpu(call("xla", activation, recipe), x, k1, k2, group_sizes, scales)
   scale = np.abs(helpers.as_f64(expected)).max()
   max_error = np.abs(helpers.as_f64(out) - helpers.as_f64(expected)).max() / scale
   assert max_error <= (helpers.rtol(jnp.bfloat16) if backend == "cpu" else 2.0 ** -4), case
-  assert relative_error(out, expected) < 1e-2
+  fast_on_gpu = backend == "gpu" and recipe.forward_fast_accumulation
+  assert relative_error(out, expected) < (4e-2 if fast_on_gpu else 1e-2)
   covered = list(group_rows(sizes, m))[-1][2]
   assert not np.asarray(out[covered:], np.float32).any(), "rows past the groups must be zero"
 

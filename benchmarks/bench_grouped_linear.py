@@ -37,6 +37,11 @@ CASES = {
     "8x8192 skewed, one empty": [16384, 12288, 0, 8192, 8192, 8192, 6144, 6144],
     "64x512": [512] * 64,
     "128x512": [512] * 128,
+    # As routed tokens arrive: 32768 rows over 64 experts at random (multinomial, fixed
+    # seed), sizes around 512 but rarely a multiple of 128. Not an issue case: it shows
+    # what a cluster of two CTAs along M (torch's choice) costs once tile counts are odd.
+    "64x~512 routed": [int(size) for size in
+                       np.random.default_rng(64).multinomial(32768, np.ones(64) / 64)],
 }
 FORMS = ("fwd", "dgrad", "wgrad")
 CHUNK = 20  # calls per alternating chunk (see the module docstring)

@@ -5,6 +5,9 @@ Recipes are frozen (hashable) dataclasses, so they can be static arguments:
 * ``Float8CurrentScaling(per_group=True)``: one scale per group of rows (the rows of group
   g are located through ``group_offsets``), ``scale = fp8_max / amax``; ``per_group=False``
   is one scale per tensor. E4M3 for forward tensors, E5M2 for gradients.
+  ``forward_fast_accumulation=True`` (the default, as TransformerEngine's fprop): the
+  forward GEMMs of ``linear_scale_add`` and ``grouped_linear`` accumulate in the FP8
+  tensor cores' own accumulator; the gradient GEMMs always promote to fp32.
 * ``Float8BlockScaling()``: DeepSeek-V3's recipe: 1 x 128 blocks along the last dimension
   for activations (``scale_inv [rows, ceil(K / 128)]``), 128 x 128 tiles for weights
   (``kind="weight"``), fp32 scales; E4M3 for both roles by default.

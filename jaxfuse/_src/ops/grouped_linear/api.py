@@ -191,7 +191,9 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
       with one current scale per group of rows, the kernel with one scale per expert
       (transposed to [G, N, K], the layout the FP8 kernels take), and the grouped GEMM
       runs on the FP8 tensor cores with the per-group factors in its epilogue (result
-      rounded to bfloat16, then cast to x's dtype). Backward: dgrad in FP8 (the output
+      rounded to bfloat16, then cast to x's dtype). The forward GEMM accumulates in the
+      tensor cores' FP8 accumulator unless ``recipe.forward_fast_accumulation`` is False
+      (then it promotes to fp32 every few k-blocks, ~20% slower on the H200). Backward: dgrad in FP8 (the output
       gradient in E5M2, per group; the saved FP8 weight transposed back); wgrad in 16-bit
       from the saved x and the 16-bit output gradient, because the grouped kernels have no
       FP8 wgrad (TransformerEngine's Hopper recipe runs wgrad in FP8 too, from transposed

@@ -44,15 +44,18 @@ ffi::Error QuantizeCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer offsets,
 
 ffi::Error QuantizeTransposedCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer amax,
                                      ffi::Result<ffi::AnyBuffer> data,
-                                     ffi::Result<ffi::AnyBuffer> scale_inv) {
+                                     ffi::Result<ffi::AnyBuffer> scale_inv,
+                                     ffi::Result<ffi::AnyBuffer> data_untransposed) {
   TransposedProblem problem;
-  if (auto error = ParseQuantizeTransposed(x, amax, *data, *scale_inv, &problem);
+  if (auto error = ParseQuantizeTransposed(x, amax, *data, *scale_inv, *data_untransposed,
+                                           &problem);
       error.failure()) {
     return error;
   }
   QuantizeTransposedCpu(problem, x, static_cast<const float*>(amax.untyped_data()),
                         static_cast<uint8_t*>(data->untyped_data()),
-                        static_cast<float*>(scale_inv->untyped_data()));
+                        static_cast<float*>(scale_inv->untyped_data()),
+                        static_cast<uint8_t*>(data_untransposed->untyped_data()));
   return ffi::Error::Success();
 }
 
@@ -164,7 +167,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeTransposedCpu, jaxfuse::QuantizeTra
                                   .Arg<xffi::AnyBuffer>()   // x [B, R, C]
                                   .Arg<xffi::AnyBuffer>()   // amax float32 [B] (given)
                                   .Ret<xffi::AnyBuffer>()   // data fp8 [B, C, R]
-                                  .Ret<xffi::AnyBuffer>()); // scale_inv float32 [B]
+                                  .Ret<xffi::AnyBuffer>()   // scale_inv float32 [B]
+                                  .Ret<xffi::AnyBuffer>()); // data_untransposed [B, R, C] or [0]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledActivationQuantizeCpu,
                               jaxfuse::ActivationQuantizeCpuImpl,

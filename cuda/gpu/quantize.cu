@@ -116,9 +116,9 @@ template <typename T>
 __global__ void __launch_bounds__(kTransposeThreads)
 QuantizeTransposedKernel(const T* __restrict__ x, const float* __restrict__ amax,
                          uint8_t* __restrict__ data, float* __restrict__ scale_inv,
-                         int64_t batch, int64_t rows, int64_t cols, int64_t row_tiles,
-                         int64_t col_tiles, Fp8Format format, bool vector_in,
-                         bool vector_out) {
+                         uint8_t* __restrict__ data_untransposed, int64_t batch, int64_t rows,
+                         int64_t cols, int64_t row_tiles, int64_t col_tiles, Fp8Format format,
+                         bool vector_in, bool vector_out) {
   __shared__ __align__(16) uint8_t tile[kTransposeTileCols * kTransposePitch];
   constexpr int kUnitsPerRow = kTransposeTileCols / 8;   // 8-element loads per tile row
   constexpr int kChunksPerCol = kTransposeTileRows / 16; // 16-byte stores per output row
@@ -154,6 +154,15 @@ QuantizeTransposedKernel(const T* __restrict__ x, const float* __restrict__ amax
         const uint16_t pair = gpu::Fp8x2(v[j][k] * scale, v[j][k + 1] * scale, format);
         tile[(u * 8 + k) * kTransposePitch + r] = static_cast<uint8_t>(pair);
         tile[(u * 8 + k + 1) * kTransposePitch + r] = static_cast<uint8_t>(pair >> 8);
+      }
+      if (data_untransposed != nullptr) {  // the same bytes in x's layout (8-byte stores)
+        const int64_t row = r0 + r, col = c0 + u * 8;
+        const int64_t left = row < rows ? cols - col : 0;
+        const int valid = left <= 0 ? 0 : (left >= 8 ? 8 : static_cast<int>(left));
+        if (valid > 0) {
+          gpu::StoreFp8x8(data_untransposed + (b * rows + row) * cols + col, vector_in, valid,
+                          v[j], scale, format);
+        }
       }
     }
     __syncthreads();
@@ -275,9 +284,11 @@ ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer of
 
 ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax,
                                   ffi::Result<ffi::AnyBuffer> data,
-                                  ffi::Result<ffi::AnyBuffer> scale_inv) {
+                                  ffi::Result<ffi::AnyBuffer> scale_inv,
+                                  ffi::Result<ffi::AnyBuffer> data_untransposed) {
   TransposedProblem problem;
-  if (auto error = ParseQuantizeTransposed(x, amax, *data, *scale_inv, &problem);
+  if (auto error = ParseQuantizeTransposed(x, amax, *data, *scale_inv, *data_untransposed,
+                                           &problem);
       error.failure()) {
     return error;
   }
@@ -299,10 +310,17 @@ ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
     uint8_t* pd = static_cast<uint8_t*>(data->untyped_data());
     const bool vector_in = problem.cols % 8 == 0 && PointerAligned16(px);
     const bool vector_out = problem.rows % 16 == 0 && PointerAligned16(pd);
+    uint8_t* straight = problem.untransposed
+                            ? static_cast<uint8_t*>(data_untransposed->untyped_data())
+                            : nullptr;
+    // 8-byte stores of the untransposed copy need it 8-byte aligned like x is 16-byte.
+    const bool vector_straight = straight == nullptr ||
+                                 (reinterpret_cast<uintptr_t>(straight) & 7u) == 0;
     QuantizeTransposedKernel<T><<<grid, kTransposeThreads, 0, stream>>>(
         px, static_cast<const float*>(amax.untyped_data()), pd,
-        static_cast<float*>(scale_inv->untyped_data()), problem.batch, problem.rows,
-        problem.cols, row_tiles, col_tiles, problem.format, vector_in, vector_out);
+        static_cast<float*>(scale_inv->untyped_data()), straight, problem.batch, problem.rows,
+        problem.cols, row_tiles, col_tiles, problem.format, vector_in && vector_straight,
+        vector_out);
     return gpu::LaunchError("transposed quantization kernel");
   });
 }
@@ -418,7 +436,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeTransposedCuda, jaxfuse::QuantizeTr
                                   .Arg<xffi::AnyBuffer>()  // x [B, R, C]
                                   .Arg<xffi::AnyBuffer>()  // amax float32 [B] (given)
                                   .Ret<xffi::AnyBuffer>()  // data fp8 [B, C, R]
-                                  .Ret<xffi::AnyBuffer>(), // scale_inv float32 [B]
+                                  .Ret<xffi::AnyBuffer>()  // scale_inv float32 [B]
+                                  .Ret<xffi::AnyBuffer>(), // data_untransposed [B, R, C] or [0]
                               {xffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledActivationQuantizeCuda,

@@ -583,19 +583,20 @@ def _aqgl8_forward(x, scales, kernel, offsets, act, recipe, implementation, vary
   q = quantize_api.scaled_activation_quantize(
       x, scales, activation=act.activation, recipe=recipe, group_offsets=offsets,
       implementation=implementation, **_act_kwargs(act))
-  w_t, w_scale_inv = grouped_linear_reference.quantize_experts_t(kernel, recipe,
-                                                                 implementation)
+  # The FP8 kernel as [G, N, K] for the forward and [G, K, N] for dgrad, from one pass.
+  w_t, w_scale_inv, w = grouped_linear_reference.quantize_experts_t(
+      kernel, recipe, implementation, untransposed=True)
   if implementation == "xla":
     y = _fp8_gemm_reference(q.data, q.scale_inv, w_t, w_scale_inv, offsets, x.dtype)
   else:
     y = grouped_linear_api.fp8_gemm(q.data, q.scale_inv, w_t, w_scale_inv, offsets,
                                     grouped_linear_api.ffi.FORWARD, x.dtype, recipe)
-  return y, (x, scales, q, w_t, w_scale_inv, offsets, kernel if implementation == "xla"
+  return y, (x, scales, q, w, w_scale_inv, offsets, kernel if implementation == "xla"
              else None)
 
 
 def _aqgl8_backward(act, recipe, implementation, varying_axes, saved, dy):
-  x, scales, q, w_t, w_scale_inv, offsets, kernel = saved
+  x, scales, q, w, w_scale_inv, offsets, kernel = saved
   dy = dy.astype(x.dtype)
   # The 16-bit activation for wgrad (the grouped kernels have no FP8 wgrad): the FP8
   # activation dequantized, i.e. what the unfused GroupedLinear saves (its input, the
@@ -608,8 +609,8 @@ def _aqgl8_backward(act, recipe, implementation, varying_axes, saved, dy):
         a, w, jnp.diff(jnp.minimum(offsets, x.shape[0])), recipe), h, kernel)
     dh, d_kernel = gemm_vjp(dy)
   else:
-    # FP8 dgrad as grouped_linear's: dy in E5M2 per group, the saved FP8 kernel^T.
-    dh = grouped_linear_api.fp8_dgrad(dy, w_t, w_scale_inv, offsets, recipe, x.dtype)
+    # FP8 dgrad as grouped_linear's: dy in E5M2 per group, the saved FP8 kernel.
+    dh = grouped_linear_api.fp8_dgrad(dy, w, w_scale_inv, offsets, recipe, x.dtype)
     d_kernel = grouped_linear_sharding.grouped_gemm(h, dy, offsets,
                                                     form=grouped_linear_api.ffi.WGRAD)
   # Straight-through the quantization of the activation (the unfused Quantize op and
@@ -685,10 +686,11 @@ def _glact_forward(x, kernel, scales, offsets, act, recipe, varying_axes):
   else:
     x_data, x_scale_inv = grouped_linear_reference.quantize_rows(x, recipe, offsets,
                                                                  "forward", "ffi")
-    w_t, w_scale_inv = grouped_linear_reference.quantize_experts_t(kernel, recipe, "ffi")
+    w_t, w_scale_inv, w = grouped_linear_reference.quantize_experts_t(kernel, recipe, "ffi",
+                                                                      untransposed=True)
     h = grouped_linear_api.fp8_gemm(x_data, x_scale_inv, w_t, w_scale_inv, offsets,
                                     ffi.FORWARD, x.dtype, recipe)
-    weights = (w_t, w_scale_inv)
+    weights = (w, w_scale_inv)
   a = activation_api.scaled_activation(h, scales, act.activation, implementation="ffi",
                                        **_act_kwargs(act))
   return a, (x, weights, scales, offsets, h)
@@ -707,12 +709,12 @@ def _glact_backward(act, recipe, varying_axes, saved, da):
   else:
     # dact fused with the per-group E5M2 quantization of dh: the FP8 dgrad's input comes
     # out of the activation backward kernel (TE's dact + quantize), dh in 16-bit for wgrad.
-    w_t, w_scale_inv = weights
+    w, w_scale_inv = weights
     dh_q, dh, d_scales = quantize_api.scaled_dactivation_quantize(
         da, h, scales, activation=act.activation, recipe=recipe, group_offsets=offsets,
         return_dx=True, implementation="ffi", **_act_kwargs(act))
-    dx = grouped_linear_api.fp8_gemm(dh_q.data, dh_q.scale_inv, jnp.swapaxes(w_t, 1, 2),
-                                     w_scale_inv, offsets, ffi.DGRAD, x.dtype, recipe)
+    dx = grouped_linear_api.fp8_gemm(dh_q.data, dh_q.scale_inv, w, w_scale_inv, offsets,
+                                     ffi.DGRAD, x.dtype, recipe)
   d_kernel = grouped_linear_sharding.grouped_gemm(x, dh, offsets, form=ffi.WGRAD)
   return (*_match((dx, d_kernel, d_scales.astype(scales.dtype)), varying_axes), None)
 

@@ -398,6 +398,12 @@ def test_experts_transposed_kernel_matches_the_reference_bit_for_bit(backend, dt
   assert data.shape == (shape[0], shape[2], shape[1]) and data.dtype == jnp.float8_e4m3fn
   same_bits(data, want_data)
   same_bits(scale_inv, want_scale_inv)
+  # The same pass can also write the values untransposed ([G, K, N], for the FP8 dgrad).
+  both = jax.jit(lambda k: reference.quantize_experts_t(k, recipe, "ffi", untransposed=True))
+  data_t, scale_inv_t, data_straight = both(kernel)
+  same_bits(data_t, want_data)
+  same_bits(scale_inv_t, want_scale_inv)
+  same_bits(data_straight, np.swapaxes(np.asarray(want_data), 1, 2))
   # Against float64 numpy: scale_inv = amax / 448 (NaN counts as 0; zero or inf amax give 1),
   # and every finite element round-trips within E4M3's half-ulp (2^-4 relative).
   k64 = np.asarray(helpers.as_f64(kernel))
@@ -420,8 +426,9 @@ def test_transposed_quantization_of_empty_experts_still_writes_the_scales(backen
   from jaxfuse._src.ops.quantize import ffi as quantize_ffi  # pylint: disable=g-import-not-at-top
   kernel, amax = on(backend, jnp.zeros((3, 0, 16), jnp.bfloat16),
                     jnp.asarray([0.0, 896.0, np.inf], jnp.float32))
-  data, scale_inv = quantize_ffi.quantize_transposed(kernel, amax, fmt="e4m3")
-  assert data.shape == (3, 16, 0)
+  data, scale_inv, straight = quantize_ffi.quantize_transposed(kernel, amax, fmt="e4m3",
+                                                               untransposed=True)
+  assert data.shape == (3, 16, 0) and straight.shape == (3, 0, 16)
   np.testing.assert_array_equal(np.asarray(scale_inv), [1.0, 2.0, 1.0])
 
 

@@ -604,9 +604,10 @@ def test_fp8_fusion_feeds_the_fp8_activation_to_the_fp8_gemm():
   assert count(forward, "jaxfuse_grouped_gemm_fp8") == 2
   assert count(forward, "jaxfuse_grouped_gemm") == 0
   # The activation is neither dequantized nor re-quantized: the one quantize call is the
-  # kernel's (per expert).
+  # kernel's (per expert, transposed in the same pass).
   assert helpers.count_primitives(forward, fp8_to_wide) == 0
-  assert count(forward, "jaxfuse_quantize") == 1
+  assert count(forward, "jaxfuse_quantize") == 0
+  assert count(forward, "jaxfuse_quantize_transposed") == 1
   # Backward: FP8 dgrad, 16-bit wgrad (from the saved FP8 activation, dequantized there),
   # the fused dact kernel; offsets computed once for the whole step.
   assert count(grad, "jaxfuse_grouped_gemm_fp8") == 2 * 2
@@ -618,7 +619,8 @@ def test_fp8_fusion_feeds_the_fp8_activation_to_the_fp8_gemm():
   forward, _ = jaxprs[False]
   assert count(forward, "jaxfuse_scaled_activation_quantize") == 0
   assert count(forward, "jaxfuse_grouped_gemm_fp8") == 2
-  assert count(forward, "jaxfuse_quantize") == 2
+  assert count(forward, "jaxfuse_quantize") == 1
+  assert count(forward, "jaxfuse_quantize_transposed") == 1
   assert helpers.count_primitives(forward, fp8_to_wide) >= 1
 
 
@@ -709,10 +711,12 @@ def test_grouped_linear_activation_fp8_backward_quantizes_in_the_dact_kernel():
         seq.apply(p, x, **extras).astype(F32)), argnums=(0, 1)))(params, x)
     assert count(grad, "jaxfuse_grouped_gemm_fp8") == 2 * 2  # forward + dgrad
     assert count(grad, "jaxfuse_grouped_gemm") == 2 * 1  # wgrad
-    # Fused: dh quantized by the dact kernel; x and the kernel by quantize. Unfused: dh
-    # (the jnp activation's gradient) by a separate quantize.
+    # Fused: dh quantized by the dact kernel; x by quantize, the kernel by the transposed
+    # quantization (both layouts in one pass). Unfused: dh (the jnp activation's gradient)
+    # by a separate quantize.
     assert count(grad, "jaxfuse_scaled_dactivation_quantize") == (1 if fuse else 0)
-    assert count(grad, "jaxfuse_quantize") == (2 if fuse else 3)
+    assert count(grad, "jaxfuse_quantize") == (1 if fuse else 2)
+    assert count(grad, "jaxfuse_quantize_transposed") == 1
     assert count(grad, "jaxfuse_group_offsets") == (1 if fuse else 0)
 
 

@@ -112,14 +112,19 @@ inline ffi::Error CheckQuantizeOutputs(QuantizeProblem& problem, const ffi::AnyB
 // data[b, c, r] = fp8(x[b, r, c] * scale[b]), scale[b] = ScaleFromAmax(amax[b]) and
 // scale_inv[b] = 1 / scale[b]. The amaxes come from the caller (a plain max reduction
 // that XLA partitions like any other), which keeps this kernel free of reductions.
+// Optionally the same FP8 values untransposed too, [B, R, C] (the grouped GEMM's FP8 dgrad
+// takes the weight that way): one more byte written per element instead of an XLA
+// transpose of the FP8 data later (a byte read and a byte written).
 struct TransposedProblem {
   int64_t batch = 0, rows = 0, cols = 0;
   Fp8Format format = Fp8Format::kE4M3;
+  bool untransposed = false;  // data_untransposed is [B, R, C] (else [0])
 };
 
 inline ffi::Error ParseQuantizeTransposed(const ffi::AnyBuffer& x, const ffi::AnyBuffer& amax,
                                           const ffi::AnyBuffer& data,
                                           const ffi::AnyBuffer& scale_inv,
+                                          const ffi::AnyBuffer& data_untransposed,
                                           TransposedProblem* problem) {
   const auto dims = x.dimensions();
   if (dims.size() != 3 || !IsFloatType(x.element_type())) {
@@ -152,6 +157,18 @@ inline ffi::Error ParseQuantizeTransposed(const ffi::AnyBuffer& x, const ffi::An
     return InvalidArgument("quantize_transposed: scale_inv must be float32 [B = ",
                            problem->batch, "], got ", DataTypeName(scale_inv.element_type()),
                            " ", ShapeString(scale_inv.dimensions()));
+  }
+  const auto straight_dims = data_untransposed.dimensions();
+  problem->untransposed = straight_dims.size() == 3;
+  const bool empty = straight_dims.size() == 1 && straight_dims[0] == 0;
+  if (data_untransposed.element_type() != data.element_type() ||
+      !(empty || (problem->untransposed && straight_dims[0] == problem->batch &&
+                  straight_dims[1] == problem->rows && straight_dims[2] == problem->cols))) {
+    return InvalidArgument("quantize_transposed: data_untransposed must be [B, R, C] = [",
+                           problem->batch, ", ", problem->rows, ", ", problem->cols,
+                           "] or [0] in data's dtype, got ",
+                           DataTypeName(data_untransposed.element_type()), " ",
+                           ShapeString(straight_dims));
   }
   return ffi::Error::Success();
 }
@@ -257,7 +274,8 @@ inline void QuantizeCpu(const QuantizeProblem& p, const float* values, const int
 }
 // The transposed quantization above, on the host.
 inline void QuantizeTransposedCpu(const TransposedProblem& p, const ffi::AnyBuffer& x,
-                                  const float* amax, uint8_t* data, float* scale_inv) {
+                                  const float* amax, uint8_t* data, float* scale_inv,
+                                  uint8_t* data_untransposed) {
   const float fp8_max = Fp8Max(p.format);
   for (int64_t b = 0; b < p.batch; ++b) {
     const float scale = ScaleFromAmax(amax[b], fp8_max);
@@ -266,7 +284,9 @@ inline void QuantizeTransposedCpu(const TransposedProblem& p, const ffi::AnyBuff
     for (int64_t r = 0; r < p.rows; ++r) {
       for (int64_t c = 0; c < p.cols; ++c) {
         const float value = LoadAsFloat(x.untyped_data(), x.element_type(), in + r * p.cols + c);
-        data[in + c * p.rows + r] = FloatToFp8(value * scale, p.format);
+        const uint8_t code = FloatToFp8(value * scale, p.format);
+        data[in + c * p.rows + r] = code;
+        if (p.untransposed) data_untransposed[in + r * p.cols + c] = code;
       }
     }
   }

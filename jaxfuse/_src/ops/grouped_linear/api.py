@@ -129,34 +129,37 @@ def grouped_linear_fp8_with_offsets(x, kernel, group_offsets, recipe,
   Forward: x in E4M3 with one scale per group of rows, the kernel in E4M3 with one scale
   per expert (quantized transposed, [G, N, K]), the FP8 grouped GEMM. Backward: dgrad in
   FP8 (the output gradient in the recipe's gradient format, E5M2 by default, per group;
-  the weight is the saved FP8 transposed weight transposed back, same scales); wgrad in
+  the weight's FP8 values as [G, K, N], written by the forward's quantization pass); wgrad in
   16-bit from the saved x (the grouped kernels have no FP8 wgrad).
   """
-  return _fp8_forward(x, kernel, group_offsets, recipe, varying_axes)[0]
+  return _fp8_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=False)[0]
 
 
-def _fp8_forward(x, kernel, group_offsets, recipe, varying_axes):
+def _fp8_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=True):
   del varying_axes
   x_data, x_scale_inv = reference.quantize_rows(x, recipe, group_offsets, "forward", "ffi")
-  w_t_data, w_scale_inv = reference.quantize_experts_t(kernel, recipe, "ffi")
+  # The weight's FP8 values in both layouts from one pass when the backward needs them:
+  # [G, N, K] for the forward, [G, K, N] saved for dgrad.
+  w_t_data, w_scale_inv, *w_data = reference.quantize_experts_t(
+      kernel, recipe, "ffi", untransposed=for_backward)
   out = fp8_gemm(x_data, x_scale_inv, w_t_data, w_scale_inv, group_offsets, ffi.FORWARD,
                  x.dtype, recipe)
-  return out, (x, w_t_data, w_scale_inv, group_offsets)
+  return out, (x, w_data[0] if w_data else None, w_scale_inv, group_offsets)
 
 
-def fp8_dgrad(d_out, w_t_data, w_scale_inv, group_offsets, recipe, dtype):
+def fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, dtype):
   """The FP8 dgrad: d_out quantized per group in the recipe's gradient format (E5M2 by
-  default) times the saved FP8 kernel^T [G, N, K] read back as [G, K, N] (same scales)."""
+  default) times the saved FP8 kernel [G, K, N] (the forward's values and scales)."""
   dy_data, dy_scale_inv = reference.quantize_rows(d_out, recipe, group_offsets, "gradient",
                                                   "ffi")
-  return fp8_gemm(dy_data, dy_scale_inv, jnp.swapaxes(w_t_data, 1, 2), w_scale_inv,
-                  group_offsets, ffi.DGRAD, dtype, recipe)
+  return fp8_gemm(dy_data, dy_scale_inv, w_data, w_scale_inv, group_offsets, ffi.DGRAD,
+                  dtype, recipe)
 
 
 def _fp8_backward(recipe, varying_axes, saved, d_out):
-  x, w_t_data, w_scale_inv, group_offsets = saved
+  x, w_data, w_scale_inv, group_offsets = saved
   d_out = d_out.astype(x.dtype)
-  d_x = fp8_dgrad(d_out, w_t_data, w_scale_inv, group_offsets, recipe, x.dtype)
+  d_x = fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, x.dtype)
   d_kernel = sharding.grouped_gemm(x, d_out, group_offsets, form=ffi.WGRAD)
   return (compat.match_varying_axes(d_x, varying_axes[0]),
           compat.match_varying_axes(d_kernel, varying_axes[1]), None)

@@ -35,12 +35,14 @@ def expert_offsets(groups: int, rows_per_expert: int) -> jax.Array:
   return jnp.asarray(np.arange(groups + 1, dtype=np.int64) * rows_per_expert, jnp.int32)
 
 
-def quantize_experts_t(kernel: jax.Array, recipe, implementation: str):
+def quantize_experts_t(kernel: jax.Array, recipe, implementation: str,
+                       untransposed: bool = False):
   """Per-expert quantization of kernel^T in the forward format.
 
   kernel [G, K, N] -> (data [G, N, K] (K-major, the layout the FP8 forward kernel takes),
   scale_inv float32 [G]): kernel^T viewed as [G * N, K] quantized per group of N rows, so
-  expert g gets one scale from its own amax.
+  expert g gets one scale from its own amax. With ``untransposed`` a third result: the
+  same FP8 values as [G, K, N] (the layout the FP8 dgrad takes), from the same pass.
   """
   from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
   from jaxfuse._src.ops.quantize import sharding as quantize_sharding  # pylint: disable=g-import-not-at-top
@@ -51,11 +53,15 @@ def quantize_experts_t(kernel: jax.Array, recipe, implementation: str):
     # same values as the path below, without XLA's transpose and the second amax pass.
     magnitude = jnp.abs(kernel).astype(jnp.float32)
     amax = jnp.max(jnp.where(jnp.isnan(magnitude), 0.0, magnitude), axis=(1, 2), initial=0.0)
-    return quantize_sharding.quantize_transposed(kernel, amax, fmt=recipe.forward_format)
+    data, scale_inv, straight = quantize_sharding.quantize_transposed(
+        kernel, amax, fmt=recipe.forward_format, untransposed=untransposed)
+    return (data, scale_inv, straight) if untransposed else (data, scale_inv)
   # [G, N, K] quantized as G * N rows (no reshape, so a sharded N stays sharded).
   kernel_t = jnp.swapaxes(kernel, 1, 2)
   q = quantize_api.quantize(kernel_t, recipe, group_offsets=expert_offsets(groups, n),
                             role="forward", implementation=implementation)
+  if untransposed:
+    return q.data, q.scale_inv, jnp.swapaxes(q.data, 1, 2)
   return q.data, q.scale_inv
 
 

@@ -155,33 +155,37 @@ class _Fp8:
     recipe = config.recipe
     x_data, x_scale_inv = linear_reference.quantize_rows(x, recipe, group_offsets, "forward",
                                                          "ffi")
-    w1_t, w1_scale_inv = linear_reference.quantize_experts_t(kernel1, recipe, "ffi")
+    # Each weight's FP8 values in both layouts from one pass: [G, N, K] for the forward,
+    # [G, K, N] saved for the backward's dgrad.
+    w1_t, w1_scale_inv, w1 = linear_reference.quantize_experts_t(kernel1, recipe, "ffi",
+                                                                 untransposed=True)
     h = linear_api.fp8_gemm(x_data, x_scale_inv, w1_t, w1_scale_inv, group_offsets,
                             gemm_ffi.FORWARD, x.dtype, recipe)
     a_q = quantize_api.scaled_activation_quantize(
         h, scales, recipe=recipe, group_offsets=group_offsets, implementation="ffi",
         **config.act_kwargs)
-    w2_t, w2_scale_inv = linear_reference.quantize_experts_t(kernel2, recipe, "ffi")
+    w2_t, w2_scale_inv, w2 = linear_reference.quantize_experts_t(kernel2, recipe, "ffi",
+                                                                 untransposed=True)
     y = linear_api.fp8_gemm(a_q.data, a_q.scale_inv, w2_t, w2_scale_inv, group_offsets,
                             gemm_ffi.FORWARD, x.dtype, recipe)
     saved_activation = _activation(h, scales, config) if config.save_activation else None
-    return y, (x, w1_t, w1_scale_inv, w2_t, w2_scale_inv, group_offsets, scales, h,
+    return y, (x, w1, w1_scale_inv, w2, w2_scale_inv, group_offsets, scales, h,
                saved_activation)
 
   @staticmethod
   def backward(config, varying_axes, saved, dy):
-    x, w1_t, w1_scale_inv, w2_t, w2_scale_inv, group_offsets, scales, h, a = saved
+    x, w1, w1_scale_inv, w2, w2_scale_inv, group_offsets, scales, h, a = saved
     recipe = config.recipe
     dy = dy.astype(x.dtype)
-    da = linear_api.fp8_dgrad(dy, w2_t, w2_scale_inv, group_offsets, recipe, x.dtype)
+    da = linear_api.fp8_dgrad(dy, w2, w2_scale_inv, group_offsets, recipe, x.dtype)
     if a is None:
       a = _activation(h, scales, config)
     d_kernel2 = _gemm(a, dy, group_offsets, gemm_ffi.WGRAD)
     dh_q, dh, d_scales = quantize_api.scaled_dactivation_quantize(
         da, h, scales, recipe=recipe, group_offsets=group_offsets, return_dx=True,
         implementation="ffi", **config.act_kwargs)
-    dx = linear_api.fp8_gemm(dh_q.data, dh_q.scale_inv, jnp.swapaxes(w1_t, 1, 2),
-                             w1_scale_inv, group_offsets, gemm_ffi.DGRAD, x.dtype, recipe)
+    dx = linear_api.fp8_gemm(dh_q.data, dh_q.scale_inv, w1, w1_scale_inv, group_offsets,
+                             gemm_ffi.DGRAD, x.dtype, recipe)
     d_kernel1 = _gemm(x, dh, group_offsets, gemm_ffi.WGRAD)
     x_axes, k1_axes, k2_axes, _, s_axes = varying_axes
     return (compat.match_varying_axes(dx, x_axes),

@@ -87,17 +87,22 @@ def scaled_dactivation_quantize(dy, x, scales, offsets, *, activation, limit, al
           compat.vary_like(dscales, *inputs))
 
 
-def quantize_transposed(x, amax, *, fmt):
-  """x [B, R, C] (float32/bfloat16/float16) -> (data [B, C, R] FP8, scale_inv float32 [B]).
+def quantize_transposed(x, amax, *, fmt, untransposed=False):
+  """x [B, R, C] (float32/bfloat16/float16) -> (data [B, C, R] FP8, scale_inv float32 [B],
+  data_untransposed [B, R, C] FP8 or None).
 
   data[b, c, r] = fp8(x[b, r, c] * scale[b]) with scale[b] = fp8_max / amax[b] (1 when
   amax[b] is 0 or inf) from the given amax float32 [B]; scale_inv = 1 / scale. One kernel
-  pass: the FP8 forward weights of the grouped GEMM, K-major, without an XLA transpose.
+  pass: the FP8 forward weights of the grouped GEMM, K-major, without an XLA transpose;
+  with ``untransposed`` the same bytes also in x's layout (what the FP8 dgrad takes).
   """
   ffi_registry.ensure_registered()
   batch, rows, cols = x.shape
-  out_types = (jax.ShapeDtypeStruct((batch, cols, rows), recipes.FP8_DTYPES[fmt]),
-               jax.ShapeDtypeStruct((batch,), jnp.float32))
-  data, scale_inv = jax.ffi.ffi_call("jaxfuse_quantize_transposed", out_types,
-                                     vmap_method="sequential")(x, amax)
-  return compat.vary_like(data, x, amax), compat.vary_like(scale_inv, x, amax)
+  fp8 = recipes.FP8_DTYPES[fmt]
+  out_types = (jax.ShapeDtypeStruct((batch, cols, rows), fp8),
+               jax.ShapeDtypeStruct((batch,), jnp.float32),
+               jax.ShapeDtypeStruct(x.shape if untransposed else (0,), fp8))
+  data, scale_inv, straight = jax.ffi.ffi_call("jaxfuse_quantize_transposed", out_types,
+                                               vmap_method="sequential")(x, amax)
+  vary = lambda out: compat.vary_like(out, x, amax)  # noqa: E731
+  return vary(data), vary(scale_inv), (vary(straight) if untransposed else None)

@@ -249,13 +249,22 @@ def scaled_dactivation_quantize(dy, x, scales, offsets, **attrs):
 
 
 def _transposed_rule(attrs, in_ranks, out_ranks):
-  del attrs, in_ranks, out_ranks
-  return [["b", "r", "c"], ["b"]], [["b", "c", "r"], ["b"]]
+  del in_ranks, out_ranks
+  straight = ["b", "r", "c"] if attrs["untransposed"] else ["z"]
+  return [["b", "r", "c"], ["b"]], [["b", "c", "r"], ["b"], straight]
 
 
-_transposed = sharding.partitioned(ffi.quantize_transposed, _transposed_rule)
+def _transposed_call(x, amax, *, fmt, untransposed):
+  data, scale_inv, straight = ffi.quantize_transposed(x, amax, fmt=fmt,
+                                                      untransposed=untransposed)
+  return data, scale_inv, straight if untransposed else jnp.zeros((0,), data.dtype)
 
 
-def quantize_transposed(x, amax, *, fmt):
+_transposed = sharding.partitioned(_transposed_call, _transposed_rule, replicated=("z",))
+
+
+def quantize_transposed(x, amax, *, fmt, untransposed=False):
   """ffi.quantize_transposed with its sharding rule (purely local)."""
-  return _transposed(x, amax.astype(jnp.float32), fmt=fmt)
+  data, scale_inv, straight = _transposed(x, amax.astype(jnp.float32), fmt=fmt,
+                                          untransposed=bool(untransposed))
+  return data, scale_inv, straight if untransposed else None

@@ -37,6 +37,16 @@ def test_alternating_order_chaining_and_wait():
   assert stats["a"]["calls"] == stats["b"]["calls"] == 3 * chunk
 
 
+def test_chunk_length_sets_the_calls_between_syncs():
+  calls, waits = [], []
+  variants = {"a": (lambda: calls.append("a"), (), common.keep_args,
+                    lambda _: waits.append(len(calls)))}
+  stats = common.time_alternating(variants, rounds=2, warmup=1, chunk=7)
+  # One warm-up call, then two chunks of 7 calls, each ended by one wait.
+  assert waits == [1, 8, 15]
+  assert stats["a"]["calls"] == 14
+
+
 def test_alternating_times_and_paired_ratio():
   variants = {
       "fast": (lambda: time.sleep(0.002), (), common.keep_args, lambda _: None),

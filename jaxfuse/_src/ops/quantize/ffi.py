@@ -89,7 +89,7 @@ def scaled_dactivation_quantize(dy, x, scales, offsets, *, activation, limit, al
 
 def quantize_transposed(x, amax, *, fmt, untransposed=False):
   """x [B, R, C] (float32/bfloat16/float16) -> (data [B, C, R] FP8, scale_inv float32 [B],
-  data_untransposed [B, R, C] FP8 or None).
+  data_untransposed: [B, R, C] FP8 with ``untransposed``, else an empty [0] array).
 
   data[b, c, r] = fp8(x[b, r, c] * scale[b]) with scale[b] = fp8_max / amax[b] (1 when
   amax[b] is 0 or inf) from the given amax float32 [B]; scale_inv = 1 / scale. One kernel
@@ -104,5 +104,4 @@ def quantize_transposed(x, amax, *, fmt, untransposed=False):
                jax.ShapeDtypeStruct(x.shape if untransposed else (0,), fp8))
   data, scale_inv, straight = jax.ffi.ffi_call("jaxfuse_quantize_transposed", out_types,
                                                vmap_method="sequential")(x, amax)
-  vary = lambda out: compat.vary_like(out, x, amax)  # noqa: E731
-  return vary(data), vary(scale_inv), (vary(straight) if untransposed else None)
+  return tuple(compat.vary_like(out, x, amax) for out in (data, scale_inv, straight))

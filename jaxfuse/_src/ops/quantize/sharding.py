@@ -254,17 +254,13 @@ def _transposed_rule(attrs, in_ranks, out_ranks):
   return [["b", "r", "c"], ["b"]], [["b", "c", "r"], ["b"], straight]
 
 
-def _transposed_call(x, amax, *, fmt, untransposed):
-  data, scale_inv, straight = ffi.quantize_transposed(x, amax, fmt=fmt,
-                                                      untransposed=untransposed)
-  return data, scale_inv, straight if untransposed else jnp.zeros((0,), data.dtype)
-
-
-_transposed = sharding.partitioned(_transposed_call, _transposed_rule, replicated=("z",))
+_transposed = sharding.partitioned(ffi.quantize_transposed, _transposed_rule,
+                                   replicated=("z",))
 
 
 def quantize_transposed(x, amax, *, fmt, untransposed=False):
-  """ffi.quantize_transposed with its sharding rule (purely local)."""
+  """ffi.quantize_transposed with its sharding rule (purely local); the untransposed copy
+  is None unless asked for."""
   data, scale_inv, straight = _transposed(x, amax.astype(jnp.float32), fmt=fmt,
                                           untransposed=bool(untransposed))
   return data, scale_inv, straight if untransposed else None

@@ -2,7 +2,7 @@
 // Not part of the library build (its name starts with check_). Build, e.g.:
 //   nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //     -I cuda/include -I <cutlass>/include cuda/gpu/grouped_gemm/*.cu -o check_grouped_gemm
-// Run: ./check_grouped_gemm [--no-perf | --perf-only | --sweep-scheduler]. Exit status 0 iff
+// Run: ./check_grouped_gemm [--no-perf | --perf-only | --sweep-scheduler | --uniform]. Exit status 0 iff
 // every case passed.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -40,6 +40,8 @@ const char* ConfigName(gg::TileConfig config) {
   switch (config) {
     case gg::TileConfig::kLarge: return "large";
     case gg::TileConfig::kSmall: return "small";
+    case gg::TileConfig::kUniform: return "uniform";
+    case gg::TileConfig::kAdaptive: return "adaptive";
     default: return "auto";
   }
 }
@@ -399,22 +401,27 @@ void Time(const char* label, gg::Form form, int G, int64_t rows_per_group, int64
 
 // ---------------------------------------------------------------------------------------------
 
+// Every config on every case: kUniform must also be right on sizes it does not fit (it only
+// wastes tiles there), kAdaptive on both kinds (f16 and wgrad run kLarge for both).
 template <class T>
 void Run16BitCases(const std::vector<Case>& cases, bool graph_first) {
   for (const Case& c : cases)
     for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
-      for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall})
+      for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall,
+                                 gg::TileConfig::kUniform, gg::TileConfig::kAdaptive})
         RunCase<T, T, T>(c, form, cfg, graph_first);
 }
 
 int main(int argc, char** argv) {
-  bool perf = true, check = true, sweep = false;
+  bool perf = true, check = true, sweep = false, uniform_sweep = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-perf") == 0) perf = false;
     if (std::strcmp(argv[i], "--perf-only") == 0) check = false;
     // Times the tile scheduler's raster order and swizzle (runtime options, see
     // internal.cuh) on the large configs, instead of the default runs.
     if (std::strcmp(argv[i], "--sweep-scheduler") == 0) sweep = true;
+    // Times kLarge, each kUniform candidate and kAdaptive (bf16 forward/dgrad) only.
+    if (std::strcmp(argv[i], "--uniform") == 0) uniform_sweep = true;
   }
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
@@ -452,6 +459,26 @@ int main(int argc, char** argv) {
     perf = check = false;
   }
 
+  if (uniform_sweep) {
+    using bf16 = __nv_bfloat16;
+    gg::detail::TuningOptions& options = gg::detail::ActiveTuningOptions();
+    struct Shape { int G; int64_t rows; };
+    // The graph column replays with sizes moved by +-rows/4: ragged (kAdaptive: kLarge).
+    for (const Shape s : {Shape{8, 8192}, Shape{64, 512}, Shape{128, 512}})
+      for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad}) {
+        Time<bf16, bf16, bf16>("bf16", form, s.G, s.rows, 2048, 4096, gg::TileConfig::kLarge);
+        for (int variant = 0; variant < gg::detail::kUniformVariants; ++variant) {
+          options.uniform_variant = variant;
+          char label[32];
+          std::snprintf(label, sizeof(label), "bf16 u%d", variant);
+          Time<bf16, bf16, bf16>(label, form, s.G, s.rows, 2048, 4096, gg::TileConfig::kUniform);
+          Time<bf16, bf16, bf16>(label, form, s.G, s.rows, 2048, 4096, gg::TileConfig::kAdaptive);
+        }
+        options.uniform_variant = 0;
+      }
+    perf = check = false;
+  }
+
   if (check) {
   // Hostile group layouts.
   std::vector<Case> cases;
@@ -465,12 +492,20 @@ int main(int argc, char** argv) {
     for (int g = 0; g < 128; ++g) sizes[g] = (g % 9 == 0) ? 0 : rand() % 130;
     cases.push_back({"G=128 random sizes, some empty (m=8192,k=128,n=256)", 8192, 128, 256, OffsetsFromSizes(sizes)});
   }
+  // Multiples of 512 rows (kAdaptive gives them to the kUniform kernel), sum < m.
+  cases.push_back({"G=5 multiples of 512, empty group, sum<m (m=3000,k=192,n=520)", 3000, 192, 520,
+                   OffsetsFromSizes({512, 1024, 0, 512, 512})});
 
   // Graph capture first (so the first-ever Run of these kernels happens inside a capture),
   // then the same layouts eagerly.
   std::printf("== bf16, captured in a CUDA graph, replayed after changing offsets on the device\n");
   for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
     RunCase<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>(cases[0], form, gg::TileConfig::kAuto, true);
+  // kAdaptive captured with even sizes (benign offsets), replayed on ragged ones and back.
+  for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad}) {
+    RunCase<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>(cases[0], form, gg::TileConfig::kAdaptive, true);
+    RunCase<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>(cases.back(), form, gg::TileConfig::kAdaptive, true);
+  }
   std::printf("== bf16 eager\n");
   Run16BitCases<__nv_bfloat16>(cases, false);
   std::printf("== f16 eager\n");

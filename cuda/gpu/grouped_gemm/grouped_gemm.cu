@@ -26,14 +26,29 @@ int ElementBytes(ElementType t) { return Is16Bit(t) ? 2 : 1; }
 
 using WorkspaceFn = size_t (*)(TileConfig, int, int);
 using RunFn = cudaError_t (*)(TileConfig, const GemmArrays&, int, cudaStream_t);
+using GranularityFn = int (*)();
+// The kUniform kernel of a family (null members when it has none).
+struct UniformKernel {
+  WorkspaceFn workspace = nullptr;
+  RunFn run = nullptr;
+  GranularityFn row_granularity = nullptr;
+};
 struct Family {
   WorkspaceFn workspace = nullptr;
   RunFn run = nullptr;
   bool has_alpha = false;
+  UniformKernel uniform;
 };
 
 #define JAXFUSE_GG_FAMILY(NAME, ALPHA) \
-  Family { &detail::NAME##_WorkspaceBytes, &detail::NAME##_Run, ALPHA }
+  Family { &detail::NAME##_WorkspaceBytes, &detail::NAME##_Run, ALPHA, {} }
+#define JAXFUSE_GG_FAMILY_WITH_UNIFORM(NAME)                                           \
+  Family {                                                                             \
+    &detail::NAME##_WorkspaceBytes, &detail::NAME##_Run, false, {                      \
+      &detail::NAME##Uniform_WorkspaceBytes, &detail::NAME##Uniform_Run,               \
+          &detail::NAME##Uniform_RowGranularity                                        \
+    }                                                                                  \
+  }
 
 // The kernel family for a problem (types/form only), or a null family when unsupported.
 Family PickFamily(const Problem& p) {
@@ -42,9 +57,10 @@ Family PickFamily(const Problem& p) {
     const bool bf16 = p.a_type == ElementType::kBF16;
     switch (p.form) {
       case Form::kForward:
-        return bf16 ? JAXFUSE_GG_FAMILY(Bf16Fwd, false) : JAXFUSE_GG_FAMILY(F16Fwd, false);
+        return bf16 ? JAXFUSE_GG_FAMILY_WITH_UNIFORM(Bf16Fwd) : JAXFUSE_GG_FAMILY(F16Fwd, false);
       case Form::kDgrad:
-        return bf16 ? JAXFUSE_GG_FAMILY(Bf16Dgrad, false) : JAXFUSE_GG_FAMILY(F16Dgrad, false);
+        return bf16 ? JAXFUSE_GG_FAMILY_WITH_UNIFORM(Bf16Dgrad)
+                    : JAXFUSE_GG_FAMILY(F16Dgrad, false);
       case Form::kWgrad:
         return bf16 ? JAXFUSE_GG_FAMILY(Bf16Wgrad, false) : JAXFUSE_GG_FAMILY(F16Wgrad, false);
     }
@@ -67,15 +83,19 @@ Family PickFamily(const Problem& p) {
   return {};
 }
 #undef JAXFUSE_GG_FAMILY
+#undef JAXFUSE_GG_FAMILY_WITH_UNIFORM
 
 bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Workspace layout (offsets from the 256-aligned base).
+// kAdaptive adds a second shapes array and the kUniform kernel's own CUTLASS workspace.
 struct Layout {
   size_t offsets, shapes, ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d, alpha, alpha_ptrs;
-  size_t cutlass, cutlass_bytes, total;
+  size_t cutlass, cutlass_bytes;
+  size_t shapes_uniform = 0, cutlass_uniform = 0, cutlass_uniform_bytes = 0;
+  size_t total;
 };
 
 Layout MakeLayout(const Problem& p, const Family& family, TileConfig config, int sm_count) {
@@ -97,8 +117,18 @@ Layout MakeLayout(const Problem& p, const Family& family, TileConfig config, int
   l.stride_d = take(g * sizeof(int64_t));
   l.alpha = take(g * sizeof(float));
   l.alpha_ptrs = take(g * sizeof(float*));
-  l.cutlass_bytes = family.workspace(config, p.num_groups, sm_count);
+  // The first (or only) kernel: kLarge for kAdaptive, the kUniform kernel for kUniform.
+  l.cutlass_bytes = config == TileConfig::kUniform
+                        ? family.uniform.workspace(config, p.num_groups, sm_count)
+                        : family.workspace(config == TileConfig::kAdaptive ? TileConfig::kLarge
+                                                                           : config,
+                                           p.num_groups, sm_count);
   l.cutlass = take(l.cutlass_bytes);
+  if (config == TileConfig::kAdaptive) {
+    l.shapes_uniform = take(g * 3 * sizeof(int32_t));
+    l.cutlass_uniform_bytes = family.uniform.workspace(config, p.num_groups, sm_count);
+    l.cutlass_uniform = take(l.cutlass_uniform_bytes);
+  }
   l.total = at + kAlign;  // slack so that an unaligned base can be aligned up
   return l;
 }
@@ -129,11 +159,42 @@ struct SetupParams {
   int64_t* stride_d;
   float* alpha;
   const float** alpha_ptrs;
+  // kAdaptive (forward/dgrad): shapes of the kUniform launch (nullptr otherwise), its row
+  // granularity and the large kernel's (CTA tile M).
+  int32_t* shapes_uniform;
+  int uniform_rows;
+  int large_rows;
 };
+
+// kAdaptive: the kUniform kernel takes every tile when it computes at most 1/64 more
+// 128-row tile slots than the large kernel (ragged sizes leave part of its M-blocks empty);
+// its gain on sizes it fits is 2-4% (README).
+constexpr int64_t kUniformMaxExtraSlotsPer = 64;
 
 __device__ __forceinline__ int64_t ClampRow(int32_t offset, int64_t m) {
   const int64_t v = offset;
   return v < 0 ? 0 : (v > m ? m : v);
+}
+
+// kAdaptive: whether the kUniform kernel wastes at most 1/kUniformMaxExtraSlotsPer more
+// 128-row tile slots than the large kernel on the clamped sizes (p.clamped, written by this
+// block). Call it uniformly across the block.
+__device__ bool UniformFits(const SetupParams& p) {
+  __shared__ unsigned long long slots[2];  // large, uniform
+  if (threadIdx.x == 0) slots[0] = slots[1] = 0;
+  __syncthreads();
+  unsigned long long large = 0, uniform = 0;
+  for (int g = threadIdx.x; g < p.num_groups; g += blockDim.x) {
+    const int64_t rows = p.clamped[g + 1] - p.clamped[g];
+    large += (rows + p.large_rows - 1) / p.large_rows;
+    uniform += (rows + p.uniform_rows - 1) / p.uniform_rows * (p.uniform_rows / p.large_rows);
+  }
+  atomicAdd(&slots[0], large);
+  atomicAdd(&slots[1], uniform);
+  __syncthreads();
+  const bool fits = slots[1] * kUniformMaxExtraSlotsPer <= slots[0] * (kUniformMaxExtraSlotsPer + 1);
+  __syncthreads();
+  return fits;
 }
 
 // One block's work. Pass 1: clamped[i] = max_{j <= i} clamp(offsets[j], 0, m) (block scan,
@@ -178,11 +239,23 @@ __device__ void WriteSetup(const SetupParams& p) {
     __syncthreads();
   }
   // __syncthreads above also orders the global writes of `clamped` for this block.
+  const bool uniform = p.shapes_uniform != nullptr && UniformFits(p);
   for (int g = tid; g < p.num_groups; g += kSetupThreads) {
     const int64_t lo = p.clamped[g];
     const int64_t hi = p.clamped[g + 1];
     const int32_t rows = static_cast<int32_t>(hi - lo);
     int32_t* shape = p.shapes + 3 * g;
+    if (p.shapes_uniform != nullptr) {  // kAdaptive: one launch gets the rows, the other none
+      int32_t* other = p.shapes_uniform + 3 * g;
+      if (uniform) {
+        int32_t* swap = shape;
+        shape = other;
+        other = swap;
+      }
+      other[0] = 0;
+      other[1] = static_cast<int32_t>(p.form == 0 ? p.n : p.k);
+      other[2] = static_cast<int32_t>(p.form == 0 ? p.k : p.n);
+    }
     const int64_t weight = static_cast<int64_t>(g) * p.k * p.n;  // w[g] / dw[g] element offset
     if (p.form == 0) {  // forward: (rows, n, k)
       shape[0] = rows;
@@ -295,6 +368,12 @@ TuningOptions& ActiveTuningOptions() {
       const std::string value(tile);
       if (value == "large") o.tile = TileConfig::kLarge;
       if (value == "small") o.tile = TileConfig::kSmall;
+      if (value == "uniform") o.tile = TileConfig::kUniform;
+      if (value == "adaptive") o.tile = TileConfig::kAdaptive;
+    }
+    if (const char* variant = std::getenv("JAXFUSE_GROUPED_GEMM_UNIFORM_VARIANT")) {
+      const int value = std::atoi(variant);
+      if (value >= 0 && value < kUniformVariants) o.uniform_variant = value;
     }
     return o;
   }();
@@ -340,21 +419,27 @@ TileConfig ChooseTileConfig(const Problem& p, int sm_count) {
   if (n_tiles % 2 == 1 && n_tiles < 4) return TileConfig::kSmall;
   const int64_t tiles = groups * CeilDiv(rows_per_group, 128) * n_tiles;
   if (tiles < 2 * sm_count) return TileConfig::kSmall;
+  // kAdaptive costs one launch that finds no tile (a few us): worth it from ~1 ms of GEMM.
+  if (PickFamily(p).uniform.run != nullptr && tiles >= 16 * sm_count) {
+    return TileConfig::kAdaptive;
+  }
   return TileConfig::kLarge;
 }
 
+int UniformRowGranularity(const Problem& p) {
+  const Family family = PickFamily(p);
+  return family.uniform.row_granularity != nullptr ? family.uniform.row_granularity() : 0;
+}
+
 namespace {
+// kUniform / kAdaptive become kLarge for families without a kUniform kernel.
 TileConfig ResolveConfig(const Problem& p, int sm_count) {
-  switch (p.tile_config) {
-    case TileConfig::kLarge:
-    case TileConfig::kSmall:
-      return p.tile_config;
-    default:
-      break;
-  }
-  const TileConfig from_environment = detail::ActiveTuningOptions().tile;
-  if (from_environment != TileConfig::kAuto) return from_environment;
-  return ChooseTileConfig(p, sm_count);
+  TileConfig config = p.tile_config;
+  if (config == TileConfig::kAuto) config = detail::ActiveTuningOptions().tile;
+  if (config == TileConfig::kAuto) config = ChooseTileConfig(p, sm_count);
+  const bool uniform = config == TileConfig::kUniform || config == TileConfig::kAdaptive;
+  if (uniform && PickFamily(p).uniform.run == nullptr) return TileConfig::kLarge;
+  return config;
 }
 }  // namespace
 
@@ -418,6 +503,11 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   s.alpha = family.has_alpha ? reinterpret_cast<float*>(base + layout.alpha) : nullptr;
   s.alpha_ptrs = family.has_alpha ? reinterpret_cast<const float**>(base + layout.alpha_ptrs)
                                   : nullptr;
+  const bool adaptive = config == TileConfig::kAdaptive;
+  s.shapes_uniform =
+      adaptive ? reinterpret_cast<int32_t*>(base + layout.shapes_uniform) : nullptr;
+  s.uniform_rows = adaptive ? family.uniform.row_granularity() : 0;
+  s.large_rows = 128;  // CTA tile M of the 16-bit large kernels
 
   // One launch: setup arrays (block 0) and the zeroing of what the GEMM does not write.
   // At most one wave of blocks: every block pays a block-wide reduction of the offsets even
@@ -458,7 +548,16 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   // groups (8 x 8192 rows, bf16 and FP8) and ties elsewhere; M wins for wgrad.
   const char raster = detail::ActiveTuningOptions().raster;
   arrays.raster = raster != 0 ? raster : (wgrad ? 'M' : 'N');
-  return family.run(config, arrays, sm_count, stream);
+  if (config == TileConfig::kUniform) return family.uniform.run(config, arrays, sm_count, stream);
+  if (!adaptive) return family.run(config, arrays, sm_count, stream);
+  // kAdaptive: both kernels on the stream; the one the setup kernel gave no rows exits at once.
+  const cudaError_t large_error = family.run(TileConfig::kLarge, arrays, sm_count, stream);
+  if (large_error != cudaSuccess) return large_error;
+  GemmArrays uniform_arrays = arrays;
+  uniform_arrays.problem_shapes = s.shapes_uniform;
+  uniform_arrays.cutlass_workspace = base + layout.cutlass_uniform;
+  uniform_arrays.cutlass_workspace_bytes = layout.cutlass_uniform_bytes;
+  return family.uniform.run(config, uniform_arrays, sm_count, stream);
 }
 
 }  // namespace jaxfuse::grouped_gemm

@@ -42,6 +42,12 @@ enum class TileConfig {
                // FP8: cooperative 128x128x128, cluster 1x2 (fast accumulation: 128x256x128)
   kSmall = 2,  // 16-bit: ping-pong 128x128x64, cluster 1x1; FP8: ping-pong 64x128x128, 1x1
                // (f16 has one config, the large one, for both)
+  // bf16 forward/dgrad only (other families run kLarge for both):
+  kUniform = 3,   // the kernel for group sizes that are multiples of its row granularity
+                  // (UniformRowGranularity); correct for any sizes, wasteful for others
+  kAdaptive = 4,  // kLarge and kUniform both launched; the setup kernel reads the sizes on
+                  // the device and gives every tile to kUniform when that wastes no more
+                  // than 1/64 of the tiles, else to kLarge (the other launch finds no tile)
 };
 
 struct Problem {
@@ -84,5 +90,9 @@ bool IsSupported(const Problem& problem);
 // values only). Run/WorkspaceBytes use it when tile_config == kAuto and the environment
 // variable JAXFUSE_GROUPED_GEMM_TILE (large | small) is not set.
 TileConfig ChooseTileConfig(const Problem& problem, int sm_count);
+
+// Rows per M-block of the kUniform kernel (CTA tile M x cluster M) for this problem; 0 when
+// its family has no kUniform kernel. Group sizes that are multiples of it waste no tiles.
+int UniformRowGranularity(const Problem& problem);
 
 }  // namespace jaxfuse::grouped_gemm

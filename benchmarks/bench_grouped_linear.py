@@ -130,6 +130,17 @@ def torch_variants(sizes, k, n):
   }
 
 
+def kernel_owner(kernel_name: str) -> str:
+  """Which variant of a kernel-time alternation launched a kernel: torch._grouped_mm's
+  kernels live in at::cuda, jaxfuse's are the setup kernel and CUTLASS grouped kernels
+  (GroupProblemShape), and XLA's dense GEMM is whatever else runs."""
+  if "at4cuda" in kernel_name or "at::cuda" in kernel_name:
+    return "torch"
+  if "jaxfuse" in kernel_name or "GroupProblemShape" in kernel_name:
+    return "jaxfuse"
+  return "dense"
+
+
 def alternate(variants, rounds) -> dict[str, float | None]:
   """Median ms per variant from common.time_alternating; a variant whose call fails (out
   of memory, unsupported) is reported, dropped and gets None."""
@@ -190,7 +201,7 @@ def main():
     fp8 = fp8_steps(x, w, dy, offsets)
     torch_gemms = torch_variants(sizes, K, N)
     # jaxfuse bf16, jaxfuse FP8 (fwd, dgrad) and torch._grouped_mm in alternating chunks.
-    times = {}
+    times, kernel_ms = {}, {}
     dense = (jax.jit(jnp.matmul), (x, w[0]), common.keep_args)
     for form in FORMS:
       variants = {"jaxfuse": (*gemms[form], common.keep_args)}
@@ -202,6 +213,12 @@ def main():
       if form in torch_gemms:
         variants["torch"] = torch_gemms[form]
       times[form] = alternate(variants, rounds)
+      # Device time of the bf16 kernels alone, jaxfuse against torch and the dense GEMM,
+      # in alternating chunks of their own (the FP8 variants would share jaxfuse's names).
+      kernel_variants = {key: variants[key] for key in ("jaxfuse", "dense", "torch")
+                         if key in variants}
+      kernel_ms[form] = common.kernel_times_alternating(
+          kernel_variants, kernel_owner, rounds=rounds, chunk=CHUNK)
     del torch_gemms
     # The whole op (quantization included), FP8 against bf16, alternating.
     for form in ("op fwd", "op fwd+bwd"):
@@ -228,6 +245,17 @@ def main():
       row["jaxfuse_vs_dense"] = (row["jaxfuse_tflops"] / row["dense_tflops"]
                                  if jaxfuse_ms and case_dense_ms else None)
       row["jaxfuse_vs_torch"] = torch_ms / jaxfuse_ms if torch_ms and jaxfuse_ms else None
+      # Kernel (device) time per call under the same alternating load; the dense GEMM's
+      # from the forward's alternation.
+      kernels = kernel_ms[form]
+      dense_kernel_ms = kernel_ms["fwd"].get("dense")
+      row.update({"jaxfuse_kernel_ms": kernels.get("jaxfuse"),
+                  "torch_kernel_ms": kernels.get("torch"), "dense_kernel_ms": dense_kernel_ms})
+      row["kernel_jaxfuse_vs_torch"] = (kernels["torch"] / kernels["jaxfuse"]
+                                        if kernels.get("torch") and kernels.get("jaxfuse")
+                                        else None)
+      row["kernel_jaxfuse_vs_dense"] = (dense_kernel_ms / kernels["jaxfuse"]
+                                        if dense_kernel_ms and kernels.get("jaxfuse") else None)
       rows.append(row)
       print(row, flush=True)
     for form in ("fwd", "dgrad", "op fwd", "op fwd+bwd"):
@@ -243,14 +271,18 @@ def main():
   common.print_table(rows, ["case", "form", "precision", "jaxfuse_tflops", "fp8_speedup",
                             "torch_tflops",
                             "ragged_dot_tflops", "dense_tflops", "jaxfuse_vs_dense",
-                            "jaxfuse_vs_torch"])
+                            "jaxfuse_vs_torch", "kernel_jaxfuse_vs_dense",
+                            "kernel_jaxfuse_vs_torch"])
   if args.smoke:
     return
   common.write_results("grouped_linear", rows, dtype="bfloat16", dense_xla_tflops=dense_tflops,
                        baselines="jax.lax.ragged_dot (XLA) and torch._grouped_mm, same run",
                        method="jaxfuse bf16, jaxfuse FP8 and torch._grouped_mm timed in "
                               "alternating chunks (common.time_alternating), host clock "
-                              "around each chunk for all three; ragged_dot alone")
+                              "around each chunk for all three; ragged_dot alone. "
+                              "*_kernel_ms: device time of each variant's kernels (CUPTI via "
+                              "torch.profiler) in alternating chunks of jaxfuse bf16, the "
+                              "dense GEMM (forward) and torch, common.kernel_times_alternating")
 
 
 if __name__ == "__main__":

@@ -109,6 +109,37 @@ def time_alternating(variants: dict[str, tuple], *, rounds: int = 12,
           for name in names}
 
 
+def kernel_times_alternating(variants: dict[str, tuple], owner: Callable[[str], str | None],
+                             *, rounds: int, chunk: int, warmup: int = 1) -> dict[str, float]:
+  """Device time per call (ms) of each variant's kernels while the variants run exactly as
+  ``time_alternating`` runs them (alternating chunks, so under the same sustained load and
+  clocks), read from CUPTI's activity records through torch.profiler, which sees the
+  kernels of every framework in the process. ``owner(kernel_name)`` names the variant a
+  kernel belongs to (None: ignored). {} without torch or a CUDA device.
+
+  The host clock also holds launch gaps and first-call latency; this holds only the time
+  the GPU spent in each variant's kernels."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top  (torch is optional)
+    from torch.profiler import ProfilerActivity, profile  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return {}
+  if not torch.cuda.is_available():
+    return {}
+  with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    time_alternating(variants, rounds=rounds, warmup=warmup, chunk=chunk)
+    torch.cuda.synchronize()
+  totals = {name: 0.0 for name in variants}
+  for event in prof.events():
+    if event.device_type != torch.autograd.DeviceType.CUDA:
+      continue
+    name = owner(event.name)
+    if name in totals:
+      totals[name] += event.time_range.elapsed_us()
+  calls = warmup + rounds * chunk
+  return {name: total / calls / 1e3 for name, total in totals.items()}
+
+
 def keep_args(args, outputs):
   """``advance`` for time_alternating when the arguments are reused unchanged."""
   del outputs

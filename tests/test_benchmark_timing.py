@@ -76,3 +76,34 @@ def test_a_failing_variant_is_dropped_and_the_others_timed(capsys):
        "bad": (fails, (), common.keep_args, lambda _: None)}, rounds=1)
   assert set(times) == {"ok"} and times["ok"] > 0
   assert "bad failed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kernel_name, owner", [
+    # torch._grouped_mm's CUTLASS kernel (mangled) and its setup kernel (demangled).
+    ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13"
+     "GemmUniversalINS5_17GroupProblem", "torch"),
+    ("void at::cuda::detail::prepare_grouped_gemm_data<cutlass::bfloat16_t>", "torch"),
+    # jaxfuse's CUTLASS grouped kernel and setup kernel.
+    ("_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalINS1_17GroupProblemShapeIN4cute5",
+     "jaxfuse"),
+    ("jaxfuse::grouped_gemm::(anonymous namespace)::SetupKernel(SetupParams)", "jaxfuse"),
+    # XLA's dense GEMM (cuBLAS).
+    ("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NNT", "dense"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize256x128x64", "dense"),
+])
+def test_kernel_owner_attributes_each_framework(kernel_name, owner):
+  assert bench_grouped_linear.kernel_owner(kernel_name) == owner
+
+
+def test_kernel_times_need_torch_and_cuda():
+  """Without torch or a CUDA device (CI) there are no kernel times, and nothing runs."""
+  ran = []
+  variants = {"a": (lambda: ran.append(1), (), common.keep_args, lambda _: None)}
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    if torch.cuda.is_available():
+      pytest.skip("a CUDA device is present: the GPU benchmark run covers this")
+  except ImportError:
+    pass
+  assert common.kernel_times_alternating(variants, lambda name: "a", rounds=1, chunk=1) == {}
+  assert not ran

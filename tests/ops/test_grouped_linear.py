@@ -261,3 +261,52 @@ def test_cuda_graph_replays_follow_device_side_sizes(tmp_path):
     outputs[name] = np.load(path)
   np.testing.assert_array_equal(outputs["plain"], outputs["graphs"])
   assert not np.array_equal(outputs["graphs"][0], outputs["graphs"][1])
+
+
+_TILE_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxfuse
+    inputs = np.load(sys.argv[1] + "/in.npz")
+    x, w, d_out = (jnp.asarray(inputs[name], jnp.bfloat16) for name in ("x", "w", "d_out"))
+    @jax.jit
+    def step(x, w, sizes, d_out):
+      out, vjp = jax.vjp(lambda x, w: jaxfuse.grouped_linear(x, w, sizes,
+                                                             implementation="ffi"), x, w)
+      return (out, *vjp(d_out))
+    results = {}
+    for index, sizes in enumerate(sys.argv[2:]):  # one executable, sizes changed on device
+      sizes = jnp.asarray([int(s) for s in sizes.split(",")], jnp.int32)
+      for name, value in zip(("out", "d_x", "d_kernel"), step(x, w, sizes, d_out)):
+        results[f"{index}_{name}"] = np.asarray(value, np.float32)
+    np.savez(sys.argv[1] + "/out.npz", **results)
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["adaptive", "uniform", "large"])
+def test_large_tile_configs_match_float64_numpy(tmp_path, tile):
+  """The 128-row-tile kernel, the kUniform kernel (fit for multiples of its row granularity,
+  correct for any sizes) and kAdaptive, which launches both and lets the setup kernel hand
+  the tiles to one of them from the sizes on the device, each forced through
+  JAXFUSE_GROUPED_GEMM_TILE (read once per process): forward, dgrad and wgrad against
+  float64 numpy, on sizes that fit kUniform and on ragged ones, in one executable."""
+  m, k, n, groups = 3072, 192, 520, 5
+  x, kernel = make_inputs(9, m, k, n, groups, jnp.bfloat16)
+  d_out = helpers.random_array(np.random.default_rng(10), (m, n), jnp.bfloat16)
+  np.savez(tmp_path / "in.npz", **{name: np.asarray(a, np.float32)
+                                   for name, a in (("x", x), ("w", kernel), ("d_out", d_out))})
+  size_sets = ([512, 1024, 0, 512, 512],  # multiples of 512 (and of 256), sum < m
+               [700, 0, 333, 1200, 517],  # ragged
+               [1024, 1024, 512, 512, 2048])  # multiples, sum > m: cut at m
+  subprocess.run([sys.executable, "-c", _TILE_SCRIPT, str(tmp_path),
+                  *(",".join(map(str, sizes)) for sizes in size_sets)],
+                 env=dict(os.environ, JAXFUSE_GROUPED_GEMM_TILE=tile), check=True, timeout=300)
+  results = np.load(tmp_path / "out.npz")
+  for index, sizes in enumerate(size_sets):
+    out, d_x, d_kernel = (results[f"{index}_{name}"] for name in ("out", "d_x", "d_kernel"))
+    helpers.assert_close(out, numpy_grouped_linear(x, kernel, sizes), jnp.bfloat16,
+                         msg=f"{tile} forward {sizes}")
+    want_x, want_kernel = numpy_grouped_grads(x, kernel, sizes, d_out)
+    helpers.assert_close(d_x, want_x, jnp.bfloat16, msg=f"{tile} dgrad {sizes}")
+    helpers.assert_close(d_kernel, want_kernel, jnp.bfloat16, msg=f"{tile} wgrad {sizes}")

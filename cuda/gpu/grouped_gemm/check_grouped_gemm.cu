@@ -420,7 +420,7 @@ int main(int argc, char** argv) {
     // Times the tile scheduler's raster order and swizzle (runtime options, see
     // internal.cuh) on the large configs, instead of the default runs.
     if (std::strcmp(argv[i], "--sweep-scheduler") == 0) sweep = true;
-    // Times kLarge, each kUniform candidate and kAdaptive (bf16 forward/dgrad) only.
+    // Times kLarge, kUniform and kAdaptive (bf16 forward/dgrad) only.
     if (std::strcmp(argv[i], "--uniform") == 0) uniform_sweep = true;
   }
   int device = 0;
@@ -461,21 +461,13 @@ int main(int argc, char** argv) {
 
   if (uniform_sweep) {
     using bf16 = __nv_bfloat16;
-    gg::detail::TuningOptions& options = gg::detail::ActiveTuningOptions();
     struct Shape { int G; int64_t rows; };
     // The graph column replays with sizes moved by +-rows/4: ragged (kAdaptive: kLarge).
     for (const Shape s : {Shape{8, 8192}, Shape{64, 512}, Shape{128, 512}})
-      for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad}) {
-        Time<bf16, bf16, bf16>("bf16", form, s.G, s.rows, 2048, 4096, gg::TileConfig::kLarge);
-        for (int variant = 0; variant < gg::detail::kUniformVariants; ++variant) {
-          options.uniform_variant = variant;
-          char label[32];
-          std::snprintf(label, sizeof(label), "bf16 u%d", variant);
-          Time<bf16, bf16, bf16>(label, form, s.G, s.rows, 2048, 4096, gg::TileConfig::kUniform);
-          Time<bf16, bf16, bf16>(label, form, s.G, s.rows, 2048, 4096, gg::TileConfig::kAdaptive);
-        }
-        options.uniform_variant = 0;
-      }
+      for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad})
+        for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kUniform,
+                                   gg::TileConfig::kAdaptive})
+          Time<bf16, bf16, bf16>("bf16", form, s.G, s.rows, 2048, 4096, cfg);
     perf = check = false;
   }
 

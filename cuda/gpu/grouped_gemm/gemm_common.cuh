@@ -201,37 +201,20 @@ cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream)
                                         : RunGemm<LARGE>(arrays, sm_count, stream);        \
   }
 
-// A kUniform family: one kernel per candidate (TuningOptions::uniform_variant picks it).
-#define JAXFUSE_GG_DEFINE_UNIFORM_FAMILY_3(NAME, V0, V1, V2)                                 \
-  namespace {                                                                              \
-  template <class Gemm>                                                                    \
-  int NAME##_Granularity() {                                                               \
-    using Kernel = typename Gemm::GemmKernel;                                              \
-    return static_cast<int>(cute::size<0>(typename Kernel::TileShape{}) *                  \
-                            cute::size<0>(typename Kernel::ClusterShape{}));               \
-  }                                                                                        \
-  }                                                                                        \
-  int NAME##_RowGranularity() {                                                            \
-    switch (ActiveTuningOptions().uniform_variant) {                                       \
-      case 1: return NAME##_Granularity<V1>();                                             \
-      case 2: return NAME##_Granularity<V2>();                                             \
-      default: return NAME##_Granularity<V0>();                                            \
-    }                                                                                      \
-  }                                                                                        \
+// A kUniform family (one kernel): NAME_WorkspaceBytes / NAME_Run, and NAME_RowGranularity =
+// CTA tile M x cluster M, the row multiple that wastes no cluster slot.
+#define JAXFUSE_GG_DEFINE_UNIFORM_FAMILY(NAME, ONLY)                                         \
   size_t NAME##_WorkspaceBytes(TileConfig, int num_groups, int sm_count) {                 \
-    switch (ActiveTuningOptions().uniform_variant) {                                       \
-      case 1: return CutlassWorkspaceBytes<V1>(num_groups, sm_count);                      \
-      case 2: return CutlassWorkspaceBytes<V2>(num_groups, sm_count);                      \
-      default: return CutlassWorkspaceBytes<V0>(num_groups, sm_count);                     \
-    }                                                                                      \
+    return CutlassWorkspaceBytes<ONLY>(num_groups, sm_count);                              \
   }                                                                                        \
   cudaError_t NAME##_Run(TileConfig, const GemmArrays& arrays, int sm_count,               \
                          cudaStream_t stream) {                                            \
-    switch (ActiveTuningOptions().uniform_variant) {                                       \
-      case 1: return RunGemm<V1>(arrays, sm_count, stream);                                \
-      case 2: return RunGemm<V2>(arrays, sm_count, stream);                                \
-      default: return RunGemm<V0>(arrays, sm_count, stream);                               \
-    }                                                                                      \
+    return RunGemm<ONLY>(arrays, sm_count, stream);                                        \
+  }                                                                                        \
+  int NAME##_RowGranularity() {                                                            \
+    using Kernel = typename ONLY::GemmKernel;                                              \
+    return static_cast<int>(cute::size<0>(typename Kernel::TileShape{}) *                  \
+                            cute::size<0>(typename Kernel::ClusterShape{}));               \
   }
 
 // Same for a family with a single config.

@@ -371,10 +371,6 @@ TuningOptions& ActiveTuningOptions() {
       if (value == "uniform") o.tile = TileConfig::kUniform;
       if (value == "adaptive") o.tile = TileConfig::kAdaptive;
     }
-    if (const char* variant = std::getenv("JAXFUSE_GROUPED_GEMM_UNIFORM_VARIANT")) {
-      const int value = std::atoi(variant);
-      if (value >= 0 && value < kUniformVariants) o.uniform_variant = value;
-    }
     return o;
   }();
   return options;

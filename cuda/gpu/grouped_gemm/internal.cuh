@@ -38,16 +38,12 @@ struct GemmArrays {
 //   grouped_gemm.cu) and the swizzle width (1, 2, 4 or 8 tiles):
 //   JAXFUSE_GROUPED_GEMM_RASTER (M|N), JAXFUSE_GROUPED_GEMM_SWIZZLE.
 // - The tile configuration of problems that leave it at kAuto (kAuto: the heuristic):
-//   JAXFUSE_GROUPED_GEMM_TILE (large | small).
-// - Which candidate kernel the kUniform families run (JAXFUSE_GROUPED_GEMM_UNIFORM_VARIANT,
-//   0..kUniformVariants-1; see gemm_bf16_*_uniform.cu): a measurement knob.
+//   JAXFUSE_GROUPED_GEMM_TILE (large | small | uniform | adaptive).
 struct TuningOptions {
   char raster = 0;
   int swizzle = 1;
   TileConfig tile = TileConfig::kAuto;
-  int uniform_variant = 0;
 };
-constexpr int kUniformVariants = 3;
 TuningOptions& ActiveTuningOptions();
 
 // One entry point pair per kernel family (one family per .cu file). `config` is kLarge or
@@ -69,8 +65,8 @@ JAXFUSE_GG_DECLARE_FAMILY(Fp8E4m3E4m3)
 JAXFUSE_GG_DECLARE_FAMILY(Fp8E5m2E4m3)
 JAXFUSE_GG_DECLARE_FAMILY(Fp8E4m3FastAccum)  // forward only: FP8 fast accumulation
 
-// kUniform kernels (bf16 forward/dgrad): one config each (the active uniform_variant);
-// NAME_RowGranularity() = its CTA tile M x cluster M.
+// kUniform kernels (bf16 forward/dgrad), one config each; NAME_RowGranularity() = its CTA
+// tile M x cluster M.
 JAXFUSE_GG_DECLARE_FAMILY(Bf16FwdUniform)
 JAXFUSE_GG_DECLARE_FAMILY(Bf16DgradUniform)
 int Bf16FwdUniform_RowGranularity();

@@ -177,6 +177,7 @@ def main():
   calls = 5 if args.quick or args.smoke else 20
   rounds = max(2, calls // common.CHUNK)  # alternating chunks per variant
   rows = []
+  dense_kernel_names = {}  # case -> XLA's dense GEMM kernels (what the ceiling runs)
   # A dense bf16 GEMM of 65536 x 2048 x 4096 through XLA, timed alone first (the per-case
   # ceiling is the dense GEMM alternated with each forward, below).
   dense_m = 256 if args.smoke else 65536
@@ -217,8 +218,12 @@ def main():
       # in alternating chunks of their own (the FP8 variants would share jaxfuse's names).
       kernel_variants = {key: variants[key] for key in ("jaxfuse", "dense", "torch")
                          if key in variants}
+      names = {}
       kernel_ms[form] = common.kernel_times_alternating(
-          kernel_variants, kernel_owner, rounds=rounds, chunk=CHUNK)
+          kernel_variants, kernel_owner, rounds=rounds, chunk=CHUNK, kernel_names=names)
+      if form == "fwd" and names.get("dense"):
+        dense_kernel_names[name] = names["dense"][:3]
+        print(f"dense GEMM kernels ({name}): {names['dense'][:3]}", flush=True)
     del torch_gemms
     # The whole op (quantization included), FP8 against bf16, alternating.
     for form in ("op fwd", "op fwd+bwd"):
@@ -276,6 +281,7 @@ def main():
   if args.smoke:
     return
   common.write_results("grouped_linear", rows, dtype="bfloat16", dense_xla_tflops=dense_tflops,
+                       dense_kernel_names=dense_kernel_names,
                        baselines="jax.lax.ragged_dot (XLA) and torch._grouped_mm, same run",
                        method="jaxfuse bf16, jaxfuse FP8 and torch._grouped_mm timed in "
                               "alternating chunks (common.time_alternating), host clock "

@@ -110,7 +110,9 @@ def time_alternating(variants: dict[str, tuple], *, rounds: int = 12,
 
 
 def kernel_times_alternating(variants: dict[str, tuple], owner: Callable[[str], str | None],
-                             *, rounds: int, chunk: int, warmup: int = 1) -> dict[str, float]:
+                             *, rounds: int, chunk: int, warmup: int = 1,
+                             kernel_names: dict[str, list[str]] | None = None
+                             ) -> dict[str, float]:
   """Device time per call (ms) of each variant's kernels while the variants run exactly as
   ``time_alternating`` runs them (alternating chunks, so under the same sustained load and
   clocks), read from CUPTI's activity records through torch.profiler, which sees the
@@ -118,7 +120,8 @@ def kernel_times_alternating(variants: dict[str, tuple], owner: Callable[[str], 
   kernel belongs to (None: ignored). {} without torch or a CUDA device.
 
   The host clock also holds launch gaps and first-call latency; this holds only the time
-  the GPU spent in each variant's kernels."""
+  the GPU spent in each variant's kernels. ``kernel_names``, if given, receives each
+  variant's kernel names, longest total time first."""
   try:
     import torch  # pylint: disable=g-import-not-at-top  (torch is optional)
     from torch.profiler import ProfilerActivity, profile  # pylint: disable=g-import-not-at-top
@@ -130,12 +133,18 @@ def kernel_times_alternating(variants: dict[str, tuple], owner: Callable[[str], 
     time_alternating(variants, rounds=rounds, warmup=warmup, chunk=chunk)
     torch.cuda.synchronize()
   totals = {name: 0.0 for name in variants}
+  per_kernel: dict[str, dict[str, float]] = {name: {} for name in variants}
   for event in prof.events():
     if event.device_type != torch.autograd.DeviceType.CUDA:
       continue
     name = owner(event.name)
     if name in totals:
       totals[name] += event.time_range.elapsed_us()
+      per_kernel[name][event.name] = (per_kernel[name].get(event.name, 0.0)
+                                      + event.time_range.elapsed_us())
+  if kernel_names is not None:
+    for name, kernels in per_kernel.items():
+      kernel_names[name] = sorted(kernels, key=lambda kernel: -kernels[kernel])
   calls = warmup + rounds * chunk
   return {name: total / calls / 1e3 for name, total in totals.items()}
 

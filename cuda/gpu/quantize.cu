@@ -46,15 +46,13 @@ bool ValidLaneBlock(int64_t block) {
 template <class P, typename T>
 ffi::Error LaunchRows(cudaStream_t stream, const P& p, SinkArgs<T> s, int64_t units,
                       const QuantizeProblem& problem) {
-  const int grid = gpu::GridFor(s.rows);
-  const int threads = gpu::ThreadsFor(s.rows, units);
   if (problem.mode == ScalingMode::kCurrent) {
     if (problem.num_groups > 0 &&
         cudaMemsetAsync(s.amax, 0, problem.num_groups * sizeof(float), stream) != cudaSuccess) {
       return Internal("zeroing the amax scratch failed");
     }
     if (s.rows > 0) {
-      gpu::RowKernel<P, SinkKind::kAmax, T><<<grid, threads, 0, stream>>>(p, s);
+      gpu::LaunchRowKernel<P, SinkKind::kAmax, T>(p, s, units, stream);
     }
     if (problem.num_groups > 0) {
       const int scale_threads = 256;
@@ -66,7 +64,7 @@ ffi::Error LaunchRows(cudaStream_t stream, const P& p, SinkArgs<T> s, int64_t un
     second.out = nullptr;   // dx (if any) and dscales were written by pass 1
     second.side = nullptr;
     if (s.rows > 0) {
-      gpu::RowKernel<P, SinkKind::kCurrent, T><<<grid, threads, 0, stream>>>(p, second);
+      gpu::LaunchRowKernel<P, SinkKind::kCurrent, T>(p, second, units, stream);
     }
     return gpu::LaunchError("current-scaling quantization kernels");
   }
@@ -78,7 +76,7 @@ ffi::Error LaunchRows(cudaStream_t stream, const P& p, SinkArgs<T> s, int64_t un
     return Internal("zeroing the amax scratch failed");
   }
   s.mx = problem.mode == ScalingMode::kMxfp8;
-  if (s.rows > 0) gpu::RowKernel<P, SinkKind::kBlock, T><<<grid, threads, 0, stream>>>(p, s);
+  if (s.rows > 0) gpu::LaunchRowKernel<P, SinkKind::kBlock, T>(p, s, units, stream);
   return gpu::LaunchError("block quantization kernel");
 }
 

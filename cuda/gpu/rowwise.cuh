@@ -375,9 +375,11 @@ struct SinkArgs {
   Fp8Format format = Fp8Format::kE4M3;
 };
 
-// Launch bounds of 512 threads, the most ThreadsFor() returns: every instantiation stays
-// at or under 60 registers with it (48-58 with the earlier bound of 256), so none spills.
-template <class P, SinkKind kKind, typename T>
+// Launch bounds of 512 threads, the most ThreadsFor() returns: no instantiation spills.
+// kUnroll units per thread per step: the producer's loads of all of them are issued before
+// any value is consumed (more bytes in flight per thread, the lever of a memory-bound walk
+// whose stores may alias its loads as far as the compiler knows).
+template <class P, SinkKind kKind, typename T, int kUnroll = 1>
 __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
   const int64_t units = p.Units();
   const int lanes = s.block / kUnit;  // block scaling: lanes per block (power of two)
@@ -391,18 +393,25 @@ __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
       if (row_valid) row_scale = ScaleFromAmax(s.amax[g], fp8_max);
     }
     float amax = 0.0f, side = 0.0f;
-    for (int64_t base = 0; base < units; base += blockDim.x) {
-      const int64_t u = base + threadIdx.x;
-      const bool active = u < units;
-      float v[P::kChunks][8];
-      if (active) {
-        p.Compute(row, u, v, side);
-      } else {
+    for (int64_t base = 0; base < units; base += kUnroll * blockDim.x) {
+      float values[kUnroll][P::kChunks][8];
 #pragma unroll
-        for (int c = 0; c < P::kChunks; ++c)
+      for (int r = 0; r < kUnroll; ++r) {
+        const int64_t u = base + r * blockDim.x + threadIdx.x;
+        if (u < units) {
+          p.Compute(row, u, values[r], side);
+        } else {
 #pragma unroll
-          for (int i = 0; i < 8; ++i) v[c][i] = 0.0f;
+          for (int c = 0; c < P::kChunks; ++c)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) values[r][c][i] = 0.0f;
+        }
       }
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r) {
+      const int64_t u = base + r * blockDim.x + threadIdx.x;
+      const bool active = u < units;
+      float (&v)[P::kChunks][8] = values[r];
 #pragma unroll
       for (int c = 0; c < P::kChunks; ++c) {
         const int valid = active ? p.Valid(c, u) : 0;
@@ -452,6 +461,7 @@ __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
           }
         }
       }
+      }  // r
     }
     if (kKind == SinkKind::kAmax || (P::kSide && s.side != nullptr)) {  // uniform per block
       const float2 reduced = BlockReduceMaxSum(amax, side);
@@ -507,6 +517,35 @@ inline int ThreadsFor(int64_t rows, int64_t units) {
 
 inline int GridFor(int64_t rows) {
   return static_cast<int>(rows < (1 << 20) ? (rows > 0 ? rows : 1) : (1 << 20));
+}
+
+// JAXFUSE_ROWWISE_UNROLL (1, 2 or 4): units per thread per step of large problems (see
+// RowKernel's kUnroll; small ones cover a row in one step and keep 1). Read once.
+inline int RowUnroll() {
+  static const int unroll = [] {
+    if (const char* value = std::getenv("JAXFUSE_ROWWISE_UNROLL")) {
+      const int parsed = std::atoi(value);
+      if (parsed == 1 || parsed == 2 || parsed == 4) return parsed;
+    }
+    return 1;
+  }();
+  return unroll;
+}
+
+// Launches RowKernel<P, kKind, T> over s.rows rows of `units` units with ThreadsFor's block
+// and RowUnroll()'s unroll for large problems.
+template <class P, SinkKind kKind, typename T>
+void LaunchRowKernel(const P& p, const SinkArgs<T>& s, int64_t units, cudaStream_t stream) {
+  const int grid = GridFor(s.rows);
+  const int threads = ThreadsFor(s.rows, units);
+  const int unroll = s.rows * units >= kLargeProblemUnits ? RowUnroll() : 1;
+  if (unroll == 4) {
+    RowKernel<P, kKind, T, 4><<<grid, threads, 0, stream>>>(p, s);
+  } else if (unroll == 2) {
+    RowKernel<P, kKind, T, 2><<<grid, threads, 0, stream>>>(p, s);
+  } else {
+    RowKernel<P, kKind, T, 1><<<grid, threads, 0, stream>>>(p, s);
+  }
 }
 
 inline bool PointerAligned16(const void* p) {

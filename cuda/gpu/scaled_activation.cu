@@ -41,9 +41,8 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer sca
     s.out_vector = problem.out_cols % 8 == 0 && PointerAligned16(s.out);
     s.rows = problem.rows;
     s.cols = problem.out_cols;
-    gpu::RowKernel<gpu::ActProducer<T>, gpu::SinkKind::kStore, T>
-        <<<gpu::GridFor(problem.rows), gpu::ThreadsFor(problem.rows, (problem.out_cols + 7) / 8),
-           0, stream>>>(p, s);
+    gpu::LaunchRowKernel<gpu::ActProducer<T>, gpu::SinkKind::kStore, T>(
+        p, s, (problem.out_cols + 7) / 8, stream);
     return gpu::LaunchError("scaled_activation forward kernel");
   });
 }
@@ -82,9 +81,8 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x
     s.side = static_cast<float*>(dscales->untyped_data());
     s.rows = problem.rows;
     s.cols = problem.in_cols;
-    gpu::RowKernel<gpu::DActPairProducer<T>, gpu::SinkKind::kStore, T>
-        <<<gpu::GridFor(problem.rows), gpu::ThreadsFor(problem.rows, (problem.out_cols + 7) / 8),
-           0, stream>>>(p, s);
+    gpu::LaunchRowKernel<gpu::DActPairProducer<T>, gpu::SinkKind::kStore, T>(
+        p, s, (problem.out_cols + 7) / 8, stream);
     return gpu::LaunchError("scaled_activation backward kernel");
   });
 }

@@ -159,6 +159,36 @@ def test_current_scaling_with_many_rows(backend):
   helpers.assert_close(ds_ffi, helpers.as_f64(ds_ref), jnp.float32, msg="dscales")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+def test_gpu_large_problem_matches_the_reference(recipe):
+  """8192 rows x 512 vectors of 8 outputs: past the size from which the row kernels walk a
+  row with 64 threads, several vectors per step (rowwise.cuh: kLargeProblemUnits,
+  JAXFUSE_ROWWISE_UNROLL), forward and backward, against the XLA reference and the float64
+  values within the FP8 bound."""
+  rows, f = 8192, 4096
+  assert rows * f // 8 >= 1 << 22
+  x, scales, dy = inputs(50, f, jnp.bfloat16, "swiglu", rows=rows)
+  sizes = jnp.asarray([1000, 0, 3000, 2500, 1600], jnp.int32)  # 8100 of 8192 rows
+  xb, sb, dyb, gb = on("gpu", x, scales, dy, sizes)
+  forward = lambda impl: jax.jit(lambda x, s, g: jaxfuse.scaled_activation_quantize(
+      x, s, g, "swiglu", recipe=recipe, implementation=impl))(xb, sb, gb)
+  q_ffi, q_ref = forward("ffi"), forward("xla")
+  assert_fp8_close(q_ffi.data, q_ref.data)
+  np.testing.assert_allclose(np.asarray(q_ffi.scale_inv, np.float64),
+                             np.asarray(q_ref.scale_inv, np.float64), rtol=1e-5)
+  expected = ta.np_forward(x, scales, "swiglu")
+  tq.check_round_trip(jnp.asarray(expected, jnp.float32), q_ffi)
+  backward = lambda impl: jax.jit(lambda dy, x, s, g: jaxfuse.scaled_dactivation_quantize(
+      dy, x, s, g, "swiglu", recipe=recipe, return_dx=True, implementation=impl))(
+          dyb, xb, sb, gb)
+  (dq_ffi, dx_ffi, ds_ffi), (dq_ref, _, _) = backward("ffi"), backward("xla")
+  assert_fp8_close(dq_ffi.data, dq_ref.data)
+  want_dx, want_ds = ta.np_backward(dy, x, scales, "swiglu")
+  helpers.assert_close(dx_ffi, want_dx, jnp.bfloat16, msg="dx")
+  helpers.assert_close(ds_ffi, want_ds, jnp.float32, msg="dscales")
+
+
 # --- HLO: fused, offsets computed once ---------------------------------------------------
 
 

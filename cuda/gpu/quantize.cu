@@ -76,6 +76,9 @@ ffi::Error LaunchRows(cudaStream_t stream, const P& p, SinkArgs<T> s, int64_t un
     return Internal("zeroing the amax scratch failed");
   }
   s.mx = problem.mode == ScalingMode::kMxfp8;
+  s.block_shift = 0;
+  while ((1 << s.block_shift) < s.block) ++s.block_shift;
+  s.blocks_per_row = (s.cols + s.block - 1) / s.block;
   if (s.rows > 0) gpu::LaunchRowKernel<P, SinkKind::kBlock, T>(p, s, units, stream);
   return gpu::LaunchError("block quantization kernel");
 }

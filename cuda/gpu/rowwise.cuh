@@ -370,16 +370,20 @@ struct SinkArgs {
   float* side = nullptr;        // float [rows] (dscales)
   const int32_t* offsets = nullptr;
   int64_t num_groups = 0, rows = 0, cols = 0;
-  int block = 0;                // block scaling: elements per block (multiple of 8)
+  int block = 0;                // block scaling: elements per block (a power of two >= 8)
+  int block_shift = 0;          // log2(block)
+  int64_t blocks_per_row = 0;   // ceil(cols / block)
   bool mx = false;
   Fp8Format format = Fp8Format::kE4M3;
 };
 
-// Launch bounds of 512 threads, the most ThreadsFor() returns: no instantiation spills.
-// kUnroll units per thread per step: the producer's loads of all of them are issued before
-// any value is consumed (more bytes in flight per thread, the lever of a memory-bound walk
-// whose stores may alias its loads as far as the compiler knows).
-template <class P, SinkKind kKind, typename T, int kUnroll = 1>
+// Launch bounds of 512 threads, the most ThreadsFor() returns: every instantiation stays
+// at or under 64 registers with it (only DActFlatProducer's amax pass, for GLU widths that
+// are not a multiple of the block, spills 12 bytes). One unit per thread per step: two or
+// four per step (all loads issued first) measured slower on the H200 at T=65536, 2F=8192
+// (4b955f61: SwiGLU backward 0.855 -> 1.068 -> 1.302 ms, 1x128 quantized 0.683 -> 0.715
+// -> 0.863 ms): the extra registers cost more occupancy than the loads in flight gain.
+template <class P, SinkKind kKind, typename T>
 __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
   const int64_t units = p.Units();
   const int lanes = s.block / kUnit;  // block scaling: lanes per block (power of two)
@@ -393,25 +397,18 @@ __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
       if (row_valid) row_scale = ScaleFromAmax(s.amax[g], fp8_max);
     }
     float amax = 0.0f, side = 0.0f;
-    for (int64_t base = 0; base < units; base += kUnroll * blockDim.x) {
-      float values[kUnroll][P::kChunks][8];
-#pragma unroll
-      for (int r = 0; r < kUnroll; ++r) {
-        const int64_t u = base + r * blockDim.x + threadIdx.x;
-        if (u < units) {
-          p.Compute(row, u, values[r], side);
-        } else {
-#pragma unroll
-          for (int c = 0; c < P::kChunks; ++c)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) values[r][c][i] = 0.0f;
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < kUnroll; ++r) {
-      const int64_t u = base + r * blockDim.x + threadIdx.x;
+    for (int64_t base = 0; base < units; base += blockDim.x) {
+      const int64_t u = base + threadIdx.x;
       const bool active = u < units;
-      float (&v)[P::kChunks][8] = values[r];
+      float v[P::kChunks][8];
+      if (active) {
+        p.Compute(row, u, v, side);
+      } else {
+#pragma unroll
+        for (int c = 0; c < P::kChunks; ++c)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) v[c][i] = 0.0f;
+      }
 #pragma unroll
       for (int c = 0; c < P::kChunks; ++c) {
         const int valid = active ? p.Valid(c, u) : 0;
@@ -444,9 +441,10 @@ __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
               local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, offset));
             }
             float scale;
-            const int64_t blocks_per_row = (s.cols + s.block - 1) / s.block;
-            const int64_t block_index = row * blocks_per_row + col / s.block;
-            const bool leader = valid > 0 && (col % s.block) == 0;
+            // Shifts and masks: s.block is a power of two (64-bit divisions per unit cost
+            // more than the rest of the unit's work).
+            const int64_t block_index = row * s.blocks_per_row + (col >> s.block_shift);
+            const bool leader = valid > 0 && (col & (s.block - 1)) == 0;
             if (s.mx) {
               const uint8_t e = E8M0FromAmax(local, fp8_max);
               scale = E8M0InverseToFloat(e);
@@ -461,7 +459,6 @@ __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
           }
         }
       }
-      }  // r
     }
     if (kKind == SinkKind::kAmax || (P::kSide && s.side != nullptr)) {  // uniform per block
       const float2 reduced = BlockReduceMaxSum(amax, side);
@@ -519,33 +516,10 @@ inline int GridFor(int64_t rows) {
   return static_cast<int>(rows < (1 << 20) ? (rows > 0 ? rows : 1) : (1 << 20));
 }
 
-// JAXFUSE_ROWWISE_UNROLL (1, 2 or 4): units per thread per step of large problems (see
-// RowKernel's kUnroll; small ones cover a row in one step and keep 1). Read once.
-inline int RowUnroll() {
-  static const int unroll = [] {
-    if (const char* value = std::getenv("JAXFUSE_ROWWISE_UNROLL")) {
-      const int parsed = std::atoi(value);
-      if (parsed == 1 || parsed == 2 || parsed == 4) return parsed;
-    }
-    return 1;
-  }();
-  return unroll;
-}
-
-// Launches RowKernel<P, kKind, T> over s.rows rows of `units` units with ThreadsFor's block
-// and RowUnroll()'s unroll for large problems.
+// Launches RowKernel<P, kKind, T> over s.rows rows of `units` units (GridFor, ThreadsFor).
 template <class P, SinkKind kKind, typename T>
 void LaunchRowKernel(const P& p, const SinkArgs<T>& s, int64_t units, cudaStream_t stream) {
-  const int grid = GridFor(s.rows);
-  const int threads = ThreadsFor(s.rows, units);
-  const int unroll = s.rows * units >= kLargeProblemUnits ? RowUnroll() : 1;
-  if (unroll == 4) {
-    RowKernel<P, kKind, T, 4><<<grid, threads, 0, stream>>>(p, s);
-  } else if (unroll == 2) {
-    RowKernel<P, kKind, T, 2><<<grid, threads, 0, stream>>>(p, s);
-  } else {
-    RowKernel<P, kKind, T, 1><<<grid, threads, 0, stream>>>(p, s);
-  }
+  RowKernel<P, kKind, T><<<GridFor(s.rows), ThreadsFor(s.rows, units), 0, stream>>>(p, s);
 }
 
 inline bool PointerAligned16(const void* p) {

@@ -171,6 +171,15 @@ for _groups, _rows in ((8, 8192), (64, 512), (128, 512)):
           lambda g=_groups, r=_rows, f=_form, t=_torch: grouped_gemm_case(g, r, f, t))
 
 
+def short_kernel_name(name: str) -> str:
+  """The first 100 characters, plus a CUTLASS SM90 kernel's cluster shape (mangled
+  "NS5_1CILi<m>EEENSC_ILi<n>EEE" after the mainloop's stage count) when the name has one."""
+  cluster = re.search(r"WarpSpecializedILi(\d+)ENS\d+_IJNS\d+_1CILi(\d+)EEENS\w+?_ILi(\d+)EEE", name)
+  suffix = (f" [stages {cluster.group(1)}, cluster {cluster.group(2)}x{cluster.group(3)}]"
+            if cluster else "")
+  return name[:100] + suffix
+
+
 def profile(step, args, carry=None):
   """(kernel rows, wall ms per step, summed kernel ms per step, span ms per step).
 
@@ -198,7 +207,9 @@ def profile(step, args, carry=None):
   by_name: dict[str, list[float]] = {}
   for event in kernels:
     by_name.setdefault(event.name, []).append(event.time_range.elapsed_us())
-  rows = sorted(({"kernel": name[:120], "per_step": len(times) / STEPS,
+  # Full names: CUTLASS kernels of one family differ only past the first ~150 characters
+  # of their mangled names (stages, cluster shape), e.g. kAdaptive's two grouped kernels.
+  rows = sorted(({"kernel": name, "per_step": len(times) / STEPS,
                   "us_per_step": sum(times) / STEPS} for name, times in by_name.items()),
                 key=lambda row: -row["us_per_step"])
   total_ms = sum(row["us_per_step"] for row in rows) / 1e3
@@ -254,7 +265,8 @@ def main():
           f"span {span_ms:.3f} ms, {sum(r['per_step'] for r in rows):.0f} kernels/step")
     print(f"   custom calls in command buffers: {graphs['in_command_buffers']}; "
           f"eager: {graphs['eager']}")
-    common.print_table(rows[:25], ["kernel", "per_step", "us_per_step"])
+    common.print_table([{**row, "kernel": short_kernel_name(row["kernel"])} for row in rows[:25]],
+                       ["kernel", "per_step", "us_per_step"])
     results.append({"case": name, "wall_ms": wall_ms, "kernel_ms": total_ms,
                     "span_ms": span_ms, "command_buffers": graphs, "kernels": rows})
     del step, step_args

@@ -189,8 +189,17 @@ __device__ bool UniformFits(const SetupParams& p) {
     large += (rows + p.large_rows - 1) / p.large_rows;
     uniform += (rows + p.uniform_rows - 1) / p.uniform_rows * (p.uniform_rows / p.large_rows);
   }
-  atomicAdd(&slots[0], large);
-  atomicAdd(&slots[1], uniform);
+  // Warp sums first: 1024 threads' atomics on one shared word serialize (measured: the
+  // setup launch took 8-16 us instead of 3-4 us).
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    large += __shfl_xor_sync(0xffffffffu, large, offset);
+    uniform += __shfl_xor_sync(0xffffffffu, uniform, offset);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    atomicAdd(&slots[0], large);
+    atomicAdd(&slots[1], uniform);
+  }
   __syncthreads();
   const bool fits = slots[1] * kUniformMaxExtraSlotsPer <= slots[0] * (kUniformMaxExtraSlotsPer + 1);
   __syncthreads();

@@ -424,8 +424,9 @@ TileConfig ChooseTileConfig(const Problem& p, int sm_count) {
   if (n_tiles % 2 == 1 && n_tiles < 4) return TileConfig::kSmall;
   const int64_t tiles = groups * CeilDiv(rows_per_group, 128) * n_tiles;
   if (tiles < 2 * sm_count) return TileConfig::kSmall;
-  // kAdaptive costs one launch that finds no tile (a few us): worth it from ~1 ms of GEMM.
-  if (PickFamily(p).uniform.run != nullptr && tiles >= 16 * sm_count) {
+  // kAdaptive costs one launch that finds no tile (3-4 us on the H200): worth it from about
+  // half a millisecond of GEMM (64 x 512 rows, k = n = 2048 and more).
+  if (PickFamily(p).uniform.run != nullptr && tiles >= 8 * sm_count) {
     return TileConfig::kAdaptive;
   }
   return TileConfig::kLarge;

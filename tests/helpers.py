@@ -61,6 +61,25 @@ def ffi_target(name: str):
   return lambda eqn: eqn.primitive.name == "ffi_call" and eqn.params.get("target_name") == name
 
 
+def untransposed_copy_sizes(jaxpr) -> list[int]:
+  """Sizes of the untransposed FP8 weight copies the weight quantization calls write (0 when
+  a call skips it)."""
+  sizes = []
+
+  def walk(jaxpr):
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+      if ffi_target("jaxfuse_quantize_transposed")(eqn):
+        sizes.append(eqn.outvars[2].aval.size)
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+            walk(sub)
+
+  walk(jaxpr)
+  return sizes
+
+
 def on_cpu(fn, *args):
   """jit(fn)(*args) evaluated on the CPU, where XLA's arithmetic is IEEE-exact.
 

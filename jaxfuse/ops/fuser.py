@@ -573,10 +573,13 @@ def _fp8_gemm_reference(a_data, a_scale_inv, w_t_data, w_scale_inv, offsets, dty
 def _act_quant_grouped_linear_fp8(x, scales, kernel, offsets, act, recipe, implementation,
                                   varying_axes):
   return _aqgl8_forward(x, scales, kernel, offsets, act, recipe, implementation,
-                        varying_axes)[0]
+                        varying_axes, for_backward=False)[0]
 
 
-def _aqgl8_forward(x, scales, kernel, offsets, act, recipe, implementation, varying_axes):
+def _aqgl8_forward(x, scales, kernel, offsets, act, recipe, implementation, varying_axes,
+                   for_backward=True):
+  """(y, residuals); the primal call (no VJP follows) skips the kernel's untransposed FP8
+  copy, which only dgrad reads."""
   del varying_axes
   # One pass over x: act(x) * scales in fp32, quantized to E4M3 per group (never rounded
   # to 16-bit, never dequantized).
@@ -584,14 +587,16 @@ def _aqgl8_forward(x, scales, kernel, offsets, act, recipe, implementation, vary
       x, scales, activation=act.activation, recipe=recipe, group_offsets=offsets,
       implementation=implementation, **_act_kwargs(act))
   # The FP8 kernel as [G, N, K] for the forward and [G, K, N] for dgrad, from one pass.
-  w_t, w_scale_inv, w = grouped_linear_reference.quantize_experts_t(
-      kernel, recipe, implementation, untransposed=True)
+  w_t, w_scale_inv, *w = grouped_linear_reference.quantize_experts_t(
+      kernel, recipe, implementation, untransposed=for_backward)
   if implementation == "xla":
     y = _fp8_gemm_reference(q.data, q.scale_inv, w_t, w_scale_inv, offsets, x.dtype)
   else:
     y = grouped_linear_api.fp8_gemm(q.data, q.scale_inv, w_t, w_scale_inv, offsets,
                                     grouped_linear_api.ffi.FORWARD, x.dtype, recipe)
-  return y, (x, scales, q, w, w_scale_inv, offsets, kernel if implementation == "xla"
+  if not for_backward:
+    return y, None
+  return y, (x, scales, q, w[0], w_scale_inv, offsets, kernel if implementation == "xla"
              else None)
 
 
@@ -674,10 +679,13 @@ def _grouped_linear_activation_condition(ops, ctx):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _grouped_linear_act(x, kernel, scales, offsets, act, recipe, varying_axes):
-  return _glact_forward(x, kernel, scales, offsets, act, recipe, varying_axes)[0]
+  return _glact_forward(x, kernel, scales, offsets, act, recipe, varying_axes,
+                        for_backward=False)[0]
 
 
-def _glact_forward(x, kernel, scales, offsets, act, recipe, varying_axes):
+def _glact_forward(x, kernel, scales, offsets, act, recipe, varying_axes, for_backward=True):
+  """(a, residuals); the primal call (no VJP follows) skips the kernel's untransposed FP8
+  copy, which only dgrad reads."""
   del varying_axes
   ffi = grouped_linear_api.ffi
   if recipe is None:
@@ -686,11 +694,11 @@ def _glact_forward(x, kernel, scales, offsets, act, recipe, varying_axes):
   else:
     x_data, x_scale_inv = grouped_linear_reference.quantize_rows(x, recipe, offsets,
                                                                  "forward", "ffi")
-    w_t, w_scale_inv, w = grouped_linear_reference.quantize_experts_t(kernel, recipe, "ffi",
-                                                                      untransposed=True)
+    w_t, w_scale_inv, *w = grouped_linear_reference.quantize_experts_t(
+        kernel, recipe, "ffi", untransposed=for_backward)
     h = grouped_linear_api.fp8_gemm(x_data, x_scale_inv, w_t, w_scale_inv, offsets,
                                     ffi.FORWARD, x.dtype, recipe)
-    weights = (w, w_scale_inv)
+    weights = (w[0], w_scale_inv) if for_backward else None
   a = activation_api.scaled_activation(h, scales, act.activation, implementation="ffi",
                                        **_act_kwargs(act))
   return a, (x, weights, scales, offsets, h)

@@ -136,6 +136,19 @@ def test_fp8_gemms_and_fused_quantization_run():
   assert count(name_is("ragged_dot_general", "ragged_dot", "dot_general")) == 0
 
 
+def test_untransposed_weights_only_when_a_backward_follows():
+  """The FP8 dgrad reads each weight's FP8 values untransposed, written by the forward's
+  quantization pass; a forward alone (inference) must not write them."""
+  x, k1, k2, scales = make_inputs(35, 32, 16, 16, 4, "swiglu", jnp.bfloat16)
+  sizes = jnp.asarray([8, 0, 16, 8], jnp.int32)
+  forward = jax.make_jaxpr(lambda *a: call("ffi", "swiglu")(*a[:3], sizes, a[3]))(
+      x, k1, k2, scales)
+  assert helpers.untransposed_copy_sizes(forward) == [0, 0]  # one call per weight
+  loss = lambda *a: jnp.sum(call("ffi", "swiglu")(*a[:3], sizes, a[3]).astype(jnp.float32))
+  training = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, k1, k2, scales)
+  assert sorted(helpers.untransposed_copy_sizes(training)) == sorted([k1.size, k2.size])
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(recipe=jaxfuse.quantization.Float8CurrentScaling(per_group=False)),
      r"supports recipe=Float8CurrentScaling\(per_group=True\)"),

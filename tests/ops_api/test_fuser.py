@@ -608,6 +608,9 @@ def test_fp8_fusion_feeds_the_fp8_activation_to_the_fp8_gemm():
   assert helpers.count_primitives(forward, fp8_to_wide) == 0
   assert count(forward, "jaxfuse_quantize") == 0
   assert count(forward, "jaxfuse_quantize_transposed") == 1
+  # The kernel's untransposed FP8 copy is for dgrad: written only when a backward follows.
+  assert helpers.untransposed_copy_sizes(forward) == [0]
+  assert helpers.untransposed_copy_sizes(grad) == [G * FFN8 * H]
   # Backward: FP8 dgrad, 16-bit wgrad (from the saved FP8 activation, dequantized there),
   # the fused dact kernel; offsets computed once for the whole step.
   assert count(grad, "jaxfuse_grouped_gemm_fp8") == 2 * 2

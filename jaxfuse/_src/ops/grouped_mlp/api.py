@@ -151,25 +151,27 @@ class _Fp8:
                             ("F (kernel2.shape[1])", "H (x.shape[1])"))
 
   @staticmethod
-  def forward(x, kernel1, kernel2, group_offsets, scales, config):
+  def forward(x, kernel1, kernel2, group_offsets, scales, config, for_backward=True):
     recipe = config.recipe
     x_data, x_scale_inv = linear_reference.quantize_rows(x, recipe, group_offsets, "forward",
                                                          "ffi")
-    # Each weight's FP8 values in both layouts from one pass: [G, N, K] for the forward,
-    # [G, K, N] saved for the backward's dgrad.
-    w1_t, w1_scale_inv, w1 = linear_reference.quantize_experts_t(kernel1, recipe, "ffi",
-                                                                 untransposed=True)
+    # Each weight's FP8 values in both layouts from one pass when a backward follows:
+    # [G, N, K] for the forward, [G, K, N] saved for the backward's dgrad.
+    w1_t, w1_scale_inv, *w1 = linear_reference.quantize_experts_t(
+        kernel1, recipe, "ffi", untransposed=for_backward)
     h = linear_api.fp8_gemm(x_data, x_scale_inv, w1_t, w1_scale_inv, group_offsets,
                             gemm_ffi.FORWARD, x.dtype, recipe)
     a_q = quantize_api.scaled_activation_quantize(
         h, scales, recipe=recipe, group_offsets=group_offsets, implementation="ffi",
         **config.act_kwargs)
-    w2_t, w2_scale_inv, w2 = linear_reference.quantize_experts_t(kernel2, recipe, "ffi",
-                                                                 untransposed=True)
+    w2_t, w2_scale_inv, *w2 = linear_reference.quantize_experts_t(
+        kernel2, recipe, "ffi", untransposed=for_backward)
     y = linear_api.fp8_gemm(a_q.data, a_q.scale_inv, w2_t, w2_scale_inv, group_offsets,
                             gemm_ffi.FORWARD, x.dtype, recipe)
+    if not for_backward:
+      return y, None
     saved_activation = _activation(h, scales, config) if config.save_activation else None
-    return y, (x, w1, w1_scale_inv, w2, w2_scale_inv, group_offsets, scales, h,
+    return y, (x, w1[0], w1_scale_inv, w2[0], w2_scale_inv, group_offsets, scales, h,
                saved_activation)
 
   @staticmethod
@@ -202,13 +204,17 @@ def grouped_mlp_with_offsets(x, kernel1, kernel2, group_offsets, scales, config:
   `config` (static) holds the activation and its parameters; `varying_axes` (static)
   shard_map's varying axes of (x, kernel1, kernel2, group_offsets, scales).
   """
-  return _forward(x, kernel1, kernel2, group_offsets, scales, config, varying_axes)[0]
+  return _forward(x, kernel1, kernel2, group_offsets, scales, config, varying_axes,
+                  for_backward=False)[0]
 
 
-def _forward(x, kernel1, kernel2, group_offsets, scales, config, varying_axes):
+def _forward(x, kernel1, kernel2, group_offsets, scales, config, varying_axes,
+             for_backward=True):
+  """(y, residuals); without ``for_backward`` (the primal call: no VJP follows) the FP8
+  path skips what only the backward reads (the weights' untransposed FP8 copies)."""
   del varying_axes
   if config.recipe is not None:
-    return _Fp8.forward(x, kernel1, kernel2, group_offsets, scales, config)
+    return _Fp8.forward(x, kernel1, kernel2, group_offsets, scales, config, for_backward)
   h = _gemm(x, kernel1, group_offsets, gemm_ffi.FORWARD)
   a = _activation(h, scales, config)
   y = _gemm(a, kernel2, group_offsets, gemm_ffi.FORWARD)

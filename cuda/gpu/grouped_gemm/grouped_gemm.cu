@@ -432,11 +432,6 @@ TileConfig ChooseTileConfig(const Problem& p, int sm_count) {
   return TileConfig::kLarge;
 }
 
-int UniformRowGranularity(const Problem& p) {
-  const Family family = PickFamily(p);
-  return family.uniform.row_granularity != nullptr ? family.uniform.row_granularity() : 0;
-}
-
 namespace {
 // kUniform / kAdaptive become kLarge for families without a kUniform kernel.
 TileConfig ResolveConfig(const Problem& p, int sm_count) {

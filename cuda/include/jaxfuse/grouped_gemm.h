@@ -35,7 +35,8 @@ enum class ElementType { kBF16, kF16, kFloat8E4M3, kFloat8E5M2 };
 enum class Form { kForward, kDgrad, kWgrad };
 
 // Optional tile-configuration override (for benchmarks/tests). kAuto picks with a host
-// heuristic from m, n, k, G and the form (never from device data).
+// heuristic from m, n, k, G and the form (never from device data); when that pick is
+// kAdaptive, the setup kernel makes the last choice on the device, from the sizes.
 enum class TileConfig {
   kAuto = 0,
   kLarge = 1,  // 16-bit: cooperative 128x256x64 (cluster 1x2; wgrad 2x1);
@@ -43,8 +44,8 @@ enum class TileConfig {
   kSmall = 2,  // 16-bit: ping-pong 128x128x64, cluster 1x1; FP8: ping-pong 64x128x128, 1x1
                // (f16 has one config, the large one, for both)
   // bf16 forward/dgrad only (other families run kLarge for both):
-  kUniform = 3,   // the kernel for group sizes that are multiples of its row granularity
-                  // (UniformRowGranularity); correct for any sizes, wasteful for others
+  kUniform = 3,   // cooperative 128x256x64, cluster 2x1: for groups with even 128-row tile
+                  // counts; correct for any sizes, an idle slot per odd count
   kAdaptive = 4,  // kLarge and kUniform both launched; the setup kernel reads the sizes on
                   // the device and gives every tile to kUniform when that wastes no more
                   // than 1/64 of the tiles, else to kLarge (the other launch finds no tile)
@@ -90,9 +91,5 @@ bool IsSupported(const Problem& problem);
 // values only). Run/WorkspaceBytes use it when tile_config == kAuto and the environment
 // variable JAXFUSE_GROUPED_GEMM_TILE (large | small) is not set.
 TileConfig ChooseTileConfig(const Problem& problem, int sm_count);
-
-// Rows per M-block of the kUniform kernel (CTA tile M x cluster M) for this problem; 0 when
-// its family has no kUniform kernel. Group sizes that are multiples of it waste no tiles.
-int UniformRowGranularity(const Problem& problem);
 
 }  // namespace jaxfuse::grouped_gemm

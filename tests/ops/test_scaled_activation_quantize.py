@@ -163,9 +163,8 @@ def test_current_scaling_with_many_rows(backend):
 @pytest.mark.parametrize("recipe", RECIPES, ids=str)
 def test_gpu_large_problem_matches_the_reference(recipe):
   """8192 rows x 512 vectors of 8 outputs: past the size from which the row kernels walk a
-  row with 64 threads, several vectors per step (rowwise.cuh: kLargeProblemUnits,
-  JAXFUSE_ROWWISE_UNROLL), forward and backward, against the XLA reference and the float64
-  values within the FP8 bound."""
+  row with 64 threads, several vectors each (rowwise.cuh: kLargeProblemUnits), forward and
+  backward, against the XLA reference and the float64 values within the FP8 bound."""
   rows, f = 8192, 4096
   assert rows * f // 8 >= 1 << 22
   x, scales, dy = inputs(50, f, jnp.bfloat16, "swiglu", rows=rows)

@@ -201,22 +201,6 @@ cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream)
                                         : RunGemm<LARGE>(arrays, sm_count, stream);        \
   }
 
-// A kUniform family (one kernel): NAME_WorkspaceBytes / NAME_Run, and NAME_RowGranularity =
-// CTA tile M x cluster M, the row multiple that wastes no cluster slot.
-#define JAXFUSE_GG_DEFINE_UNIFORM_FAMILY(NAME, ONLY)                                         \
-  size_t NAME##_WorkspaceBytes(TileConfig, int num_groups, int sm_count) {                 \
-    return CutlassWorkspaceBytes<ONLY>(num_groups, sm_count);                              \
-  }                                                                                        \
-  cudaError_t NAME##_Run(TileConfig, const GemmArrays& arrays, int sm_count,               \
-                         cudaStream_t stream) {                                            \
-    return RunGemm<ONLY>(arrays, sm_count, stream);                                        \
-  }                                                                                        \
-  int NAME##_RowGranularity() {                                                            \
-    using Kernel = typename ONLY::GemmKernel;                                              \
-    return static_cast<int>(cute::size<0>(typename Kernel::TileShape{}) *                  \
-                            cute::size<0>(typename Kernel::ClusterShape{}));               \
-  }
-
 // Same for a family with a single config.
 #define JAXFUSE_GG_DEFINE_FAMILY_1(NAME, ONLY)                                               \
   size_t NAME##_WorkspaceBytes(TileConfig, int num_groups, int sm_count) {                 \
@@ -225,4 +209,14 @@ cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream)
   cudaError_t NAME##_Run(TileConfig, const GemmArrays& arrays, int sm_count,               \
                          cudaStream_t stream) {                                            \
     return RunGemm<ONLY>(arrays, sm_count, stream);                                        \
+  }
+
+// A kUniform family: a single-config family plus NAME_RowGranularity = CTA tile M x
+// cluster M, the row multiple that wastes no cluster slot.
+#define JAXFUSE_GG_DEFINE_UNIFORM_FAMILY(NAME, ONLY)                                         \
+  JAXFUSE_GG_DEFINE_FAMILY_1(NAME, ONLY)                                                   \
+  int NAME##_RowGranularity() {                                                            \
+    using Kernel = typename ONLY::GemmKernel;                                              \
+    return static_cast<int>(cute::size<0>(typename Kernel::TileShape{}) *                  \
+                            cute::size<0>(typename Kernel::ClusterShape{}));               \
   }

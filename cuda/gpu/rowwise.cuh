@@ -7,6 +7,12 @@
 // values of one unit (loading x, dy, scales); a Sink consumes them (stores in x's dtype,
 // reduces amax, quantizes). Block scaling with block = 8 * L reduces amax over L adjacent
 // lanes with warp shuffles, so a 1 x 128 or 1 x 32 block is quantized in one pass.
+//
+// Two kernels run that scheme. RowKernel loads each unit straight from global memory.
+// StagedRowKernel (rows 16-byte aligned, the common case) streams a row's inputs through
+// shared memory instead: a persistent block walks its rows in tiles, and one thread keeps
+// the next stages' tiles in flight with bulk copies (cp.async.bulk, completing on an
+// mbarrier), so far more bytes are in flight per SM than registers could hold.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -14,12 +20,19 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cuda/ptx>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "jaxfuse/activation.h"
 #include "jaxfuse/fp8.h"
 #include "jaxfuse/quantize.h"
+#include "occupancy.cuh"
 
 namespace jaxfuse {
 namespace gpu {
@@ -53,6 +66,22 @@ __device__ __forceinline__ void Load8(const T* p, bool vector, int valid, float 
   }
 #pragma unroll
   for (int i = 0; i < 8; ++i) v[i] = i < valid ? LoadOne(p + i) : 0.0f;
+}
+
+// Loads 8 elements from 16-byte-aligned shared memory (a staged tile).
+template <typename T>
+__device__ __forceinline__ void LoadShared8(const T* p, float (&v)[8]) {
+  if constexpr (sizeof(T) == 4) {
+    const float4 lo = reinterpret_cast<const float4*>(p)[0];
+    const float4 hi = reinterpret_cast<const float4*>(p)[1];
+    v[0] = lo.x; v[1] = lo.y; v[2] = lo.z; v[3] = lo.w;
+    v[4] = hi.x; v[5] = hi.y; v[6] = hi.z; v[7] = hi.w;
+  } else {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = LoadOne(e + i);
+  }
 }
 
 template <typename T>
@@ -155,6 +184,13 @@ __device__ __forceinline__ void ActivationBackward8(const ActivationParams& para
 // --- producers ------------------------------------------------------------------------
 // Compute(row, unit, v, side) fills v[chunk][0..8) for output columns Col(chunk, unit) and
 // adds a row-reduction term to side (dscales). Valid(chunk, unit) elements of 8 are real.
+//
+// Producers with kStaged also run in StagedRowKernel (when `vector`): their inputs are
+// Streams() row segments, Segment(stream, row, col) being where the one for the tile
+// starting at F-space column col begins in global memory (8 elements per unit, the tile's
+// units contiguous in every stream). ComputeStaged reads unit `offset / 8` of the tile from
+// the segments' shared-memory copies; RowScale is the row's activation scale.
+constexpr int kMaxStreams = 3;
 
 // Plain values: x [rows, cols].
 template <typename T>
@@ -172,6 +208,14 @@ struct LoadProducer {
   }
   __device__ void Compute(int64_t row, int64_t u, float (&v)[1][8], float&) const {
     Load8(x + row * cols + u * kUnit, vector, Valid(0, u), v[0]);
+  }
+  static constexpr bool kStaged = true;
+  __host__ __device__ int Streams() const { return 1; }
+  __device__ const T* Segment(int, int64_t row, int64_t col) const { return x + row * cols + col; }
+  __device__ float RowScale(int64_t) const { return 1.0f; }
+  __device__ void ComputeStaged(const T* const (&segment)[kMaxStreams], int offset, float,
+                                float (&v)[1][8], float&) const {
+    LoadShared8(segment[0] + offset, v[0]);
   }
 };
 
@@ -205,6 +249,27 @@ struct ActProducer {
     }
     const float scale = LoadScale<T>(scales, scales_f32, row);
     float act[8];
+    ActivationForward8(params, a, b, act);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[0][i] = act[i] * scale;
+  }
+  // Staged: stream 0 the gate half, stream 1 the linear half (GLU kinds).
+  static constexpr bool kStaged = true;
+  __host__ __device__ int Streams() const { return IsGlu(params.kind) ? 2 : 1; }
+  __device__ const T* Segment(int stream, int64_t row, int64_t col) const {
+    return x + row * w + stream * f + col;
+  }
+  __device__ float RowScale(int64_t row) const { return LoadScale<T>(scales, scales_f32, row); }
+  __device__ void ComputeStaged(const T* const (&segment)[kMaxStreams], int offset, float scale,
+                                float (&v)[1][8], float&) const {
+    float a[8], b[8], act[8];
+    LoadShared8(segment[0] + offset, a);
+    if (IsGlu(params.kind)) {
+      LoadShared8(segment[1] + offset, b);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) b[i] = 0.0f;
+    }
     ActivationForward8(params, a, b, act);
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[0][i] = act[i] * scale;
@@ -255,6 +320,34 @@ struct DActPairProducer {
       v[0][i] = gs * grad.da;
       v[1][i] = glu ? gs * grad.db : 0.0f;
     }
+  }  // Staged: stream 0 the gate half of x, stream 1 dy, stream 2 the linear half (GLU).
+  static constexpr bool kStaged = true;
+  __host__ __device__ int Streams() const { return IsGlu(params.kind) ? 3 : 2; }
+  __device__ const T* Segment(int stream, int64_t row, int64_t col) const {
+    return stream == 1 ? dy + row * f + col : x + row * w + (stream == 2 ? f : 0) + col;
+  }
+  __device__ float RowScale(int64_t row) const { return LoadScale<T>(scales, scales_f32, row); }
+  __device__ void ComputeStaged(const T* const (&segment)[kMaxStreams], int offset, float scale,
+                                float (&v)[2][8], float& side) const {
+    const bool glu = IsGlu(params.kind);
+    float a[8], b[8], g[8];
+    LoadShared8(segment[0] + offset, a);
+    LoadShared8(segment[1] + offset, g);
+    if (glu) {
+      LoadShared8(segment[2] + offset, b);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) b[i] = 0.0f;
+    }
+    ActivationGrad grads[8];
+    ActivationBackward8(params, a, b, grads);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      side += g[i] * grads[i].value;
+      const float gs = g[i] * scale;
+      v[0][i] = gs * grads[i].da;
+      v[1][i] = glu ? gs * grads[i].db : 0.0f;
+    }
   }
 };
 
@@ -264,6 +357,7 @@ template <typename T>
 struct DActFlatProducer {
   static constexpr int kChunks = 1;
   static constexpr bool kSide = true;
+  static constexpr bool kStaged = false;  // a unit may straddle the halves
   const T* dy;
   const T* x;
   const void* scales;
@@ -377,6 +471,90 @@ struct SinkArgs {
   Fp8Format format = Fp8Format::kE4M3;
 };
 
+// A row's sink state: the current-scaling factor of its group, and the per-thread partial
+// amax and side (dscales) sums that EndRow reduces over the block.
+struct RowState {
+  float scale = 1.0f;
+  bool valid = true;  // the row lies in a group (current scaling)
+  float amax = 0.0f;
+  float side = 0.0f;
+};
+
+template <SinkKind kKind, typename T>
+__device__ __forceinline__ RowState BeginRow(const SinkArgs<T>& s, int64_t row, float fp8_max) {
+  RowState state;
+  if constexpr (kKind == SinkKind::kCurrent) {
+    const int64_t g = GroupOfRow(s.offsets, s.num_groups, row, s.rows);
+    state.valid = g < s.num_groups;
+    if (state.valid) state.scale = ScaleFromAmax(s.amax[g], fp8_max);
+  }
+  return state;
+}
+
+// Consumes one unit's values v (valid of 8 are real) for columns col.. of `row`. Every
+// thread of the warp calls it, those without a unit with valid = 0: kBlock shuffles across
+// the `lanes` threads of a block.
+template <SinkKind kKind, typename T>
+__device__ __forceinline__ void SinkUnit(const SinkArgs<T>& s, int64_t row, int64_t col,
+                                         int valid, const float (&v)[8], int lanes, float fp8_max,
+                                         RowState& state) {
+  if constexpr (kKind == SinkKind::kStore) {
+    if (valid > 0) Store8(s.out + row * s.cols + col, s.out_vector, valid, v);
+    return;
+  }
+  if (s.out != nullptr && valid > 0) Store8(s.out + row * s.cols + col, s.out_vector, valid, v);
+  if constexpr (kKind == SinkKind::kAmax) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) state.amax = fmaxf(state.amax, AbsForAmax(v[i]));
+  } else if constexpr (kKind == SinkKind::kCurrent) {
+    if (valid > 0) {
+      if (state.valid) {
+        StoreFp8x8(s.data + row * s.cols + col, s.data_vector, valid, v, state.scale, s.format);
+      } else {
+        const float zeros[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        StoreFp8x8(s.data + row * s.cols + col, s.data_vector, valid, zeros, 1.0f, s.format);
+      }
+    }
+  } else {  // kBlock: `lanes` adjacent threads share one block of s.block elements
+    float local = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) local = fmaxf(local, AbsForAmax(v[i]));
+    for (int offset = lanes / 2; offset > 0; offset /= 2) {
+      local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, offset));
+    }
+    float scale;
+    // Shifts and masks: s.block is a power of two (64-bit divisions per unit cost more than
+    // the rest of the unit's work).
+    const int64_t block_index = row * s.blocks_per_row + (col >> s.block_shift);
+    const bool leader = valid > 0 && (col & (s.block - 1)) == 0;
+    if (s.mx) {
+      const uint8_t e = E8M0FromAmax(local, fp8_max);
+      scale = E8M0InverseToFloat(e);
+      if (leader) static_cast<uint8_t*>(s.scale_inv)[block_index] = e;
+    } else {
+      scale = ScaleFromAmax(local, fp8_max);
+      if (leader) static_cast<float*>(s.scale_inv)[block_index] = 1.0f / scale;
+    }
+    if (valid > 0) StoreFp8x8(s.data + row * s.cols + col, s.data_vector, valid, v, scale, s.format);
+  }
+}
+
+// Reduces the row's amax and side over the block (every thread calls it; uniform branch)
+// and publishes them: the group's amax (atomic max), side[row].
+template <class P, SinkKind kKind, typename T>
+__device__ __forceinline__ void EndRow(const SinkArgs<T>& s, int64_t row, const RowState& state) {
+  if (kKind == SinkKind::kAmax || (P::kSide && s.side != nullptr)) {
+    const float2 reduced = BlockReduceMaxSum(state.amax, state.side);
+    if (threadIdx.x == 0) {
+      if constexpr (kKind == SinkKind::kAmax) {
+        const int64_t g = GroupOfRow(s.offsets, s.num_groups, row, s.rows);
+        if (g < s.num_groups) AtomicMaxNonNegative(s.amax + g, reduced.x);
+      }
+      if (s.side != nullptr) s.side[row] = reduced.y;
+    }
+  }
+}
+
 // Launch bounds of 512 threads, the most ThreadsFor() returns: every instantiation stays
 // at or under 64 registers with it (only DActFlatProducer's amax pass, for GLU widths that
 // are not a multiple of the block, spills 12 bytes). One unit per thread per step: two or
@@ -389,20 +567,13 @@ __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
   const int lanes = s.block / kUnit;  // block scaling: lanes per block (power of two)
   const float fp8_max = Fp8Max(s.format);
   for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
-    float row_scale = 1.0f;
-    bool row_valid = true;
-    if constexpr (kKind == SinkKind::kCurrent) {
-      const int64_t g = GroupOfRow(s.offsets, s.num_groups, row, s.rows);
-      row_valid = g < s.num_groups;
-      if (row_valid) row_scale = ScaleFromAmax(s.amax[g], fp8_max);
-    }
-    float amax = 0.0f, side = 0.0f;
+    RowState state = BeginRow<kKind>(s, row, fp8_max);
     for (int64_t base = 0; base < units; base += blockDim.x) {
       const int64_t u = base + threadIdx.x;
       const bool active = u < units;
       float v[P::kChunks][8];
       if (active) {
-        p.Compute(row, u, v, side);
+        p.Compute(row, u, v, state.side);
       } else {
 #pragma unroll
         for (int c = 0; c < P::kChunks; ++c)
@@ -411,65 +582,108 @@ __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
       }
 #pragma unroll
       for (int c = 0; c < P::kChunks; ++c) {
-        const int valid = active ? p.Valid(c, u) : 0;
-        const int64_t col = p.Col(c, u);
-        if constexpr (kKind == SinkKind::kStore) {
-          if (valid > 0) Store8(s.out + row * s.cols + col, s.out_vector, valid, v[c]);
-        } else {
-          if (s.out != nullptr && valid > 0) {
-            Store8(s.out + row * s.cols + col, s.out_vector, valid, v[c]);
-          }
-          if constexpr (kKind == SinkKind::kAmax) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) amax = fmaxf(amax, AbsForAmax(v[c][i]));
-          } else if constexpr (kKind == SinkKind::kCurrent) {
-            if (valid > 0) {
-              if (row_valid) {
-                StoreFp8x8(s.data + row * s.cols + col, s.data_vector, valid, v[c], row_scale,
-                           s.format);
-              } else {
-                const float zeros[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                StoreFp8x8(s.data + row * s.cols + col, s.data_vector, valid, zeros, 1.0f,
-                           s.format);
-              }
-            }
-          } else {  // kBlock: lanes adjacent threads share one block of block elements
-            float local = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) local = fmaxf(local, AbsForAmax(v[c][i]));
-            for (int offset = lanes / 2; offset > 0; offset /= 2) {
-              local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, offset));
-            }
-            float scale;
-            // Shifts and masks: s.block is a power of two (64-bit divisions per unit cost
-            // more than the rest of the unit's work).
-            const int64_t block_index = row * s.blocks_per_row + (col >> s.block_shift);
-            const bool leader = valid > 0 && (col & (s.block - 1)) == 0;
-            if (s.mx) {
-              const uint8_t e = E8M0FromAmax(local, fp8_max);
-              scale = E8M0InverseToFloat(e);
-              if (leader) static_cast<uint8_t*>(s.scale_inv)[block_index] = e;
-            } else {
-              scale = ScaleFromAmax(local, fp8_max);
-              if (leader) static_cast<float*>(s.scale_inv)[block_index] = 1.0f / scale;
-            }
-            if (valid > 0) {
-              StoreFp8x8(s.data + row * s.cols + col, s.data_vector, valid, v[c], scale, s.format);
-            }
-          }
-        }
+        SinkUnit<kKind>(s, row, p.Col(c, u), active ? p.Valid(c, u) : 0, v[c], lanes, fp8_max,
+                        state);
       }
     }
-    if (kKind == SinkKind::kAmax || (P::kSide && s.side != nullptr)) {  // uniform per block
-      const float2 reduced = BlockReduceMaxSum(amax, side);
-      if (threadIdx.x == 0) {
-        if constexpr (kKind == SinkKind::kAmax) {
-          const int64_t g = GroupOfRow(s.offsets, s.num_groups, row, s.rows);
-          if (g < s.num_groups) AtomicMaxNonNegative(s.amax + g, reduced.x);
-        }
-        if (s.side != nullptr) s.side[row] = reduced.y;
+    EndRow<P, kKind>(s, row, state);
+  }
+}
+
+// The tiling of a StagedRowKernel launch. A block owns rows blockIdx.x, + gridDim.x, ...;
+// each row is tiles_per_row tiles of tile_units units (the last one shorter), and tile i of
+// the block's sequence waits on stage i % stages.
+struct StagedTiling {
+  int stages = 0;
+  int tile_units = 0;         // a multiple of 32: block-scaling blocks never straddle tiles
+  int64_t tiles_per_row = 0;
+  int streams = 0;
+  int stream_bytes = 0;       // bytes of one stream's segment of a full tile
+};
+
+// Offset of the stage buffers in dynamic shared memory (the mbarriers come first).
+constexpr int kStagedBarrierBytes = 128;
+
+template <class P, SinkKind kKind, typename T>
+__global__ void __launch_bounds__(256) StagedRowKernel(P p, SinkArgs<T> s, StagedTiling tiling) {
+  extern __shared__ __align__(128) unsigned char shared[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(shared);  // one mbarrier per stage
+  unsigned char* buffers = shared + kStagedBarrierBytes;   // [stages][streams][stream_bytes]
+  const int64_t units = p.Units();
+  const int lanes = s.block / kUnit;
+  const float fp8_max = Fp8Max(s.format);
+  const int64_t rows_mine =
+      s.rows > blockIdx.x ? (s.rows - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int64_t tiles = rows_mine * tiling.tiles_per_row;
+
+  // Starts the bulk copies of tile i into its stage (one thread).
+  auto issue = [&](int64_t i) {
+    const int stage = static_cast<int>(i % tiling.stages);
+    const int64_t row = blockIdx.x + (i / tiling.tiles_per_row) * gridDim.x;
+    const int64_t first = (i % tiling.tiles_per_row) * tiling.tile_units;
+    const int64_t count = units - first < tiling.tile_units ? units - first : tiling.tile_units;
+    const uint32_t bytes = static_cast<uint32_t>(count * kUnit * sizeof(T));
+    cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta,
+                                         cuda::ptx::space_shared, &full[stage],
+                                         bytes * tiling.streams);
+    for (int stream = 0; stream < tiling.streams; ++stream) {
+      cuda::ptx::cp_async_bulk(
+          cuda::ptx::space_cluster, cuda::ptx::space_global,
+          buffers + (static_cast<int64_t>(stage) * tiling.streams + stream) * tiling.stream_bytes,
+          p.Segment(stream, row, first * kUnit), bytes, &full[stage]);
+    }
+  };
+
+  if (threadIdx.x == 0) {
+    for (int stage = 0; stage < tiling.stages; ++stage) cuda::ptx::mbarrier_init(&full[stage], 1);
+    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+    for (int64_t i = 0; i < tiles && i < tiling.stages; ++i) issue(i);
+  }
+  __syncthreads();
+
+  RowState state;
+  float scale = 1.0f;
+  for (int64_t i = 0; i < tiles; ++i) {
+    const int stage = static_cast<int>(i % tiling.stages);
+    const int64_t row = blockIdx.x + (i / tiling.tiles_per_row) * gridDim.x;
+    const int64_t chunk = i % tiling.tiles_per_row;
+    const int64_t first = chunk * tiling.tile_units;
+    const int64_t count = units - first < tiling.tile_units ? units - first : tiling.tile_units;
+    if (chunk == 0) {
+      state = BeginRow<kKind>(s, row, fp8_max);
+      scale = p.RowScale(row);
+    }
+    const T* segment[kMaxStreams];
+#pragma unroll
+    for (int stream = 0; stream < kMaxStreams; ++stream) {
+      segment[stream] = reinterpret_cast<const T*>(
+          buffers + (static_cast<int64_t>(stage) * tiling.streams + stream) * tiling.stream_bytes);
+    }
+    const uint32_t parity = static_cast<uint32_t>((i / tiling.stages) & 1);
+    while (!cuda::ptx::mbarrier_try_wait_parity(&full[stage], parity)) {
+    }
+    for (int base = 0; base < count; base += blockDim.x) {
+      const int local = base + static_cast<int>(threadIdx.x);
+      const bool active = local < count;
+      const int64_t u = first + local;
+      float v[P::kChunks][8];
+      if (active) {
+        p.ComputeStaged(segment, local * kUnit, scale, v, state.side);
+      } else {
+#pragma unroll
+        for (int c = 0; c < P::kChunks; ++c)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[c][e] = 0.0f;
+      }
+#pragma unroll
+      for (int c = 0; c < P::kChunks; ++c) {
+        SinkUnit<kKind>(s, row, p.Col(c, u), active ? p.Valid(c, u) : 0, v[c], lanes, fp8_max,
+                        state);
       }
     }
+    __syncthreads();  // every thread is done with the stage: refill it
+    if (threadIdx.x == 0 && i + tiling.stages < tiles) issue(i + tiling.stages);
+    if (chunk == tiling.tiles_per_row - 1) EndRow<P, kKind>(s, row, state);
   }
 }
 
@@ -516,9 +730,99 @@ inline int GridFor(int64_t rows) {
   return static_cast<int>(rows < (1 << 20) ? (rows > 0 ? rows : 1) : (1 << 20));
 }
 
-// Launches RowKernel<P, kKind, T> over s.rows rows of `units` units (GridFor, ThreadsFor).
+// Reads a positive integer knob from the environment (fallback when unset or invalid).
+inline int EnvInt(const char* name, int fallback) {
+  if (const char* value = std::getenv(name)) {
+    const int parsed = std::atoi(value);
+    if (parsed > 0) return parsed;
+  }
+  return fallback;
+}
+
+// The staged kernel's shape (benchmark knobs, read once): JAXFUSE_ROWWISE_STAGED=0 turns
+// it off, JAXFUSE_ROWWISE_STAGES (2-8), JAXFUSE_ROWWISE_STAGED_THREADS (64, 128 or 256)
+// and JAXFUSE_ROWWISE_TILE_UNITS (a multiple of 32) override the defaults below.
+struct StagedConfig {
+  bool enabled = true;
+  int stages = 4;
+  int threads = 256;
+  int tile_units = 512;  // two units per thread per tile: 8 KB per bf16 stream
+};
+
+inline const StagedConfig& GetStagedConfig() {
+  static const StagedConfig config = [] {
+    StagedConfig c;
+    if (const char* value = std::getenv("JAXFUSE_ROWWISE_STAGED")) c.enabled = value[0] != '0';
+    c.stages = std::min(8, std::max(2, EnvInt("JAXFUSE_ROWWISE_STAGES", c.stages)));
+    const int threads = EnvInt("JAXFUSE_ROWWISE_STAGED_THREADS", c.threads);
+    if (threads == 64 || threads == 128 || threads == 256) c.threads = threads;
+    const int tile_units = EnvInt("JAXFUSE_ROWWISE_TILE_UNITS", c.tile_units);
+    if (tile_units % 32 == 0 && tile_units <= 4096) c.tile_units = tile_units;
+    return c;
+  }();
+  return config;
+}
+
+// Dynamic shared memory of one staged block at most: two blocks fit an H100/H200 SM
+// (228 KB, 1 KB of it reserved per block), so one block's barrier waits overlap the other's.
+constexpr int kStagedMaxSharedBytes = 112 * 1024;
+
+// Lets `kernel` use up to kStagedMaxSharedBytes of dynamic shared memory on the current
+// device (once per device and kernel).
+inline void AllowStagedSharedMemory(const void* kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, bool> done;
+  int device = 0;
+  cudaGetDevice(&device);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (done.emplace(std::make_pair(device, kernel), true).second) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         kStagedMaxSharedBytes);
+    cudaGetLastError();
+  }
+}
+
+// The tiling of `units` units per row over `streams` input streams of T, and its threads.
+template <typename T>
+StagedTiling StagedTilingFor(int64_t units, int streams, int* threads) {
+  const StagedConfig& config = GetStagedConfig();
+  StagedTiling tiling;
+  const int64_t row_units = ((units + 31) / 32) * 32;
+  tiling.tile_units = static_cast<int>(std::min<int64_t>(config.tile_units, row_units));
+  tiling.stages = config.stages;
+  tiling.streams = streams;
+  auto stage_bytes = [&] { return streams * tiling.tile_units * kUnit * static_cast<int>(sizeof(T)); };
+  while (kStagedBarrierBytes + tiling.stages * stage_bytes() > kStagedMaxSharedBytes) {
+    if (tiling.stages > 2) {
+      --tiling.stages;
+    } else {
+      tiling.tile_units = std::max(32, (tiling.tile_units / 2) / 32 * 32);
+    }
+  }
+  tiling.stream_bytes = tiling.tile_units * kUnit * static_cast<int>(sizeof(T));
+  tiling.tiles_per_row = (units + tiling.tile_units - 1) / tiling.tile_units;
+  *threads = std::min(config.threads, std::max(64, tiling.tile_units));
+  return tiling;
+}
+
+// Launches the row kernel of producer p and sink kKind over s.rows rows of `units` units:
+// StagedRowKernel when the producer's rows are 16-byte aligned (p.vector), else RowKernel
+// (GridFor, ThreadsFor).
 template <class P, SinkKind kKind, typename T>
 void LaunchRowKernel(const P& p, const SinkArgs<T>& s, int64_t units, cudaStream_t stream) {
+  if constexpr (P::kStaged) {
+    if (GetStagedConfig().enabled && p.vector && units > 0) {
+      int threads = 0;
+      const StagedTiling tiling = StagedTilingFor<T>(units, p.Streams(), &threads);
+      const int shared_bytes = kStagedBarrierBytes + tiling.stages * tiling.streams * tiling.stream_bytes;
+      const void* kernel = reinterpret_cast<const void*>(&StagedRowKernel<P, kKind, T>);
+      AllowStagedSharedMemory(kernel);
+      const int64_t grid = std::min<int64_t>(s.rows, ResidentBlocks(kernel, threads, shared_bytes));
+      StagedRowKernel<P, kKind, T><<<static_cast<int>(grid), threads, shared_bytes, stream>>>(
+          p, s, tiling);
+      return;
+    }
+  }
   RowKernel<P, kKind, T><<<GridFor(s.rows), ThreadsFor(s.rows, units), 0, stream>>>(p, s);
 }
 

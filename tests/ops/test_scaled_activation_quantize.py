@@ -4,6 +4,10 @@ custom calls only, offsets not recomputed in the backward), jit, vmap, errors.""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -186,6 +190,86 @@ def test_gpu_large_problem_matches_the_reference(recipe):
   want_dx, want_ds = ta.np_backward(dy, x, scales, "swiglu")
   helpers.assert_close(dx_ffi, want_dx, jnp.bfloat16, msg="dx")
   helpers.assert_close(ds_ffi, want_ds, jnp.float32, msg="dscales")
+
+
+_ROW_KERNEL_SCRIPT = r"""
+import sys
+import numpy as np, jax, jax.numpy as jnp
+import jaxfuse
+from jaxfuse.quantization import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+inputs = np.load(sys.argv[1] + "/in.npz")
+gpu = jax.devices("gpu")[0]
+put = lambda name, dtype: jax.device_put(jnp.asarray(inputs[name], dtype), gpu)
+sizes = put("sizes", jnp.int32)
+out = {}
+for dtype, activation in ((jnp.bfloat16, "swiglu"), (jnp.float32, "srelu")):
+  x = put(f"x_{activation}", dtype)
+  scales = put("scales", jnp.float32)
+  dy = put("dy", dtype)
+  y, vjp = jax.vjp(lambda x, s: jaxfuse.scaled_activation(x, s, activation, implementation="ffi"),
+                   x, scales)
+  dx, ds = vjp(dy)
+  out.update({f"{activation}_y": y, f"{activation}_dx": dx, f"{activation}_ds": ds})
+x, scales, dy = put("x_swiglu", jnp.bfloat16), put("scales", jnp.float32), put("dy", jnp.bfloat16)
+for name, recipe in (("current", Float8CurrentScaling()), ("block", Float8BlockScaling()),
+                     ("mx", MXFP8BlockScaling())):
+  for impl in ("ffi", "xla"):
+    q = jax.jit(lambda x, s, g: jaxfuse.scaled_activation_quantize(
+        x, s, g, "swiglu", recipe=recipe, implementation=impl))(x, scales, sizes)
+    dq, dx, ds = jax.jit(lambda dy, x, s, g: jaxfuse.scaled_dactivation_quantize(
+        dy, x, s, g, "swiglu", recipe=recipe, return_dx=True, implementation=impl))(
+            dy, x, scales, sizes)
+    bits = lambda data: jax.lax.bitcast_convert_type(data, jnp.uint8)
+    out.update({f"{name}_{impl}_q": bits(q.data), f"{name}_{impl}_qs": q.scale_inv,
+                f"{name}_{impl}_dq": bits(dq.data),
+                f"{name}_{impl}_dqs": dq.scale_inv, f"{name}_{impl}_dx": dx,
+                f"{name}_{impl}_ds": ds})
+np.savez(sys.argv[1] + "/out.npz", **{k: np.asarray(v, np.uint8 if v.dtype == jnp.uint8 else np.float32)
+                                      for k, v in out.items()})
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
+    {"JAXFUSE_ROWWISE_STAGED": "0"},
+    {},
+    {"JAXFUSE_ROWWISE_STAGES": "2", "JAXFUSE_ROWWISE_TILE_UNITS": "32",
+     "JAXFUSE_ROWWISE_STAGED_THREADS": "64"},
+], ids=["unstaged", "staged", "staged_small_tiles"])
+def test_gpu_row_kernel_variants_match(tmp_path, config):
+  """The row kernels as the environment shapes them (read once per process, hence a
+  subprocess each): RowKernel, the staged kernel with its default tiles (F=4800: a full
+  tile and a ragged one per row), and with 32-vector tiles two stages deep (19 tiles a row,
+  so the stages wrap many times within a row). The plain activation and its backward (bf16
+  SwiGLU, float32 squared ReLU) against float64 numpy; the fused quantization, forward and
+  backward, per-group current, 1x128 and MXFP8, against the XLA reference."""
+  rows, f = 70, 4800
+  x, scales, dy = inputs(60, f, jnp.bfloat16, "swiglu", rows=rows)
+  x_srelu, _ = ta.make_inputs(61, (rows,), f, jnp.float32, "srelu", magnitude=3.0)
+  sizes = np.asarray([20, 0, 33, 11], np.int32)  # 64 of 70 rows
+  np.savez(tmp_path / "in.npz", x_swiglu=np.asarray(x, np.float32),
+           x_srelu=np.asarray(x_srelu, np.float32), scales=np.asarray(scales, np.float32),
+           dy=np.asarray(dy, np.float32), sizes=sizes)
+  subprocess.run([sys.executable, "-c", _ROW_KERNEL_SCRIPT, str(tmp_path)],
+                 env=dict(os.environ, **config), check=True, timeout=300)
+  out = np.load(tmp_path / "out.npz")
+  for activation, x_in, dtype in (("swiglu", x, jnp.bfloat16), ("srelu", x_srelu, jnp.float32)):
+    dy_in = dy if dtype == jnp.bfloat16 else jnp.asarray(dy, jnp.float32)
+    helpers.assert_close(out[f"{activation}_y"], ta.np_forward(x_in, scales, activation), dtype,
+                         msg=f"{activation} forward")
+    want_dx, want_ds = ta.np_backward(dy_in, x_in, scales, activation)
+    helpers.assert_close(out[f"{activation}_dx"], want_dx, dtype, msg=f"{activation} dx")
+    helpers.assert_close(out[f"{activation}_ds"], want_ds, dtype, msg=f"{activation} ds")
+  for name in ("current", "block", "mx"):
+    for key, fp8 in (("q", jnp.float8_e4m3fn), ("dq", jnp.float8_e5m2)):  # forward, gradient
+      assert_fp8_close(*(jnp.asarray(out[f"{name}_{impl}_{key}"].view(fp8))
+                         for impl in ("ffi", "xla")))
+      np.testing.assert_allclose(out[f"{name}_ffi_{key}s"], out[f"{name}_xla_{key}s"], rtol=1e-5,
+                                 err_msg=f"{name} {key} scale_inv")
+    helpers.assert_close(out[f"{name}_ffi_dx"], helpers.as_f64(out[f"{name}_xla_dx"]),
+                         jnp.bfloat16, msg=f"{name} dx")
+    helpers.assert_close(out[f"{name}_ffi_ds"], helpers.as_f64(out[f"{name}_xla_ds"]),
+                         jnp.bfloat16, msg=f"{name} dscales")
 
 
 # --- HLO: fused, offsets computed once ---------------------------------------------------

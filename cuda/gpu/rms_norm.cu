@@ -31,6 +31,7 @@
 #include "jaxfuse/ffi_common.h"
 #include "jaxfuse/rms_norm.h"
 #include "occupancy.cuh"
+#include "staging.cuh"
 
 namespace jaxfuse {
 namespace {
@@ -363,6 +364,207 @@ RmsNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz, const T* __
   }
 }
 
+// --- staged: whole rows through shared memory (staging.cuh) ---------------------------------
+//
+// A resident grid of blocks, each walking rows blockIdx.x, + gridDim.x, ...; thread 0 keeps
+// the next `stages` rows' inputs in flight with bulk copies while the block reduces and
+// writes the current one from shared memory. The register-resident kernels hold one row
+// per thread group in registers, which caps the bytes in flight per SM; this is for rows
+// wide enough to fill a block (kStagedMinVectors).
+
+constexpr int kStagedMaxThreads = 256;
+constexpr int64_t kStagedMinVectors = 128;
+
+// JAXFUSE_RMS_NORM_STAGED=0 keeps the register-resident kernels (a benchmark knob); read once.
+bool StagedEnabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("JAXFUSE_RMS_NORM_STAGED");
+    return value == nullptr || std::atoi(value) != 0;
+  }();
+  return enabled;
+}
+
+// The stage count (2-4) for rows of `row_bytes` over `streams` inputs, or 0 when two
+// stages do not fit the shared-memory budget.
+int StagesFor(int64_t row_bytes, int streams) {
+  const int64_t per_stage = row_bytes * streams;
+  const int64_t fit = (gpu::kStagedMaxSharedBytes - gpu::kStageBarrierBytes) / per_stage;
+  return fit < 2 ? 0 : static_cast<int>(std::min<int64_t>(fit, 4));
+}
+
+int StagedThreads(int64_t vectors) {
+  return static_cast<int>(std::min<int64_t>(kStagedMaxThreads, (vectors + 31) / 32 * 32));
+}
+
+// Element `col`.. of a staged row as stored: x, or for kAdd x + residual rounded to T.
+template <typename T, bool kAdd>
+__device__ __forceinline__ Pack<T> StagedInput(const T* stage, int64_t cols, int64_t col) {
+  Pack<T> value = *reinterpret_cast<const Pack<T>*>(stage + col);
+  if constexpr (kAdd) {
+    const Pack<T> residual = *reinterpret_cast<const Pack<T>*>(stage + cols + col);
+#pragma unroll
+    for (int k = 0; k < Pack<T>::kElems; ++k) {
+      value.v[k] = FromF<T>(ToF(value.v[k]) + ToF(residual.v[k]));
+    }
+  }
+  return value;
+}
+
+template <typename T, typename G, bool kAdd>
+__global__ void __launch_bounds__(kStagedMaxThreads)
+RmsNormStagedFwdKernel(const T* __restrict__ x, const T* residual, const G* __restrict__ gamma,
+                       T* __restrict__ out, T* new_residual, float* __restrict__ rsigma,
+                       int64_t rows, int64_t cols, float eps, bool zero_centered, int stages) {
+  constexpr int kElems = Pack<T>::kElems;
+  constexpr int kStreams = kAdd ? 2 : 1;  // x, residual
+  extern __shared__ __align__(128) unsigned char shared[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(shared);
+  T* buffers = reinterpret_cast<T*>(shared + gpu::kStageBarrierBytes);  // [stages][streams][cols]
+  const int64_t vectors = cols / kElems;
+  const uint32_t row_bytes = static_cast<uint32_t>(cols * sizeof(T));
+  const int64_t my_rows = rows > blockIdx.x ? (rows - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  auto issue = [&](int64_t i) {
+    const int stage = static_cast<int>(i % stages);
+    const int64_t row = blockIdx.x + i * gridDim.x;
+    T* destination = buffers + static_cast<int64_t>(stage) * kStreams * cols;
+    gpu::ExpectStageBytes(&full[stage], row_bytes * kStreams);
+    gpu::CopyToStage(destination, x + row * cols, row_bytes, &full[stage]);
+    if constexpr (kAdd) {
+      gpu::CopyToStage(destination + cols, residual + row * cols, row_bytes, &full[stage]);
+    }
+  };
+  if (threadIdx.x == 0) {
+    gpu::InitStageBarriers(full, stages);
+    for (int64_t i = 0; i < my_rows && i < stages; ++i) issue(i);
+  }
+  __syncthreads();
+  for (int64_t i = 0; i < my_rows; ++i) {
+    const int64_t row = blockIdx.x + i * gridDim.x;
+    const int64_t base = row * cols;
+    const T* stage = buffers + (i % stages) * kStreams * cols;
+    gpu::WaitStage(full, i, stages);
+    float sum = 0.0f;
+    for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) {
+      const Pack<T> value = StagedInput<T, kAdd>(stage, cols, v * kElems);
+      if constexpr (kAdd) StorePack(new_residual, base + v * kElems, value);
+#pragma unroll
+      for (int k = 0; k < kElems; ++k) sum += ToF(value.v[k]) * ToF(value.v[k]);
+    }
+    const float rsig = RmsNormRsigma(RowSum(sum, blockDim.x), cols, eps);
+    if (threadIdx.x == 0) rsigma[row] = rsig;
+    for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) {
+      const Pack<T> value = StagedInput<T, kAdd>(stage, cols, v * kElems);
+      float scale[kElems];
+      LoadScales(gamma, v * kElems, zero_centered, scale);
+      Pack<T> o;
+#pragma unroll
+      for (int k = 0; k < kElems; ++k) o.v[k] = FromF<T>(RmsNormApply(ToF(value.v[k]), rsig, scale[k]));
+      StorePack(out, base + v * kElems, o);
+    }
+    __syncthreads();  // the stage is free
+    if (threadIdx.x == 0 && i + stages < my_rows) issue(i + stages);
+  }
+}
+
+// Backward: each block accumulates its dgamma partial sums for the kVecs vectors per
+// thread it owns (columns fixed across rows) in registers and writes them to row
+// blockIdx.x of the partials scratch (summed by DgammaReduceKernel).
+template <typename T, typename G, int kVecs, bool kAdd>
+__global__ void __launch_bounds__(kStagedMaxThreads)
+RmsNormStagedBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz,
+                       const T* __restrict__ s, const G* __restrict__ gamma,
+                       const float* __restrict__ rsigma, T* __restrict__ dx,
+                       float* __restrict__ partials, int64_t rows, int64_t cols,
+                       bool zero_centered, int stages) {
+  constexpr int kElems = Pack<T>::kElems;
+  constexpr int kStreams = kAdd ? 3 : 2;  // dy, s, dz
+  extern __shared__ __align__(128) unsigned char shared[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(shared);
+  T* buffers = reinterpret_cast<T*>(shared + gpu::kStageBarrierBytes);  // [stages][streams][cols]
+  const int64_t vectors = cols / kElems;
+  const uint32_t row_bytes = static_cast<uint32_t>(cols * sizeof(T));
+  const float inv_cols = 1.0f / static_cast<float>(cols);
+  const int64_t my_rows = rows > blockIdx.x ? (rows - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  auto issue = [&](int64_t i) {
+    const int stage = static_cast<int>(i % stages);
+    const int64_t row = blockIdx.x + i * gridDim.x;
+    T* destination = buffers + static_cast<int64_t>(stage) * kStreams * cols;
+    gpu::ExpectStageBytes(&full[stage], row_bytes * kStreams);
+    gpu::CopyToStage(destination, dy + row * cols, row_bytes, &full[stage]);
+    gpu::CopyToStage(destination + cols, s + row * cols, row_bytes, &full[stage]);
+    if constexpr (kAdd) {
+      gpu::CopyToStage(destination + 2 * cols, dz + row * cols, row_bytes, &full[stage]);
+    }
+  };
+  if (threadIdx.x == 0) {
+    gpu::InitStageBarriers(full, stages);
+    for (int64_t i = 0; i < my_rows && i < stages; ++i) issue(i);
+  }
+  __syncthreads();
+  float acc[kVecs][kElems];
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v)
+#pragma unroll
+    for (int k = 0; k < kElems; ++k) acc[v][k] = 0.0f;
+  for (int64_t i = 0; i < my_rows; ++i) {
+    const int64_t row = blockIdx.x + i * gridDim.x;
+    const T* stage = buffers + (i % stages) * kStreams * cols;
+    const float rs = rsigma[row];
+    gpu::WaitStage(full, i, stages);
+    float dot = 0.0f;
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int64_t col = (static_cast<int64_t>(v) * blockDim.x + threadIdx.x) * kElems;
+      if (col < cols) {
+        const Pack<T> g = *reinterpret_cast<const Pack<T>*>(stage + col);
+        const Pack<T> xv = *reinterpret_cast<const Pack<T>*>(stage + cols + col);
+        float scale[kElems];
+        LoadScales(gamma, col, zero_centered, scale);
+#pragma unroll
+        for (int k = 0; k < kElems; ++k) {
+          const float gy = ToF(g.v[k]);
+          const float xhat = ToF(xv.v[k]) * rs;
+          dot += gy * scale[k] * xhat;
+          acc[v][k] += gy * xhat;
+        }
+      }
+    }
+    const float m = RowSum(dot, blockDim.x) * inv_cols;
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int64_t col = (static_cast<int64_t>(v) * blockDim.x + threadIdx.x) * kElems;
+      if (col < cols) {
+        const Pack<T> g = *reinterpret_cast<const Pack<T>*>(stage + col);
+        const Pack<T> xv = *reinterpret_cast<const Pack<T>*>(stage + cols + col);
+        float scale[kElems];
+        LoadScales(gamma, col, zero_centered, scale);
+        Pack<T> o;
+#pragma unroll
+        for (int k = 0; k < kElems; ++k) {
+          float value = RmsNormInputGrad(ToF(g.v[k]), ToF(xv.v[k]), rs, scale[k], m);
+          if constexpr (kAdd) value += ToF(stage[2 * cols + col + k]);
+          o.v[k] = FromF<T>(value);
+        }
+        StorePack(dx, row * cols + col, o);
+      }
+    }
+    __syncthreads();  // the stage is free
+    if (threadIdx.x == 0 && i + stages < my_rows) issue(i + stages);
+  }
+  float* partial = partials + static_cast<int64_t>(blockIdx.x) * cols;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const int64_t col = (static_cast<int64_t>(v) * blockDim.x + threadIdx.x) * kElems;
+    if (col < cols) {
+#pragma unroll
+      for (int k = 0; k < kElems; k += 4) {
+        *reinterpret_cast<float4*>(partial + col + k) =
+            make_float4(acc[v][k], acc[v][k + 1], acc[v][k + 2], acc[v][k + 3]);
+      }
+    }
+  }
+}
+
 // --- generic (scalar, two passes) ---------------------------------------------------------
 
 template <typename T, typename G, bool kAdd>
@@ -511,7 +713,20 @@ ffi::Error LaunchFwd(cudaStream_t stream, const FwdArgs& a) {
   Config c;
   const bool aligned = Aligned16(a.x) && Aligned16(a.gamma) && Aligned16(a.out) &&
                        (!kAdd || (Aligned16(a.residual) && Aligned16(a.new_residual)));
-  if (aligned && ChooseConfig(a.cols, Pack<T>::kElems, &FwdMaxThreads, &c)) {
+  constexpr int kElems = Pack<T>::kElems;
+  const int stages = StagesFor(a.cols * static_cast<int64_t>(sizeof(T)), kAdd ? 2 : 1);
+  if (aligned && StagedEnabled() && a.cols % kElems == 0 && a.cols / kElems >= kStagedMinVectors &&
+      stages > 0) {
+    const auto kernel = &RmsNormStagedFwdKernel<T, G, kAdd>;
+    const int threads = StagedThreads(a.cols / kElems);
+    const int shared_bytes = gpu::kStageBarrierBytes +
+                             stages * (kAdd ? 2 : 1) * static_cast<int>(a.cols * sizeof(T));
+    gpu::AllowStagedSharedMemory(reinterpret_cast<const void*>(kernel));
+    const int64_t blocks = std::min(
+        a.rows, gpu::ResidentBlocks(reinterpret_cast<const void*>(kernel), threads, shared_bytes));
+    kernel<<<blocks, threads, shared_bytes, stream>>>(x, r, g, out, nr, a.rsigma, a.rows, a.cols,
+                                                      a.eps, a.zero_centered, stages);
+  } else if (aligned && ChooseConfig(a.cols, Pack<T>::kElems, &FwdMaxThreads, &c)) {
     const dim3 block(c.tpr, c.rpb);
     const int64_t wanted = (a.rows + c.rpb - 1) / c.rpb;
     switch (c.vecs) {
@@ -561,7 +776,33 @@ ffi::Error LaunchBwd(cudaStream_t stream, const BwdArgs& a) {
     const bool aligned = Aligned16(a.dy) && Aligned16(a.s) && Aligned16(a.gamma) &&
                          Aligned16(a.dx) && Aligned16(a.partials) &&
                          (!kAdd || Aligned16(a.dz));
-    if (aligned && ChooseConfig(a.cols, Pack<T>::kElems, &BwdMaxThreads, &c)) {
+    constexpr int kElems = Pack<T>::kElems;
+    const int64_t vectors = a.cols / kElems;
+    const int threads = StagedThreads(vectors);
+    const int64_t vecs_per_thread = (vectors + threads - 1) / threads;
+    const int stages = StagesFor(a.cols * static_cast<int64_t>(sizeof(T)), kAdd ? 3 : 2);
+    if (aligned && StagedEnabled() && a.cols % kElems == 0 && vectors >= kStagedMinVectors &&
+        vecs_per_thread <= 8 && stages > 0) {
+      const int shared_bytes = gpu::kStageBarrierBytes +
+                               stages * (kAdd ? 3 : 2) * static_cast<int>(a.cols * sizeof(T));
+      switch (vecs_per_thread <= 1 ? 1 : vecs_per_thread <= 2 ? 2 : vecs_per_thread <= 4 ? 4 : 8) {
+#define JAXFUSE_CASE(V)                                                                    \
+  case V: {                                                                                \
+    const auto kernel = &RmsNormStagedBwdKernel<T, G, V, kAdd>;                            \
+    const void* key = reinterpret_cast<const void*>(kernel);                               \
+    gpu::AllowStagedSharedMemory(key);                                                     \
+    const int64_t blocks = std::min({a.rows, a.max_slots,                                  \
+                                     gpu::ResidentBlocks(key, threads, shared_bytes)});    \
+    slots_used = blocks;                                                                   \
+    kernel<<<blocks, threads, shared_bytes, stream>>>(dy, dz, s, g, a.rsigma, dx,          \
+                                                      a.partials, a.rows, a.cols,          \
+                                                      a.zero_centered, stages);            \
+    break;                                                                                 \
+  }
+        JAXFUSE_CASE(1) JAXFUSE_CASE(2) JAXFUSE_CASE(4) JAXFUSE_CASE(8)
+#undef JAXFUSE_CASE
+      }
+    } else if (aligned && ChooseConfig(a.cols, Pack<T>::kElems, &BwdMaxThreads, &c)) {
       const dim3 block(c.tpr, c.rpb);
       // No more slots than the dgamma scratch has rows.
       const int64_t wanted = std::min((a.rows + c.rpb - 1) / c.rpb, a.max_slots / c.rpb);

@@ -10,9 +10,9 @@
 //
 // Two kernels run that scheme. RowKernel loads each unit straight from global memory.
 // StagedRowKernel (rows 16-byte aligned, the common case) streams a row's inputs through
-// shared memory instead: a persistent block walks its rows in tiles, and one thread keeps
-// the next stages' tiles in flight with bulk copies (cp.async.bulk, completing on an
-// mbarrier), so far more bytes are in flight per SM than registers could hold.
+// shared memory instead (staging.cuh): a persistent block walks its rows in tiles, and one
+// thread keeps the next stages' tiles in flight with bulk copies, so far more bytes are in
+// flight per SM than registers could hold.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,19 +20,15 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include <cuda/ptx>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "jaxfuse/activation.h"
 #include "jaxfuse/fp8.h"
 #include "jaxfuse/quantize.h"
 #include "occupancy.cuh"
+#include "staging.cuh"
 
 namespace jaxfuse {
 namespace gpu {
@@ -601,14 +597,11 @@ struct StagedTiling {
   int stream_bytes = 0;       // bytes of one stream's segment of a full tile
 };
 
-// Offset of the stage buffers in dynamic shared memory (the mbarriers come first).
-constexpr int kStagedBarrierBytes = 128;
-
 template <class P, SinkKind kKind, typename T>
 __global__ void __launch_bounds__(256) StagedRowKernel(P p, SinkArgs<T> s, StagedTiling tiling) {
   extern __shared__ __align__(128) unsigned char shared[];
   uint64_t* full = reinterpret_cast<uint64_t*>(shared);  // one mbarrier per stage
-  unsigned char* buffers = shared + kStagedBarrierBytes;   // [stages][streams][stream_bytes]
+  unsigned char* buffers = shared + kStageBarrierBytes;   // [stages][streams][stream_bytes]
   const int64_t units = p.Units();
   const int lanes = s.block / kUnit;
   const float fp8_max = Fp8Max(s.format);
@@ -623,20 +616,16 @@ __global__ void __launch_bounds__(256) StagedRowKernel(P p, SinkArgs<T> s, Stage
     const int64_t first = (i % tiling.tiles_per_row) * tiling.tile_units;
     const int64_t count = units - first < tiling.tile_units ? units - first : tiling.tile_units;
     const uint32_t bytes = static_cast<uint32_t>(count * kUnit * sizeof(T));
-    cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta,
-                                         cuda::ptx::space_shared, &full[stage],
-                                         bytes * tiling.streams);
+    ExpectStageBytes(&full[stage], bytes * tiling.streams);
     for (int stream = 0; stream < tiling.streams; ++stream) {
-      cuda::ptx::cp_async_bulk(
-          cuda::ptx::space_cluster, cuda::ptx::space_global,
+      CopyToStage(
           buffers + (static_cast<int64_t>(stage) * tiling.streams + stream) * tiling.stream_bytes,
           p.Segment(stream, row, first * kUnit), bytes, &full[stage]);
     }
   };
 
   if (threadIdx.x == 0) {
-    for (int stage = 0; stage < tiling.stages; ++stage) cuda::ptx::mbarrier_init(&full[stage], 1);
-    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+    InitStageBarriers(full, tiling.stages);
     for (int64_t i = 0; i < tiles && i < tiling.stages; ++i) issue(i);
   }
   __syncthreads();
@@ -659,9 +648,7 @@ __global__ void __launch_bounds__(256) StagedRowKernel(P p, SinkArgs<T> s, Stage
       segment[stream] = reinterpret_cast<const T*>(
           buffers + (static_cast<int64_t>(stage) * tiling.streams + stream) * tiling.stream_bytes);
     }
-    const uint32_t parity = static_cast<uint32_t>((i / tiling.stages) & 1);
-    while (!cuda::ptx::mbarrier_try_wait_parity(&full[stage], parity)) {
-    }
+    WaitStage(full, i, tiling.stages);
     for (int base = 0; base < count; base += blockDim.x) {
       const int local = base + static_cast<int>(threadIdx.x);
       const bool active = local < count;
@@ -763,25 +750,6 @@ inline const StagedConfig& GetStagedConfig() {
   return config;
 }
 
-// Dynamic shared memory of one staged block at most: two blocks fit an H100/H200 SM
-// (228 KB, 1 KB of it reserved per block), so one block's barrier waits overlap the other's.
-constexpr int kStagedMaxSharedBytes = 112 * 1024;
-
-// Lets `kernel` use up to kStagedMaxSharedBytes of dynamic shared memory on the current
-// device (once per device and kernel).
-inline void AllowStagedSharedMemory(const void* kernel) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, const void*>, bool> done;
-  int device = 0;
-  cudaGetDevice(&device);
-  std::lock_guard<std::mutex> lock(mutex);
-  if (done.emplace(std::make_pair(device, kernel), true).second) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         kStagedMaxSharedBytes);
-    cudaGetLastError();
-  }
-}
-
 // The tiling of `units` units per row over `streams` input streams of T, and its threads.
 template <typename T>
 StagedTiling StagedTilingFor(int64_t units, int streams, int* threads) {
@@ -792,7 +760,7 @@ StagedTiling StagedTilingFor(int64_t units, int streams, int* threads) {
   tiling.stages = config.stages;
   tiling.streams = streams;
   auto stage_bytes = [&] { return streams * tiling.tile_units * kUnit * static_cast<int>(sizeof(T)); };
-  while (kStagedBarrierBytes + tiling.stages * stage_bytes() > kStagedMaxSharedBytes) {
+  while (kStageBarrierBytes + tiling.stages * stage_bytes() > kStagedMaxSharedBytes) {
     if (tiling.stages > 2) {
       --tiling.stages;
     } else {
@@ -814,7 +782,7 @@ void LaunchRowKernel(const P& p, const SinkArgs<T>& s, int64_t units, cudaStream
     if (GetStagedConfig().enabled && p.vector && units > 0) {
       int threads = 0;
       const StagedTiling tiling = StagedTilingFor<T>(units, p.Streams(), &threads);
-      const int shared_bytes = kStagedBarrierBytes + tiling.stages * tiling.streams * tiling.stream_bytes;
+      const int shared_bytes = kStageBarrierBytes + tiling.stages * tiling.streams * tiling.stream_bytes;
       const void* kernel = reinterpret_cast<const void*>(&StagedRowKernel<P, kKind, T>);
       AllowStagedSharedMemory(kernel);
       const int64_t grid = std::min<int64_t>(s.rows, ResidentBlocks(kernel, threads, shared_bytes));

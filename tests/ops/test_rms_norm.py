@@ -21,8 +21,11 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # an empty batch, rank 1.
 SHAPES = [((4,), 64), ((3, 5), 37), ((2,), 1), ((300,), 24), ((0,), 16), ((), 40),
           ((2, 3), 200)]
+# On the GPU, rows of at least 128 16-byte vectors run the staged kernels (whole rows
+# through shared memory) when two stages fit: 1024 and 2056 (a ragged second vector per
+# thread) wrap the stages several times per block.
 GPU_SHAPES = SHAPES + [((129,), 8192), ((7,), 16384), ((33,), 1000), ((5,), 4096 + 4),
-                       ((3,), 40000), ((1000,), 128)]
+                       ((3,), 40000), ((1000,), 128), ((1500,), 1024), ((300,), 2056)]
 EPS = 1e-5
 
 BACKENDS = [
@@ -162,6 +165,21 @@ def numpy_rms_norm_grads(x, gamma, dy, eps, zero_centered):
 @pytest.mark.parametrize("zero_centered", [False, True])
 @pytest.mark.parametrize("leading, h", [((3, 4), 24), ((37,), 13), ((700,), 8)])
 def test_gradients_match_float64(backend, dtype, zero_centered, leading, h):
+  check_gradients(backend, dtype, zero_centered, leading, h)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("leading, h", [((1500,), 1024), ((300,), 2056), ((129,), 8192),
+                                        ((40,), 16384)])
+def test_gpu_wide_row_gradients_match_float64(dtype, leading, h):
+  """Rows wide enough for the staged backward (1, 2, 4 and 8 vectors per thread in bf16;
+  float32 at 8192 and 16384 does not fit two stages and keeps the register kernels), many
+  rows per block: dx, dresidual and dgamma against float64."""
+  check_gradients("gpu", dtype, True, leading, h)
+
+
+def check_gradients(backend, dtype, zero_centered, leading, h):
   x, residual, gamma = on(backend, *make_inputs(4, leading, h, dtype, jnp.float32))
   rng = np.random.default_rng(5)
   dy, dz = on(backend, helpers.random_array(rng, x.shape, dtype),

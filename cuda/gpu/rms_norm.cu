@@ -423,8 +423,7 @@ RmsNormStagedFwdKernel(const T* __restrict__ x, const T* residual, const G* __re
   const int64_t vectors = cols / kElems;
   const uint32_t row_bytes = static_cast<uint32_t>(cols * sizeof(T));
   const int64_t my_rows = rows > blockIdx.x ? (rows - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  auto issue = [&](int64_t i) {
-    const int stage = static_cast<int>(i % stages);
+  auto issue = [&](int64_t i, int stage) {  // row i of this block into `stage`
     const int64_t row = blockIdx.x + i * gridDim.x;
     T* destination = buffers + static_cast<int64_t>(stage) * kStreams * cols;
     gpu::ExpectStageBytes(&full[stage], row_bytes * kStreams);
@@ -435,14 +434,16 @@ RmsNormStagedFwdKernel(const T* __restrict__ x, const T* residual, const G* __re
   };
   if (threadIdx.x == 0) {
     gpu::InitStageBarriers(full, stages);
-    for (int64_t i = 0; i < my_rows && i < stages; ++i) issue(i);
+    for (int64_t i = 0; i < my_rows && i < stages; ++i) issue(i, static_cast<int>(i));
   }
   __syncthreads();
+  int stage_index = 0;
+  uint32_t phase = 0;
   for (int64_t i = 0; i < my_rows; ++i) {
     const int64_t row = blockIdx.x + i * gridDim.x;
     const int64_t base = row * cols;
-    const T* stage = buffers + (i % stages) * kStreams * cols;
-    gpu::WaitStage(full, i, stages);
+    const T* stage = buffers + stage_index * kStreams * cols;
+    gpu::WaitStage(&full[stage_index], phase);
     float sum = 0.0f;
     for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) {
       const Pack<T> value = StagedInput<T, kAdd>(stage, cols, v * kElems);
@@ -462,7 +463,11 @@ RmsNormStagedFwdKernel(const T* __restrict__ x, const T* residual, const G* __re
       StorePack(out, base + v * kElems, o);
     }
     __syncthreads();  // the stage is free
-    if (threadIdx.x == 0 && i + stages < my_rows) issue(i + stages);
+    if (threadIdx.x == 0 && i + stages < my_rows) issue(i + stages, stage_index);
+    if (++stage_index == stages) {  // counters, not 64-bit divisions per row
+      stage_index = 0;
+      phase ^= 1;
+    }
   }
 }
 
@@ -485,8 +490,7 @@ RmsNormStagedBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz,
   const uint32_t row_bytes = static_cast<uint32_t>(cols * sizeof(T));
   const float inv_cols = 1.0f / static_cast<float>(cols);
   const int64_t my_rows = rows > blockIdx.x ? (rows - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  auto issue = [&](int64_t i) {
-    const int stage = static_cast<int>(i % stages);
+  auto issue = [&](int64_t i, int stage) {  // row i of this block into `stage`
     const int64_t row = blockIdx.x + i * gridDim.x;
     T* destination = buffers + static_cast<int64_t>(stage) * kStreams * cols;
     gpu::ExpectStageBytes(&full[stage], row_bytes * kStreams);
@@ -498,7 +502,7 @@ RmsNormStagedBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz,
   };
   if (threadIdx.x == 0) {
     gpu::InitStageBarriers(full, stages);
-    for (int64_t i = 0; i < my_rows && i < stages; ++i) issue(i);
+    for (int64_t i = 0; i < my_rows && i < stages; ++i) issue(i, static_cast<int>(i));
   }
   __syncthreads();
   float acc[kVecs][kElems];
@@ -506,11 +510,13 @@ RmsNormStagedBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz,
   for (int v = 0; v < kVecs; ++v)
 #pragma unroll
     for (int k = 0; k < kElems; ++k) acc[v][k] = 0.0f;
+  int stage_index = 0;
+  uint32_t phase = 0;
   for (int64_t i = 0; i < my_rows; ++i) {
     const int64_t row = blockIdx.x + i * gridDim.x;
-    const T* stage = buffers + (i % stages) * kStreams * cols;
+    const T* stage = buffers + stage_index * kStreams * cols;
     const float rs = rsigma[row];
-    gpu::WaitStage(full, i, stages);
+    gpu::WaitStage(&full[stage_index], phase);
     float dot = 0.0f;
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
@@ -549,7 +555,11 @@ RmsNormStagedBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz,
       }
     }
     __syncthreads();  // the stage is free
-    if (threadIdx.x == 0 && i + stages < my_rows) issue(i + stages);
+    if (threadIdx.x == 0 && i + stages < my_rows) issue(i + stages, stage_index);
+    if (++stage_index == stages) {  // counters, not 64-bit divisions per row
+      stage_index = 0;
+      phase ^= 1;
+    }
   }
   float* partial = partials + static_cast<int64_t>(blockIdx.x) * cols;
 #pragma unroll

@@ -598,7 +598,7 @@ struct StagedTiling {
 };
 
 template <class P, SinkKind kKind, typename T>
-__global__ void __launch_bounds__(256) StagedRowKernel(P p, SinkArgs<T> s, StagedTiling tiling) {
+__global__ void __launch_bounds__(512) StagedRowKernel(P p, SinkArgs<T> s, StagedTiling tiling) {
   extern __shared__ __align__(128) unsigned char shared[];
   uint64_t* full = reinterpret_cast<uint64_t*>(shared);  // one mbarrier per stage
   unsigned char* buffers = shared + kStageBarrierBytes;   // [stages][streams][stream_bytes]
@@ -608,37 +608,42 @@ __global__ void __launch_bounds__(256) StagedRowKernel(P p, SinkArgs<T> s, Stage
   const int64_t rows_mine =
       s.rows > blockIdx.x ? (s.rows - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   const int64_t tiles = rows_mine * tiling.tiles_per_row;
+  // Cursors advance by increments: 64-bit divisions per tile cost as much as a tile's work.
+  int64_t issued = 0, issue_row = blockIdx.x, issue_first = 0;  // thread 0's copy cursor
 
-  // Starts the bulk copies of tile i into its stage (one thread).
-  auto issue = [&](int64_t i) {
-    const int stage = static_cast<int>(i % tiling.stages);
-    const int64_t row = blockIdx.x + (i / tiling.tiles_per_row) * gridDim.x;
-    const int64_t first = (i % tiling.tiles_per_row) * tiling.tile_units;
-    const int64_t count = units - first < tiling.tile_units ? units - first : tiling.tile_units;
+  // Starts the bulk copies of the next tile to copy into `stage` (one thread).
+  auto issue_next = [&](int stage) {
+    const int64_t left = units - issue_first;
+    const int64_t count = left < tiling.tile_units ? left : tiling.tile_units;
     const uint32_t bytes = static_cast<uint32_t>(count * kUnit * sizeof(T));
     ExpectStageBytes(&full[stage], bytes * tiling.streams);
     for (int stream = 0; stream < tiling.streams; ++stream) {
-      CopyToStage(
-          buffers + (static_cast<int64_t>(stage) * tiling.streams + stream) * tiling.stream_bytes,
-          p.Segment(stream, row, first * kUnit), bytes, &full[stage]);
+      CopyToStage(buffers + (stage * tiling.streams + stream) * tiling.stream_bytes,
+                  p.Segment(stream, issue_row, issue_first * kUnit), bytes, &full[stage]);
+    }
+    ++issued;
+    issue_first += tiling.tile_units;
+    if (issue_first >= units) {
+      issue_first = 0;
+      issue_row += gridDim.x;
     }
   };
 
   if (threadIdx.x == 0) {
     InitStageBarriers(full, tiling.stages);
-    for (int64_t i = 0; i < tiles && i < tiling.stages; ++i) issue(i);
+    for (int stage = 0; stage < tiling.stages && issued < tiles; ++stage) issue_next(stage);
   }
   __syncthreads();
 
   RowState state;
   float scale = 1.0f;
+  int stage = 0;
+  uint32_t phase = 0;
+  int64_t row = blockIdx.x, first = 0;
   for (int64_t i = 0; i < tiles; ++i) {
-    const int stage = static_cast<int>(i % tiling.stages);
-    const int64_t row = blockIdx.x + (i / tiling.tiles_per_row) * gridDim.x;
-    const int64_t chunk = i % tiling.tiles_per_row;
-    const int64_t first = chunk * tiling.tile_units;
-    const int64_t count = units - first < tiling.tile_units ? units - first : tiling.tile_units;
-    if (chunk == 0) {
+    const int64_t left = units - first;
+    const int count = static_cast<int>(left < tiling.tile_units ? left : tiling.tile_units);
+    if (first == 0) {
       state = BeginRow<kKind>(s, row, fp8_max);
       scale = p.RowScale(row);
     }
@@ -646,9 +651,9 @@ __global__ void __launch_bounds__(256) StagedRowKernel(P p, SinkArgs<T> s, Stage
 #pragma unroll
     for (int stream = 0; stream < kMaxStreams; ++stream) {
       segment[stream] = reinterpret_cast<const T*>(
-          buffers + (static_cast<int64_t>(stage) * tiling.streams + stream) * tiling.stream_bytes);
+          buffers + (stage * tiling.streams + stream) * tiling.stream_bytes);
     }
-    WaitStage(full, i, tiling.stages);
+    WaitStage(&full[stage], phase);
     for (int base = 0; base < count; base += blockDim.x) {
       const int local = base + static_cast<int>(threadIdx.x);
       const bool active = local < count;
@@ -669,8 +674,17 @@ __global__ void __launch_bounds__(256) StagedRowKernel(P p, SinkArgs<T> s, Stage
       }
     }
     __syncthreads();  // every thread is done with the stage: refill it
-    if (threadIdx.x == 0 && i + tiling.stages < tiles) issue(i + tiling.stages);
-    if (chunk == tiling.tiles_per_row - 1) EndRow<P, kKind>(s, row, state);
+    if (threadIdx.x == 0 && issued < tiles) issue_next(stage);
+    first += tiling.tile_units;
+    if (first >= units) {
+      EndRow<P, kKind>(s, row, state);
+      first = 0;
+      row += gridDim.x;
+    }
+    if (++stage == tiling.stages) {
+      stage = 0;
+      phase ^= 1;
+    }
   }
 }
 
@@ -727,7 +741,7 @@ inline int EnvInt(const char* name, int fallback) {
 }
 
 // The staged kernel's shape (benchmark knobs, read once): JAXFUSE_ROWWISE_STAGED=0 turns
-// it off, JAXFUSE_ROWWISE_STAGES (2-8), JAXFUSE_ROWWISE_STAGED_THREADS (64, 128 or 256)
+// it off, JAXFUSE_ROWWISE_STAGES (2-8), JAXFUSE_ROWWISE_STAGED_THREADS (64-512)
 // and JAXFUSE_ROWWISE_TILE_UNITS (a multiple of 32) override the defaults below.
 struct StagedConfig {
   bool enabled = true;
@@ -742,7 +756,7 @@ inline const StagedConfig& GetStagedConfig() {
     if (const char* value = std::getenv("JAXFUSE_ROWWISE_STAGED")) c.enabled = value[0] != '0';
     c.stages = std::min(8, std::max(2, EnvInt("JAXFUSE_ROWWISE_STAGES", c.stages)));
     const int threads = EnvInt("JAXFUSE_ROWWISE_STAGED_THREADS", c.threads);
-    if (threads == 64 || threads == 128 || threads == 256) c.threads = threads;
+    if (threads == 64 || threads == 128 || threads == 256 || threads == 512) c.threads = threads;
     const int tile_units = EnvInt("JAXFUSE_ROWWISE_TILE_UNITS", c.tile_units);
     if (tile_units % 32 == 0 && tile_units <= 4096) c.tile_units = tile_units;
     return c;

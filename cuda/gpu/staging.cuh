@@ -5,7 +5,7 @@
 // which is what a streaming kernel needs to approach the HBM bandwidth.
 //
 // Protocol (every kernel using it): thread 0 calls InitStageBarriers, then issues the
-// first stages; __syncthreads(); for each item i: WaitStage(barriers, i, stages), compute
+// first stages; __syncthreads(); for each item i: WaitStage on stage i % stages, compute
 // from the stage's buffers, __syncthreads() (the stage is free), then thread 0 issues item
 // i + stages into it. A stage's buffers are only read by ordinary loads, never written by
 // them, so no proxy fence is needed between a stage's readers and its next bulk copy.
@@ -49,11 +49,10 @@ __device__ __forceinline__ void CopyToStage(void* destination, const void* sourc
                            source, bytes, barrier);
 }
 
-// Waits until item i's copies (stage i % stages, its (i / stages)-th use) have landed.
-__device__ __forceinline__ void WaitStage(uint64_t* barriers, int64_t i, int stages) {
-  uint64_t* barrier = &barriers[i % stages];
-  const uint32_t parity = static_cast<uint32_t>((i / stages) & 1);
-  while (!cuda::ptx::mbarrier_try_wait_parity(barrier, parity)) {
+// Waits until the copies into a stage have landed: `phase` is the parity of the stage's use
+// (0 on its first use, then alternating; kernels track it with a counter, not a division).
+__device__ __forceinline__ void WaitStage(uint64_t* barrier, uint32_t phase) {
+  while (!cuda::ptx::mbarrier_try_wait_parity(barrier, phase)) {
   }
 }
 

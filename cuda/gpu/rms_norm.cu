@@ -384,12 +384,23 @@ bool StagedEnabled() {
   return enabled;
 }
 
-// The stage count (2-4) for rows of `row_bytes` over `streams` inputs, or 0 when two
-// stages do not fit the shared-memory budget.
+// Most stages per block: JAXFUSE_RMS_NORM_STAGES (2-8) overrides the default (a benchmark
+// knob); read once.
+int MaxStages() {
+  static const int stages = [] {
+    const char* value = std::getenv("JAXFUSE_RMS_NORM_STAGES");
+    const int parsed = value != nullptr ? std::atoi(value) : 0;
+    return parsed >= 2 && parsed <= 8 ? parsed : 4;
+  }();
+  return stages;
+}
+
+// The stage count (2 to MaxStages) for rows of `row_bytes` over `streams` inputs, or 0
+// when two stages do not fit the shared-memory budget.
 int StagesFor(int64_t row_bytes, int streams) {
   const int64_t per_stage = row_bytes * streams;
   const int64_t fit = (gpu::kStagedMaxSharedBytes - gpu::kStageBarrierBytes) / per_stage;
-  return fit < 2 ? 0 : static_cast<int>(std::min<int64_t>(fit, 4));
+  return fit < 2 ? 0 : static_cast<int>(std::min<int64_t>(fit, MaxStages()));
 }
 
 int StagedThreads(int64_t vectors) {

@@ -748,7 +748,10 @@ enum class StagedMode { kDefault, kNever, kAlways };
 
 struct StagedConfig {
   StagedMode mode = StagedMode::kDefault;
-  int stages = 4;
+  // Two stages: more resident blocks (warps) per SM beat deeper stages. SwiGLU backward at
+  // T=65536, 2F=8192 bf16 (82ebaf3d): 2 stages 0.750 ms, 3 0.771, 4 0.821 (0.739 against
+  // 0.853 at 7ca682fc).
+  int stages = 2;
   int threads = 256;
   int tile_units = 512;  // two units per thread per tile: 8 KB per bf16 stream
 };
@@ -794,10 +797,11 @@ StagedTiling StagedTilingFor(int64_t units, int streams, int* threads) {
 
 // Whether producer P with sink kKind runs staged unless the environment says otherwise:
 // the plain activation backward (three input streams, a store sink). Measured on the H200
-// at T=65536, 2F=8192 bf16 (9f7fea60, staged against RowKernel): SwiGLU backward 0.754 vs
-// 0.844 ms (87% vs 77% of copy); the forward 0.491 vs 0.472, and the quantizing sinks,
-// whose per-unit work wants more warps per SM than staged blocks leave, slower (1x128
-// 0.729 vs 0.592, per-group current 1.157 vs 0.877 ms).
+// at T=65536, 2F=8192 bf16 (9f7fea60, 4 stages, against RowKernel): SwiGLU backward 0.754
+// vs 0.844 ms (87% vs 77% of copy); the forward 0.491 vs 0.472 (2-3 stages at 82ebaf3d:
+// 0.462-0.483, within noise of RowKernel), and the quantizing sinks, whose per-unit work
+// wants more warps per SM than staged blocks leave, slower (1x128 0.729 vs 0.592,
+// per-group current 1.157 vs 0.877 ms; with 2-3 stages 0.65-0.68 and 1.04-1.05).
 template <class P, SinkKind kKind>
 constexpr bool StagedByDefault() {
   return kKind == SinkKind::kStore && P::kSide;

@@ -415,6 +415,11 @@ int StagesFor(int64_t row_bytes, int streams) {
   return fit < 2 ? 0 : static_cast<int>(std::min<int64_t>(fit, MaxStages()));
 }
 
+// Dynamic shared memory of a staged launch: the barriers, then `stages` x `streams` rows.
+int StagedSharedBytes(int stages, int streams, int64_t row_bytes) {
+  return gpu::kStageBarrierBytes + stages * streams * static_cast<int>(row_bytes);
+}
+
 int StagedThreads(int64_t vectors) {
   return static_cast<int>(std::min<int64_t>(kStagedMaxThreads, (vectors + 31) / 32 * 32));
 }
@@ -509,7 +514,6 @@ RmsNormStagedBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz,
   extern __shared__ __align__(128) unsigned char shared[];
   uint64_t* full = reinterpret_cast<uint64_t*>(shared);
   T* buffers = reinterpret_cast<T*>(shared + gpu::kStageBarrierBytes);  // [stages][streams][cols]
-  const int64_t vectors = cols / kElems;
   const uint32_t row_bytes = static_cast<uint32_t>(cols * sizeof(T));
   const float inv_cols = 1.0f / static_cast<float>(cols);
   const int64_t my_rows = rows > blockIdx.x ? (rows - 1 - blockIdx.x) / gridDim.x + 1 : 0;
@@ -752,8 +756,7 @@ ffi::Error LaunchFwd(cudaStream_t stream, const FwdArgs& a) {
       stages > 0) {
     const auto kernel = &RmsNormStagedFwdKernel<T, G, kAdd>;
     const int threads = StagedThreads(a.cols / kElems);
-    const int shared_bytes = gpu::kStageBarrierBytes +
-                             stages * (kAdd ? 2 : 1) * static_cast<int>(a.cols * sizeof(T));
+    const int shared_bytes = StagedSharedBytes(stages, kAdd ? 2 : 1, a.cols * sizeof(T));
     gpu::AllowStagedSharedMemory(reinterpret_cast<const void*>(kernel));
     const int64_t blocks = std::min(
         a.rows, gpu::ResidentBlocks(reinterpret_cast<const void*>(kernel), threads, shared_bytes));
@@ -816,8 +819,7 @@ ffi::Error LaunchBwd(cudaStream_t stream, const BwdArgs& a) {
     const int stages = StagesFor(a.cols * static_cast<int64_t>(sizeof(T)), kAdd ? 3 : 2);
     if (aligned && StagedEnabled() && a.cols % kElems == 0 && vectors >= kStagedMinVectors &&
         vecs_per_thread <= 8 && stages > 0) {
-      const int shared_bytes = gpu::kStageBarrierBytes +
-                               stages * (kAdd ? 3 : 2) * static_cast<int>(a.cols * sizeof(T));
+      const int shared_bytes = StagedSharedBytes(stages, kAdd ? 3 : 2, a.cols * sizeof(T));
       switch (vecs_per_thread <= 1 ? 1 : vecs_per_thread <= 2 ? 2 : vecs_per_thread <= 4 ? 4 : 8) {
 #define JAXFUSE_CASE(V)                                                                    \
   case V: {                                                                                \

@@ -9,10 +9,10 @@
 // lanes with warp shuffles, so a 1 x 128 or 1 x 32 block is quantized in one pass.
 //
 // Two kernels run that scheme. RowKernel loads each unit straight from global memory.
-// StagedRowKernel (rows 16-byte aligned, the common case) streams a row's inputs through
-// shared memory instead (staging.cuh): a persistent block walks its rows in tiles, and one
-// thread keeps the next stages' tiles in flight with bulk copies, so far more bytes are in
-// flight per SM than registers could hold.
+// StagedRowKernel (rows 16-byte aligned; by default the plain activation backward only,
+// see StagedByDefault) streams a row's inputs through shared memory instead (staging.cuh):
+// a persistent block walks its rows in tiles, and one thread keeps the next stages' tiles
+// in flight with bulk copies, so far more bytes are in flight per SM than registers hold.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -18,8 +18,8 @@ ACTIVATIONS = ["swiglu", "srelu", "clamped_swiglu"]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # (leading shape, F): F multiple of 8 (vector path), odd F (scalar tail), one row, no rows.
 SHAPES = [((6,), 16), ((3, 5), 7), ((1,), 1), ((4,), 37), ((0,), 8), ((2, 3), 64)]
-# On the GPU, 16-byte-aligned rows run the staged kernel (rowwise.cuh) in tiles of 512
-# vectors of 8: F=4800 is a full tile and a ragged one per row.
+# On the GPU, the backward of 16-byte-aligned rows runs the staged kernel (rowwise.cuh) in
+# tiles of 512 vectors of 8: F=4800 is a full tile and a ragged one per row.
 GPU_SHAPES = SHAPES + [((300,), 1024), ((129,), 4100), ((64,), 4096), ((40,), 4800)]
 LIMIT, ALPHA, OFFSET = 7.0, 1.702, 1.0
 

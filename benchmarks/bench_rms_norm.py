@@ -9,9 +9,11 @@ bandwidth measured at the start of the same run (and again at its end, to show d
 Goal: >= 85% of copy for the forward at 65536 x 8192 (XLA: 62% for add + RMSNorm on the
 H200).
 
-jaxfuse and XLA run in alternating chunks (common.time_alternating). Residuals are donated,
-each call's new residual being the next call's residual (the in-place update); inputs
-rotate across several sets where one set would sit in the 50 MB L2.
+jaxfuse and XLA run in alternating chunks (common.time_alternating). Each call's new
+residual is the next call's residual; the forward-only steps donate it (the in-place
+update), the forward + backward steps do not (as inside a training step, where the
+residual is an intermediate; see make_step). Inputs rotate across several sets where one
+set would sit in the 50 MB L2.
 
     python benchmarks/bench_rms_norm.py [--quick] [--shapes 65536x8192 ...] [--tag TAG]
 
@@ -50,10 +52,15 @@ def make_step(implementation: str, add: bool, backward: bool):
     return jax.jit(forward, donate_argnums=1 if add else ())
 
   if add:
+    # As inside a training step: the residual is not donated (a donated residual makes XLA
+    # copy the differentiated forward's fresh new-residual buffer into it), and the
+    # residual's gradient, the same array as x's (one kernel output), is returned once
+    # (returning it twice makes XLA copy an output).
     def step(x, residual, gamma, dy, dz):
       outs, vjp = jax.vjp(forward, x, residual, gamma)
-      return outs, vjp((dz, dy))
-    return jax.jit(step, donate_argnums=1)
+      dx, _, dgamma = vjp((dz, dy))
+      return outs, (dx, dgamma)
+    return jax.jit(step)
 
   def step(x, gamma, dy):
     out, vjp = jax.vjp(forward, x, gamma)

@@ -179,6 +179,26 @@ def time_torch_ms(fn: Callable, calls: int, *, warmup: int = 3) -> float:
   return statistics.median(times)
 
 
+_WARMED_UP = False
+
+
+def warm_up_device(fn, *args, seconds: float = 1.5) -> None:
+  """Keeps the device busy with ``fn(*args)`` for ``seconds``, once per process.
+
+  The first benchmark of a fresh GPU process ran 5-10% slower than the same configuration
+  later in the process (session 15 runs): clocks and caches settle under sustained load.
+  Every script measures the copy bandwidth first, so that is where the warm-up goes.
+  """
+  global _WARMED_UP
+  if _WARMED_UP:
+    return
+  _WARMED_UP = True
+  jax.block_until_ready(fn(*args))
+  deadline = time.perf_counter() + seconds
+  while time.perf_counter() < deadline:
+    jax.block_until_ready([fn(*args) for _ in range(10)])
+
+
 def copy_bandwidth_tbps(num_bytes: int | None = None, iters: int = 20) -> float:
   """Device copy bandwidth (bytes read + written per second) through XLA, in TB/s, of a
   4 GiB float32 array on a GPU (64 MiB elsewhere: smoke runs of the scripts on the CPU)."""
@@ -187,6 +207,7 @@ def copy_bandwidth_tbps(num_bytes: int | None = None, iters: int = 20) -> float:
   n = num_bytes // 4
   source = jnp.arange(n, dtype=jnp.float32)
   copy = jax.jit(lambda x: x * 1.0 + 0.0)  # not folded away: a real read and write
+  warm_up_device(copy, source)
   stats = time_fn(copy, [(source,)] * (iters + 3))
   return 2 * n * 4 / (stats["median_ms"] * 1e-3) / 1e12
 

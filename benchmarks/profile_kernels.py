@@ -3,9 +3,10 @@
 The GPU machine has torch, whose profiler reads CUPTI's activity records for the whole
 process, so the kernels XLA launches for a jitted JAX function appear in it too. For each
 case this prints and saves (JSON in benchmarks/results/) one row per kernel name, plus
-the step's wall time, the summed kernel time and the span from the first kernel's start
-to the last kernel's end: wall >> span means the step waits on the host (launches,
-handler work), span >> summed kernels means gaps between kernels on the device.
+the step's wall time (a sync after each step), the summed kernel time, and, for steps
+dispatched back to back as the benchmarks do, the span per step from the first kernel's
+start to the last one's end and the idle device time between kernels (the largest gaps by
+kernel pair): span >> summed kernels means the device waits, on launches or handler work.
 
     python -m benchmarks.profile_kernels [--cases NAME ...] [--tag TAG]
 
@@ -181,15 +182,23 @@ def short_kernel_name(name: str) -> str:
 
 
 def profile(step, args, carry=None):
-  """(kernel rows, wall ms per step, summed kernel ms per step, span ms per step).
+  """(kernel rows, wall ms per step, summed kernel ms per step, span ms per step, gaps).
+
+  wall: host time per step with a sync after each. The profiled steps are dispatched back
+  to back with one sync at the end, as the benchmarks' chunks are: span is the device
+  time per step from the first kernel's start to the last one's end, and gaps lists the
+  idle device time between consecutive kernels, summed per (previous, next) kernel pair.
 
   carry(args, output) -> the next call's args, for steps that donate an argument."""
   import torch  # pylint: disable=g-import-not-at-top
   from torch.profiler import ProfilerActivity, profile as torch_profile  # pylint: disable=g-import-not-at-top
-  state = {"args": args}
+  state = {"args": args, "out": None}
 
-  def call():
-    out = jax.block_until_ready(step(*state["args"]))
+  def call(sync=True):
+    out = step(*state["args"])
+    if sync:
+      out = jax.block_until_ready(out)
+    state["out"] = out
     if carry is not None:
       state["args"] = carry(state["args"], out)
 
@@ -201,7 +210,8 @@ def profile(step, args, carry=None):
   wall_ms = (time.perf_counter() - start) * 1e3 / STEPS
   with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
     for _ in range(STEPS):
-      call()
+      call(sync=False)
+    jax.block_until_ready(state["out"])
     torch.cuda.synchronize()
   kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
   by_name: dict[str, list[float]] = {}
@@ -214,10 +224,18 @@ def profile(step, args, carry=None):
                 key=lambda row: -row["us_per_step"])
   total_ms = sum(row["us_per_step"] for row in rows) / 1e3
   span_ms = 0.0
+  gaps: dict[tuple[str, str], float] = collections.Counter()
   if kernels:
-    span_ms = (max(e.time_range.end for e in kernels)
-               - min(e.time_range.start for e in kernels)) / 1e3 / STEPS
-  return rows, wall_ms, total_ms, span_ms
+    ordered = sorted(kernels, key=lambda e: e.time_range.start)
+    span_ms = (max(e.time_range.end for e in kernels) - ordered[0].time_range.start) / 1e3 / STEPS
+    for before, after in zip(ordered, ordered[1:]):
+      idle = after.time_range.start - before.time_range.end
+      if idle > 0:
+        gaps[(short_kernel_name(before.name), short_kernel_name(after.name))] += idle / STEPS
+  gap_rows = [{"before": before, "after": after, "us_per_step": us}
+              for (before, after), us in gaps.most_common(12)]
+  return rows, wall_ms, total_ms, span_ms, {"gap_ms": sum(gaps.values()) / 1e3,
+                                            "largest": gap_rows}
 
 
 GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL " \
@@ -260,15 +278,19 @@ def main():
   for name in names:
     step, step_args, *carry = CASES[name]()
     graphs = command_buffer_summary(step, step_args)  # before donation consumes step_args
-    rows, wall_ms, total_ms, span_ms = profile(step, step_args, *carry)
+    rows, wall_ms, total_ms, span_ms, gaps = profile(step, step_args, *carry)
     print(f"\n== {name}: wall {wall_ms:.3f} ms/step, kernels {total_ms:.3f} ms, "
-          f"span {span_ms:.3f} ms, {sum(r['per_step'] for r in rows):.0f} kernels/step")
+          f"span {span_ms:.3f} ms (back to back), idle between kernels "
+          f"{gaps['gap_ms']:.3f} ms, {sum(r['per_step'] for r in rows):.0f} kernels/step")
     print(f"   custom calls in command buffers: {graphs['in_command_buffers']}; "
           f"eager: {graphs['eager']}")
     common.print_table([{**row, "kernel": short_kernel_name(row["kernel"])} for row in rows[:25]],
                        ["kernel", "per_step", "us_per_step"])
+    common.print_table(gaps["largest"], ["before", "after", "us_per_step"])
     results.append({"case": name, "wall_ms": wall_ms, "kernel_ms": total_ms,
-                    "span_ms": span_ms, "command_buffers": graphs, "kernels": rows})
+                    "span_ms": span_ms, "idle_ms": gaps["gap_ms"],
+                    "largest_idle": gaps["largest"], "command_buffers": graphs,
+                    "kernels": rows})
     del step, step_args
   common.write_results("profile_kernels", results, tag=args.tag,
                        xla_flags=os.environ.get("XLA_FLAGS", ""))

@@ -407,12 +407,28 @@ int MaxStages() {
   return stages;
 }
 
+// JAXFUSE_RMS_NORM_BWD_HOLD_SCALES=1 selects the staged backward that holds its gamma
+// scales in registers (a benchmark knob); read once.
+bool HoldScalesInBwd() {
+  static const bool hold = [] {
+    const char* value = std::getenv("JAXFUSE_RMS_NORM_BWD_HOLD_SCALES");
+    return value != nullptr && std::atoi(value) != 0;
+  }();
+  return hold;
+}
+
 // The stage count (2 to MaxStages) for rows of `row_bytes` over `streams` inputs, or 0
-// when two stages do not fit the shared-memory budget.
+// when two stages do not fit. The budget is kStagedMaxSharedBytes (two or more blocks per
+// SM); rows too wide for that (add_rms_norm and backward rows of 16384 bf16) take one
+// block per SM with up to the device's opt-in limit.
 int StagesFor(int64_t row_bytes, int streams) {
   const int64_t per_stage = row_bytes * streams;
-  const int64_t fit = (gpu::kStagedMaxSharedBytes - gpu::kStageBarrierBytes) / per_stage;
-  return fit < 2 ? 0 : static_cast<int>(std::min<int64_t>(fit, MaxStages()));
+  for (const int64_t budget : {static_cast<int64_t>(gpu::kStagedMaxSharedBytes),
+                               static_cast<int64_t>(gpu::MaxOptInSharedBytes())}) {
+    const int64_t fit = (budget - gpu::kStageBarrierBytes) / per_stage;
+    if (fit >= 2) return static_cast<int>(std::min<int64_t>(fit, MaxStages()));
+  }
+  return 0;
 }
 
 // Dynamic shared memory of a staged launch: the barriers, then `stages` x `streams` rows.
@@ -502,7 +518,9 @@ RmsNormStagedFwdKernel(const T* __restrict__ x, const T* residual, const G* __re
 // Backward: each block accumulates its dgamma partial sums for the kVecs vectors per
 // thread it owns (columns fixed across rows) in registers and writes them to row
 // blockIdx.x of the partials scratch (summed by DgammaReduceKernel).
-template <typename T, typename G, int kVecs, bool kAdd>
+// kHoldScales keeps this thread's gamma scales in registers for all its rows instead of
+// loading them (L1/L2) twice per row (JAXFUSE_RMS_NORM_BWD_HOLD_SCALES=1, a benchmark knob).
+template <typename T, typename G, int kVecs, bool kAdd, bool kHoldScales>
 __global__ void __launch_bounds__(kStagedMaxThreads)
 RmsNormStagedBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz,
                        const T* __restrict__ s, const G* __restrict__ gamma,
@@ -537,6 +555,23 @@ RmsNormStagedBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz,
   for (int v = 0; v < kVecs; ++v)
 #pragma unroll
     for (int k = 0; k < kElems; ++k) acc[v][k] = 0.0f;
+  float held[kHoldScales ? kVecs : 1][kElems];
+  if constexpr (kHoldScales) {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int64_t col = (static_cast<int64_t>(v) * blockDim.x + threadIdx.x) * kElems;
+      if (col < cols) LoadScales(gamma, col, zero_centered, held[v]);
+    }
+  }
+  // This thread's scales for vector v: held, or loaded for this use.
+  auto scales_of = [&](int v, int64_t col, float (&scale)[kElems]) {
+    if constexpr (kHoldScales) {
+#pragma unroll
+      for (int k = 0; k < kElems; ++k) scale[k] = held[v][k];
+    } else {
+      LoadScales(gamma, col, zero_centered, scale);
+    }
+  };
   int stage_index = 0;
   uint32_t phase = 0;
   for (int64_t i = 0; i < my_rows; ++i) {
@@ -552,7 +587,7 @@ RmsNormStagedBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz,
         const Pack<T> g = *reinterpret_cast<const Pack<T>*>(stage + col);
         const Pack<T> xv = *reinterpret_cast<const Pack<T>*>(stage + cols + col);
         float scale[kElems];
-        LoadScales(gamma, col, zero_centered, scale);
+        scales_of(v, col, scale);
 #pragma unroll
         for (int k = 0; k < kElems; ++k) {
           const float gy = ToF(g.v[k]);
@@ -570,7 +605,7 @@ RmsNormStagedBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz,
         const Pack<T> g = *reinterpret_cast<const Pack<T>*>(stage + col);
         const Pack<T> xv = *reinterpret_cast<const Pack<T>*>(stage + cols + col);
         float scale[kElems];
-        LoadScales(gamma, col, zero_centered, scale);
+        scales_of(v, col, scale);
         Pack<T> o;
 #pragma unroll
         for (int k = 0; k < kElems; ++k) {
@@ -757,7 +792,7 @@ ffi::Error LaunchFwd(cudaStream_t stream, const FwdArgs& a) {
     const auto kernel = &RmsNormStagedFwdKernel<T, G, kAdd>;
     const int threads = StagedThreads(a.cols / kElems);
     const int shared_bytes = StagedSharedBytes(stages, kAdd ? 2 : 1, a.cols * sizeof(T));
-    gpu::AllowStagedSharedMemory(reinterpret_cast<const void*>(kernel));
+    gpu::AllowStagedSharedMemory(reinterpret_cast<const void*>(kernel), shared_bytes);
     const int64_t blocks = std::min(
         a.rows, gpu::ResidentBlocks(reinterpret_cast<const void*>(kernel), threads, shared_bytes));
     kernel<<<blocks, threads, shared_bytes, stream>>>(x, r, g, out, nr, a.rsigma, a.rows, a.cols,
@@ -823,9 +858,10 @@ ffi::Error LaunchBwd(cudaStream_t stream, const BwdArgs& a) {
       switch (vecs_per_thread <= 1 ? 1 : vecs_per_thread <= 2 ? 2 : vecs_per_thread <= 4 ? 4 : 8) {
 #define JAXFUSE_CASE(V)                                                                    \
   case V: {                                                                                \
-    const auto kernel = &RmsNormStagedBwdKernel<T, G, V, kAdd>;                            \
+    const auto kernel = HoldScalesInBwd() ? &RmsNormStagedBwdKernel<T, G, V, kAdd, true>     \
+                                          : &RmsNormStagedBwdKernel<T, G, V, kAdd, false>;   \
     const void* key = reinterpret_cast<const void*>(kernel);                               \
-    gpu::AllowStagedSharedMemory(key);                                                     \
+    gpu::AllowStagedSharedMemory(key, shared_bytes);                                       \
     const int64_t blocks = std::min({a.rows, a.max_slots,                                  \
                                      gpu::ResidentBlocks(key, threads, shared_bytes)});    \
     slots_used = blocks;                                                                   \

@@ -56,17 +56,40 @@ __device__ __forceinline__ void WaitStage(uint64_t* barrier, uint32_t phase) {
   }
 }
 
-// Lets `kernel` use up to kStagedMaxSharedBytes of dynamic shared memory on the current
-// device (once per device and kernel).
-inline void AllowStagedSharedMemory(const void* kernel) {
+// The most dynamic shared memory one block may opt into on the current device (227 KB on
+// sm_90; 0 if the query fails), cached per device: the budget of kernels that run one
+// block per SM because two stages of their rows do not fit kStagedMaxSharedBytes.
+inline int MaxOptInSharedBytes() {
   static std::mutex mutex;
-  static std::map<std::pair<int, const void*>, bool> done;
+  static std::map<int, int> cache;
   int device = 0;
   cudaGetDevice(&device);
   std::lock_guard<std::mutex> lock(mutex);
-  if (done.emplace(std::make_pair(device, kernel), true).second) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         kStagedMaxSharedBytes);
+  if (auto it = cache.find(device); it != cache.end()) return it->second;
+  int bytes = 0;
+  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+      cudaSuccess) {
+    bytes = 0;
+  }
+  cudaGetLastError();  // a failed query must not surface as a later launch's error
+  cache.emplace(device, bytes);
+  return bytes;
+}
+
+// Lets `kernel` use at least `bytes` of dynamic shared memory on the current device (the
+// attribute only ever grows, so launches of one kernel with different sizes all fit).
+inline void AllowStagedSharedMemory(const void* kernel, int bytes = kStagedMaxSharedBytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, int> allowed;
+  int device = 0;
+  cudaGetDevice(&device);
+  std::lock_guard<std::mutex> lock(mutex);
+  int& current = allowed[std::make_pair(device, kernel)];
+  if (current < bytes) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) ==
+        cudaSuccess) {
+      current = bytes;
+    }
     cudaGetLastError();  // a failed call must not surface as a later launch's error
   }
 }

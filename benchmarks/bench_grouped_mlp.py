@@ -4,7 +4,9 @@ composition, in one process on one GPU.
 
 jaxfuse_fp8_* columns: the same op with recipe=Float8CurrentScaling(per_group=True)
 (quantization kernels included; FP8 forward GEMMs and dgrads, 16-bit wgrads), timed in
-alternating chunks with the bf16 op (common.time_alternating).
+alternating chunks with the bf16 op (common.time_alternating), after 2 s of warm-up; a
+chunk holds ~10 ms of calls (5 to 50, calls_per_sync), so that one sync's latency is not
+charged to a few short steps.
 
 Cases: the issue's T=65536, H=F=2048 and T=2048, H=F=1024 (the small one also with torch
 inside a CUDA graph; a jitted JAX step is already one executable), plus a token sweep at
@@ -76,11 +78,23 @@ def jax_fns(implementation, recipe=None):
   return {"fwd": jax.jit(forward), "fwd+bwd": jax.jit(forward_backward)}
 
 
+def calls_per_sync(tokens, hidden, ffn) -> int:
+  """Calls per timed chunk (one sync each): enough for ~10 ms of device time, 5 to 50.
+
+  A chunk's time includes one sync's latency (~0.3 ms for a jitted step on the H200); over
+  5 calls of a 0.2 ms step that would add 0.06 ms per call that a training loop, which
+  does not sync every few steps, never pays (the profile shows the device busy back to
+  back: profile_kernels_gaps_*_8040eb20.json, 0.198 ms per step at T=2048)."""
+  estimated_ms = mlp_api.flops(tokens, hidden, ffn) / 500e12 * 1e3  # forward + backward
+  return int(min(50, max(common.CHUNK, np.ceil(10.0 / estimated_ms))))
+
+
 def time_jax(tokens, hidden, ffn, calls, baseline_calls):
   """{impl: {pass: ms}} for jaxfuse (bf16 and FP8) and the ragged_dot composition.
 
   jaxfuse_fp8: recipe=Float8CurrentScaling(per_group=True), the quantization kernels
-  included (FP8 forward GEMMs and dgrads, 16-bit wgrads); FLOPs counted as for bf16."""
+  included (FP8 forward GEMMs and dgrads, 16-bit wgrads); FLOPs counted as for bf16.
+  jaxfuse runs `calls` rounds of alternating chunks of calls_per_sync calls."""
   working_set = 2 * (tokens * hidden * 2 + EXPERTS * hidden * ffn * 3)
   rotations = 3 if working_set < 2 * L2_BYTES else 1
   sizes = jnp.asarray(group_sizes(tokens))
@@ -90,11 +104,15 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls):
   # jaxfuse bf16 and FP8 in alternating chunks (common.time_alternating): the FP8 speedup
   # is a ratio of two runs that saw the same clocks.
   bf16_fns, fp8_fns = jax_fns("ffi"), jax_fns("ffi", FP8_RECIPE)
+  # Clocks settle under load first (the first timings of a fresh process ran 5-10% slow).
+  common.warm_up_device(bf16_fns["fwd+bwd"], *arg_sets[0], seconds=2.0)
+  chunk = calls_per_sync(tokens, hidden, ffn)
+  out["calls_per_sync"] = chunk
   for pass_name in bf16_fns:
     stats = common.time_alternating(
         {"jaxfuse": common.rotating(bf16_fns[pass_name], arg_sets),
          "jaxfuse_fp8": common.rotating(fp8_fns[pass_name], arg_sets)},
-        rounds=max(2, calls // common.CHUNK))
+        rounds=max(2, calls // common.CHUNK), chunk=chunk)
     for name, timing in stats.items():
       out[name][pass_name] = timing["median_ms"]
   for pass_name, fn in jax_fns("xla").items():  # ~15x slower: drift does not matter here
@@ -220,7 +238,8 @@ def rows_for(section, name, tokens, hidden, ffn, jax_times, torch_times):
     flops = mlp_api.flops(tokens, hidden, ffn, "swiglu", backward=pass_name == "fwd+bwd")
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12 if ms else None
     row = {"section": section, "case": name, "tokens": tokens, "hidden": hidden, "ffn": ffn,
-           "experts": EXPERTS, "pass": pass_name, "flops": flops}
+           "experts": EXPERTS, "pass": pass_name, "flops": flops,
+           "jaxfuse_calls_per_sync": jax_times.get("calls_per_sync")}
     for impl in ("jaxfuse", "jaxfuse_fp8", "ragged_dot"):
       row[f"{impl}_ms"] = jax_times[impl][pass_name]
       row[f"{impl}_tflops"] = tflops(row[f"{impl}_ms"])
@@ -250,7 +269,7 @@ def main():
   parser.add_argument("--no-sweep", action="store_true", help="the seed cases only")
   parser.add_argument("--tag", default="", help="suffix of the results file name")
   args = parser.parse_args()
-  calls = 5 if args.quick else 20
+  calls = 5 if args.quick else 40
   baseline_calls = 3 if args.quick else 10  # ragged_dot is G times the work
   rows = []
   for name, (tokens, hidden, ffn) in CASES.items():

@@ -270,9 +270,13 @@ def main():
   parser.add_argument("--cases", nargs="*", default=list(CASES), help="names in CASES")
   parser.add_argument("--tag", default="", help="suffix of the results file name")
   parser.add_argument("--quick", action="store_true", help="accepted for gpu_run.sh; no-op")
+  parser.add_argument("--steps", type=int, default=STEPS,
+                      help="profiled steps per case (more: a longer sustained load)")
   parser.add_argument("--with-graphs", action="store_true",
                       help=f"then profile the same cases again with XLA_FLAGS={GRAPH_FLAGS!r}")
   args = parser.parse_args()
+  global STEPS
+  STEPS = args.steps
   names = args.cases
   results = []
   for name in names:
@@ -297,6 +301,7 @@ def main():
   if args.with_graphs:
     flags = f"{os.environ.get('XLA_FLAGS', '')} {GRAPH_FLAGS}".strip()
     subprocess.run([sys.executable, "-m", "benchmarks.profile_kernels", "--tag", "graphs",
+                    "--steps", str(STEPS),
                     "--cases", *names], env=dict(os.environ, XLA_FLAGS=flags), check=True)
 
 

@@ -1,6 +1,6 @@
 """The benchmarks' timing helpers (benchmarks/common.py): alternation order, chained
-arguments, the wait on the last outputs, the paired ratio, and bench_grouped_linear's
-handling of a failing variant. Host-only: sleeps stand in for device work."""
+arguments, the wait on the last outputs, the paired ratio, the warm-up, the grouped MLP
+benchmark's chunk lengths, and bench_grouped_linear's handling of a failing variant. Host-only: sleeps stand in for device work."""
 
 from __future__ import annotations
 
@@ -45,6 +45,25 @@ def test_chunk_length_sets_the_calls_between_syncs():
   # One warm-up call, then two chunks of 7 calls, each ended by one wait.
   assert waits == [1, 8, 15]
   assert stats["a"]["calls"] == 14
+
+
+def test_warm_up_keeps_the_device_busy_once_per_process(monkeypatch):
+  monkeypatch.setattr(common, "_WARMED_UP", False)
+  calls = []
+  common.warm_up_device(lambda: calls.append(time.perf_counter()), seconds=0.05)
+  assert len(calls) >= 11 and calls[-1] - calls[0] >= 0.04  # busy for about `seconds`
+  first = len(calls)
+  common.warm_up_device(lambda: calls.append(time.perf_counter()), seconds=0.05)
+  assert len(calls) == first  # later scripts' calls in the same process add nothing
+
+
+def test_grouped_mlp_chunks_hold_about_ten_ms_of_calls():
+  from benchmarks import bench_grouped_mlp  # pylint: disable=g-import-not-at-top
+  large = bench_grouped_mlp.calls_per_sync(65536, 2048, 2048)
+  small = bench_grouped_mlp.calls_per_sync(2048, 1024, 1024)
+  middle = bench_grouped_mlp.calls_per_sync(4096, 2048, 2048)
+  assert large == common.CHUNK and small == 50
+  assert large < middle < small
 
 
 def test_alternating_times_and_paired_ratio():

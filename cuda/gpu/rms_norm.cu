@@ -22,7 +22,10 @@
 // bytes in flight than registers hold: on the H200 (9f7fea60) rms_norm fwd+bwd at
 // 65536 x 8192 bf16 1.92 -> 1.72 ms, add_rms_norm 3.92 -> 3.49 ms, 16384 x 8192 0.56 ->
 // 0.46 ms; the forwards within noise of the register kernels except wider rows (8192 x
-// 16384: 0.27 -> 0.21 ms).
+// 16384: 0.27 -> 0.21 ms). Rows whose two stages exceed 112 KB (add_rms_norm and the
+// backward at 16384 bf16) run one block per SM on the device's opt-in shared memory: at
+// 8192 x 16384 (8040eb20) add_rms_norm fwd 0.477 -> 0.322 ms, rms_norm fwd+bwd 0.645 ->
+// 0.464 ms, add_rms_norm fwd+bwd 0.947 -> 0.813 ms.
 //
 // Generic path (odd H, misaligned buffers, H beyond the register-resident capacity):
 // scalar loads, two passes over the row (the second pass mostly hits L2), the backward's
@@ -407,14 +410,19 @@ int MaxStages() {
   return stages;
 }
 
-// JAXFUSE_RMS_NORM_BWD_HOLD_SCALES=1 selects the staged backward that holds its gamma
-// scales in registers (a benchmark knob); read once.
-bool HoldScalesInBwd() {
-  static const bool hold = [] {
+// Whether the staged backward with `vecs_per_thread` vectors per thread holds its gamma
+// scales in registers. By default from 4 vectors (rows of 8192 bf16 up: 32 KB of fp32
+// gamma and more, which the L1 left beside the stages does not keep): on the H200
+// (8040eb20) rms_norm fwd+bwd at 65536 x 8192 1.558 -> 1.470 ms, add_rms_norm 2.405 ->
+// 2.231 ms, 8192 x 16384 0.464 -> 0.418 and 0.813 -> 0.604 ms; rows of 4096 (2 vectors)
+// were 5-9% slower held. JAXFUSE_RMS_NORM_BWD_HOLD_SCALES=0|1 forces it (a benchmark knob);
+// read once.
+bool HoldScalesInBwd(int64_t vecs_per_thread) {
+  static const int forced = [] {
     const char* value = std::getenv("JAXFUSE_RMS_NORM_BWD_HOLD_SCALES");
-    return value != nullptr && std::atoi(value) != 0;
+    return value == nullptr ? -1 : (std::atoi(value) != 0 ? 1 : 0);
   }();
-  return hold;
+  return forced >= 0 ? forced == 1 : vecs_per_thread >= 4;
 }
 
 // The stage count (2 to MaxStages) for rows of `row_bytes` over `streams` inputs, or 0
@@ -519,7 +527,7 @@ RmsNormStagedFwdKernel(const T* __restrict__ x, const T* residual, const G* __re
 // thread it owns (columns fixed across rows) in registers and writes them to row
 // blockIdx.x of the partials scratch (summed by DgammaReduceKernel).
 // kHoldScales keeps this thread's gamma scales in registers for all its rows instead of
-// loading them (L1/L2) twice per row (JAXFUSE_RMS_NORM_BWD_HOLD_SCALES=1, a benchmark knob).
+// loading them (L1/L2) twice per row (HoldScalesInBwd).
 template <typename T, typename G, int kVecs, bool kAdd, bool kHoldScales>
 __global__ void __launch_bounds__(kStagedMaxThreads)
 RmsNormStagedBwdKernel(const T* __restrict__ dy, const T* __restrict__ dz,
@@ -858,7 +866,7 @@ ffi::Error LaunchBwd(cudaStream_t stream, const BwdArgs& a) {
       switch (vecs_per_thread <= 1 ? 1 : vecs_per_thread <= 2 ? 2 : vecs_per_thread <= 4 ? 4 : 8) {
 #define JAXFUSE_CASE(V)                                                                    \
   case V: {                                                                                \
-    const auto kernel = HoldScalesInBwd() ? &RmsNormStagedBwdKernel<T, G, V, kAdd, true>     \
+    const auto kernel = HoldScalesInBwd(V) ? &RmsNormStagedBwdKernel<T, G, V, kAdd, true>    \
                                           : &RmsNormStagedBwdKernel<T, G, V, kAdd, false>;   \
     const void* key = reinterpret_cast<const void*>(kernel);                               \
     gpu::AllowStagedSharedMemory(key, shared_bytes);                                       \

@@ -79,14 +79,10 @@ def jax_fns(implementation, recipe=None):
 
 
 def calls_per_sync(tokens, hidden, ffn) -> int:
-  """Calls per timed chunk (one sync each): enough for ~10 ms of device time, 5 to 50.
-
-  A chunk's time includes one sync's latency (~0.3 ms for a jitted step on the H200); over
-  5 calls of a 0.2 ms step that would add 0.06 ms per call that a training loop, which
-  does not sync every few steps, never pays (the profile shows the device busy back to
-  back: profile_kernels_gaps_*_8040eb20.json, 0.198 ms per step at T=2048)."""
+  """Calls per timed chunk: ~10 ms of device time, 5 to 50 (common.calls_per_sync; at
+  T=2048 the device runs a step in 0.198 ms back to back, profile_kernels_gaps_*_8040eb20)."""
   estimated_ms = mlp_api.flops(tokens, hidden, ffn) / 500e12 * 1e3  # forward + backward
-  return int(min(50, max(common.CHUNK, np.ceil(10.0 / estimated_ms))))
+  return common.calls_per_sync(estimated_ms, most=50)
 
 
 def time_jax(tokens, hidden, ffn, calls, baseline_calls):

@@ -9,7 +9,8 @@ bandwidth measured at the start of the same run (and again at its end, to show d
 Goal: >= 85% of copy for the forward at 65536 x 8192 (XLA: 62% for add + RMSNorm on the
 H200).
 
-jaxfuse and XLA run in alternating chunks (common.time_alternating). Each call's new
+jaxfuse and XLA run in alternating chunks (common.time_alternating) of ~10 ms of calls
+(common.calls_per_sync, at least 5 calls). Each call's new
 residual is the next call's residual; the forward-only steps donate it (the in-place
 update), the forward + backward steps do not (as inside a training step, where the
 residual is an intermediate; see make_step). Inputs rotate across several sets where one
@@ -121,10 +122,14 @@ def main():
         if backward:
           moved += rms_api.bytes_moved(shape, dtype, add=add, backward=True)
         row["bytes"] = moved
+        # ~10 ms of calls per chunk (at 3 TB/s): one sync's latency is not charged to a
+        # few 0.1 ms calls.
+        chunk = common.calls_per_sync(moved / 3e12 * 1e3)
+        row["calls_per_sync"] = chunk
         stats = common.time_alternating(
             {label: variant(implementation, add, backward, xs, dys, dzs, gamma)
              for implementation, label in (("xla", "xla"), ("ffi", "jaxfuse"))},
-            rounds=rounds)
+            rounds=rounds, chunk=chunk)
         for label, timing in stats.items():
           tbps = moved / (timing["median_ms"] * 1e-3) / 1e12
           row[f"{label}_ms"] = timing["median_ms"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import math
 import os
 import pathlib
 import statistics
@@ -55,6 +56,18 @@ def time_fn(fn: Callable, args_per_call: Sequence[tuple], *, warmup: int = 3) ->
     times.append((time.perf_counter() - start) * 1e3 / len(chunk))
     del outputs
   return {"median_ms": statistics.median(times), "min_ms": min(times), "calls": len(timed)}
+
+
+def calls_per_sync(estimated_ms: float, *, target_ms: float = 10.0,
+                   most: int = 100) -> int:
+  """Calls per timed chunk for a step of about ``estimated_ms``: ~``target_ms`` of device
+  time, at least CHUNK and at most ``most``.
+
+  A chunk's time includes one sync's latency (for a jitted step on the H200 about 0.05 ms
+  for one custom call, ~0.3 ms for a grouped MLP step); over CHUNK calls of a 0.1-0.2 ms
+  step that is 10-60% of what is measured, a cost a training loop, which does not sync
+  every few steps, never pays."""
+  return int(min(most, max(CHUNK, math.ceil(target_ms / max(estimated_ms, 1e-6)))))
 
 
 def time_alternating(variants: dict[str, tuple], *, rounds: int = 12,

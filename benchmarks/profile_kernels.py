@@ -266,6 +266,7 @@ def command_buffer_summary(step, args) -> dict:
 
 
 def main():
+  global STEPS
   parser = argparse.ArgumentParser()
   parser.add_argument("--cases", nargs="*", default=list(CASES), help="names in CASES")
   parser.add_argument("--tag", default="", help="suffix of the results file name")
@@ -275,7 +276,6 @@ def main():
   parser.add_argument("--with-graphs", action="store_true",
                       help=f"then profile the same cases again with XLA_FLAGS={GRAPH_FLAGS!r}")
   args = parser.parse_args()
-  global STEPS
   STEPS = args.steps
   names = args.cases
   results = []

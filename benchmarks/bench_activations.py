@@ -11,7 +11,7 @@ Bandwidth counts the fewest bytes: every input read once and every output writte
 group's amax is needed before any of its elements is quantized: that caps frac_of_copy near
 5/9 at T=65536; frac_of_copy_traffic counts the second read. Inputs are rotated across calls
 when one set would fit in the 50 MB L2; jaxfuse and XLA run in alternating chunks
-(common.time_alternating).
+(common.time_alternating) of ~10 ms of calls (common.calls_per_sync).
 
 Run on the GPU:  python -m benchmarks.bench_activations [--quick]
 """
@@ -54,7 +54,7 @@ def main():
   parser.add_argument("--quick", action="store_true", help="fewer timed calls")
   parser.add_argument("--tag", default="", help="suffix of the results file name (sweeps)")
   args = parser.parse_args()
-  rounds = 2 if args.quick else 6  # alternating chunks of common.CHUNK calls per variant
+  rounds = 2 if args.quick else 6  # alternating chunks (common.calls_per_sync) per variant
   copy_tbps = common.copy_bandwidth_tbps()
   print(f"device copy bandwidth: {copy_tbps:.2f} TB/s")
   rows = []
@@ -80,14 +80,17 @@ def main():
       return ms
 
     def pair(op, ours, theirs, operands, num_bytes, traffic_bytes=None):
-      # XLA and jaxfuse in alternating chunks (common.time_alternating).
+      # XLA and jaxfuse in alternating chunks (common.time_alternating) of ~10 ms of calls
+      # (at 3 TB/s): one sync's latency is not charged to a few short calls.
+      chunk = common.calls_per_sync((traffic_bytes or num_bytes) / 3e12 * 1e3)
       stats = common.time_alternating({"xla": common.rotating(jax.jit(theirs), operands),
                                        "jaxfuse": common.rotating(jax.jit(ours), operands)},
-                                      rounds=rounds)
+                                      rounds=rounds, chunk=chunk)
       xla_ms = record(op, "xla", stats["xla"]["median_ms"], num_bytes,
                       traffic_bytes=traffic_bytes)
       record(op, "jaxfuse", stats["jaxfuse"]["median_ms"], num_bytes, xla_ms,
              traffic_bytes=traffic_bytes)
+      rows[-1]["calls_per_sync"] = rows[-2]["calls_per_sync"] = chunk
 
     fwd_args = [(x, s) for x, s, _ in sets]
     bwd_args = [(dy, x, s) for x, s, dy in sets]

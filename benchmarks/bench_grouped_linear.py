@@ -198,6 +198,7 @@ def main():
     sizes_array = jnp.asarray(sizes, jnp.int32)
     offsets = grouped_api.group_offsets(sizes_array)
     flops = 2 * m * K * N
+    gpu = common.GpuMonitor().start()  # clocks and power while this case runs
     gemms = jaxfuse_steps(x, w, dy, offsets)
     fp8 = fp8_steps(x, w, dy, offsets)
     torch_gemms = torch_variants(sizes, K, N)
@@ -237,13 +238,14 @@ def main():
         print(f"ragged_dot {name} {form} failed: {type(error).__name__}: {str(error)[:200]}")
         ragged[form] = None
     del x, w, dy, gemms, fp8
+    print(f"{name}: GPU during the case {gpu.stop()}", flush=True)
     tflops = lambda ms, passes=1: passes * flops / (ms * 1e-3) / 1e12 if ms else None  # noqa: E731
     for form in FORMS:
       jaxfuse_ms, torch_ms = times[form].get("jaxfuse"), times[form].get("torch")
       row = {"case": name, "groups": g, "rows": m, "K": K, "N": N, "form": form,
              "precision": "bf16", "jaxfuse_ms": jaxfuse_ms, "jaxfuse_tflops": tflops(jaxfuse_ms),
              "ragged_dot_ms": ragged[form], "ragged_dot_tflops": tflops(ragged[form]),
-             "torch_ms": torch_ms, "torch_tflops": tflops(torch_ms)}
+             "torch_ms": torch_ms, "torch_tflops": tflops(torch_ms), "gpu": gpu.summary}
       # The dense GEMM alternated with the forward, in the same chunks.
       case_dense_ms = times["fwd"].get("dense")
       row["dense_tflops"] = tflops(case_dense_ms)

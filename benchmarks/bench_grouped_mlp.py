@@ -269,9 +269,12 @@ def main():
   baseline_calls = 3 if args.quick else 10  # ragged_dot is G times the work
   rows = []
   for name, (tokens, hidden, ffn) in CASES.items():
-    jax_times = time_jax(tokens, hidden, ffn, calls, baseline_calls)
-    torch_times = time_torch(tokens, hidden, ffn, calls, graphs=tokens <= 4096)
-    rows += rows_for("case", name, tokens, hidden, ffn, jax_times, torch_times)
+    with common.GpuMonitor() as gpu:  # clocks and power: sustained GEMMs hit the power cap
+      jax_times = time_jax(tokens, hidden, ffn, calls, baseline_calls)
+      torch_times = time_torch(tokens, hidden, ffn, calls, graphs=tokens <= 4096)
+    case_rows = rows_for("case", name, tokens, hidden, ffn, jax_times, torch_times)
+    rows += [dict(row, gpu=gpu.summary) for row in case_rows]
+    print(f"{name}: GPU during the case {gpu.summary}", flush=True)
   sweep = [] if args.no_sweep else SWEEP_TOKENS[::2] if args.quick else SWEEP_TOKENS
   for tokens in sweep:
     if (tokens, SWEEP_HIDDEN, SWEEP_FFN) == CASES["T=65536 H=2048 F=2048"]:

@@ -79,9 +79,11 @@ def time_fp8(shapes, rounds) -> list[dict]:
     flops = 2 * tokens * features * features
     for backward in (False, True):
       row = {"tokens": tokens, "features": features, "pass": "fwd+bwd" if backward else "fwd"}
-      timing = time_pair({"xla_bf16": make_step("xla", backward),
-                          "jaxfuse_fp8": make_step("ffi", backward, FP8_RECIPE)},
-                         x, kernel, d_out, backward, rounds)
+      with common.GpuMonitor() as gpu:
+        timing = time_pair({"xla_bf16": make_step("xla", backward),
+                            "jaxfuse_fp8": make_step("ffi", backward, FP8_RECIPE)},
+                           x, kernel, d_out, backward, rounds)
+      row["gpu"] = gpu.summary
       for label, stats in timing.items():
         row[f"{label}_ms"] = stats["median_ms"]
         row[f"{label}_tflops"] = flops * (3 if backward else 1) / (stats["median_ms"] * 1e-3) / 1e12
@@ -104,9 +106,11 @@ def main():
     flops = 2 * tokens * features * features
     for backward in (False, True):
       row = {"tokens": tokens, "features": features, "pass": "fwd+bwd" if backward else "fwd"}
-      timing = time_pair({"xla": make_step("xla", backward),
-                          "jaxfuse": make_step("ffi", backward)},
-                         x, kernel, d_out, backward, rounds)
+      with common.GpuMonitor() as gpu:
+        timing = time_pair({"xla": make_step("xla", backward),
+                            "jaxfuse": make_step("ffi", backward)},
+                           x, kernel, d_out, backward, rounds)
+      row["gpu"] = gpu.summary
       for label, stats in timing.items():
         row[f"{label}_ms"] = stats["median_ms"]
         row[f"{label}_tflops"] = flops * (3 if backward else 1) / (stats["median_ms"] * 1e-3) / 1e12

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import time
@@ -190,6 +191,93 @@ def time_torch_ms(fn: Callable, calls: int, *, warmup: int = 3) -> float:
     end.synchronize()
     times.append(start.elapsed_time(end))
   return statistics.median(times)
+
+
+# nvidia-smi's clock event reason bits (clocks_event_reasons.active) that slow the clocks
+# down: what a benchmark's figures were measured under.
+_SLOWDOWN_BITS = {"power_cap": 0x4, "hw_slowdown": 0x8 | 0x100,
+                  "thermal": 0x20 | 0x40 | 0x80}
+_SMI_FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
+
+
+def summarize_gpu_samples(lines: Sequence[str]) -> dict[str, Any]:
+  """Summary of ``nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,
+  clocks_event_reasons.active --format=csv,noheader,nounits`` lines (the reasons column may
+  be missing): sample count, SM clock min/median (MHz), power median/max (W), peak
+  temperature (C), and the fraction of samples under each slowdown reason."""
+  clocks, powers, temperatures, reasons = [], [], [], []
+  for line in lines:
+    fields = [field.strip() for field in line.split(",")]
+    try:
+      clock, power, temperature = float(fields[0]), float(fields[1]), float(fields[2])
+    except (IndexError, ValueError):
+      continue  # a header, "[N/A]" or a partial line
+    clocks.append(clock)
+    powers.append(power)
+    temperatures.append(temperature)
+    if len(fields) > 3:
+      try:
+        reasons.append(int(fields[3], 16))
+      except ValueError:
+        pass
+  if not clocks:
+    return {}
+  summary = {"samples": len(clocks), "sm_clock_mhz_min": min(clocks),
+             "sm_clock_mhz_median": statistics.median(clocks),
+             "power_w_median": statistics.median(powers), "power_w_max": max(powers),
+             "temperature_c_max": max(temperatures)}
+  for name, bits in _SLOWDOWN_BITS.items():
+    if reasons:
+      summary[f"{name}_fraction"] = sum(1 for r in reasons if r & bits) / len(reasons)
+  return summary
+
+
+class GpuMonitor:
+  """Samples GPU ``index``'s SM clock, power, temperature and clock slowdown reasons with
+  nvidia-smi while the ``with`` block runs; ``summary`` (summarize_gpu_samples) is set on
+  exit, {} without nvidia-smi.
+
+  Sustained GEMM benchmarks on the H200 run at its 700 W power cap with the clocks below
+  their 1980 MHz boost (session 16, `results/logs/clocks_*`): a figure means little
+  without the clocks it was measured at."""
+
+  def __init__(self, interval_ms: int = 200, index: int = 0):
+    self.interval_ms, self.index = interval_ms, index
+    self.summary: dict[str, Any] = {}
+    self._process = None
+
+  def _command(self, fields) -> list[str]:
+    return ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
+            "-i", str(self.index)]
+
+  def __enter__(self):
+    return self.start()
+
+  def __exit__(self, *exc_info):
+    self.stop()
+    return False
+
+  def start(self) -> "GpuMonitor":
+    """Starts sampling (what ``with`` does on entry); returns self."""
+    if shutil.which("nvidia-smi") is None:
+      return self
+    fields = _SMI_FIELDS
+    probe = subprocess.run(self._command(fields), capture_output=True, text=True)
+    if probe.returncode != 0:  # an older driver without clocks_event_reasons
+      fields = _SMI_FIELDS[:3]
+    self._process = subprocess.Popen(self._command(fields) + ["-lms", str(self.interval_ms)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True)
+    return self
+
+  def stop(self) -> dict[str, Any]:
+    """Stops sampling (what ``with`` does on exit); returns and keeps ``summary``."""
+    if self._process is not None:
+      self._process.terminate()
+      output, _ = self._process.communicate(timeout=10)
+      self._process = None
+      self.summary = summarize_gpu_samples(output.splitlines())
+    return self.summary
 
 
 _WARMED_UP = False

@@ -4,6 +4,7 @@ benchmark's chunk lengths, and bench_grouped_linear's handling of a failing vari
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -55,6 +56,50 @@ def test_warm_up_keeps_the_device_busy_once_per_process(monkeypatch):
   first = len(calls)
   common.warm_up_device(lambda: calls.append(time.perf_counter()), seconds=0.05)
   assert len(calls) == first  # later scripts' calls in the same process add nothing
+
+
+def test_gpu_samples_summary_reads_nvidia_smi_lines():
+  # Lines as nvidia-smi --format=csv,noheader,nounits prints them (values from
+  # results/logs/clocks_2026-11-30_c515327a_s16call2.log), plus lines it must skip.
+  lines = ["1980, 129.67, 41, 0x0000000000000000",
+           "1485, 708.51, 55, 0x0000000000000004",
+           "1695, 683.68, 57, 0x0000000000000004",
+           "1965, 681.72, 57, 0x0000000000000044",
+           "[N/A], [N/A], 40, 0x0", "clocks.current.sm [MHz], power.draw [W]", ""]
+  summary = common.summarize_gpu_samples(lines)
+  assert summary["samples"] == 4
+  assert summary["sm_clock_mhz_min"] == 1485 and summary["sm_clock_mhz_median"] == 1830
+  assert summary["power_w_max"] == pytest.approx(708.51)
+  assert summary["temperature_c_max"] == 57
+  assert summary["power_cap_fraction"] == 0.75
+  assert summary["thermal_fraction"] == 0.25 and summary["hw_slowdown_fraction"] == 0.0
+  # Without the reasons column (older drivers): no fractions, the rest still there.
+  short = common.summarize_gpu_samples(["1980, 100.0, 40", "1700, 690.0, 50"])
+  assert short["samples"] == 2 and "power_cap_fraction" not in short
+  assert common.summarize_gpu_samples(["garbage"]) == {}
+
+
+def test_gpu_monitor_without_nvidia_smi_is_a_no_op(monkeypatch):
+  monkeypatch.setattr(common.shutil, "which", lambda name: None)
+  with common.GpuMonitor() as monitor:
+    pass
+  assert monitor.summary == {}
+
+
+def test_gpu_monitor_samples_while_the_block_runs(tmp_path, monkeypatch):
+  # A stand-in nvidia-smi: one line for the probe, then samples until terminated.
+  fake = tmp_path / "nvidia-smi"
+  fake.write_text("#!/bin/sh\n"
+                  "case \"$*\" in *-lms*) echo '1500, 700.0, 60, 0x4'; "
+                  "echo '1980, 300.0, 50, 0x0'; exec sleep 30;; esac\n"
+                  "echo '1980, 100.0, 40, 0x0'\n")
+  fake.chmod(0o755)
+  monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+  with common.GpuMonitor(interval_ms=50) as monitor:
+    time.sleep(0.3)
+  assert monitor.summary["samples"] == 2
+  assert monitor.summary["power_w_max"] == 700.0
+  assert monitor.summary["power_cap_fraction"] == 0.5
 
 
 def test_grouped_mlp_chunks_hold_about_ten_ms_of_calls():

@@ -4,6 +4,7 @@ gradients, in-place HLO, vmap, shard_map, errors."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -376,6 +377,24 @@ def test_fp8_runs_fp8_gemms_forward_and_backward():
   assert per_platform("jaxfuse_linear_scale_add_fp8") == 1
   assert per_platform("jaxfuse_scaled_matmul_fp8") == 2
   assert per_platform("jaxfuse_scaled_matmul") == 0
+
+
+def test_fp8_kernel_is_never_transposed_by_xla():
+  """The kernel's FP8 copies ([N, K] for the forward, [K, N] for the dgrad) come from one
+  quantizing pass: the compiled forward holds no transpose at all, and the backward only
+  the FP8 transposes of x and dy that the wgrad takes (M = 64, K = 128, N = 256)."""
+  x, kernel, residual = make_inputs(24, (64,), 128, 256, jnp.bfloat16)
+  forward = lambda x, k, r: jaxfuse.linear_scale_add(x, k, r, 0.5, recipe=FP8_RECIPE,
+                                                     implementation="ffi")
+  loss = lambda x, k, r: jnp.sum(forward(x, k, r).astype(jnp.float32))
+
+  def transposes(fn):
+    text = jax.jit(fn).lower(x, kernel, residual).compile().as_text()
+    return re.findall(r"= (\w+)\[([\d,]+)\]\{[^}]*\} transpose\(", text)
+
+  assert transposes(forward) == []
+  backward = sorted(transposes(jax.grad(loss, argnums=(0, 1))))
+  assert backward == [("f8e4m3fn", "128,64"), ("f8e5m2", "256,64")], backward
 
 
 def test_fp8_donated_residual_is_updated_in_place():

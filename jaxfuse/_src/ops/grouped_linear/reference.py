@@ -45,17 +45,11 @@ def quantize_experts_t(kernel: jax.Array, recipe, implementation: str,
   same FP8 values as [G, K, N] (the layout the FP8 dgrad takes), from the same pass.
   """
   from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
-  from jaxfuse._src.ops.quantize import sharding as quantize_sharding  # pylint: disable=g-import-not-at-top
   groups, _, n = kernel.shape
   if implementation == "ffi":
-    # The per-expert amax by XLA (one read of the kernel; NaN counts as 0, as in every
-    # quantize kernel), then one kernel pass that transposes and quantizes with it: the
-    # same values as the path below, without XLA's transpose and the second amax pass.
-    magnitude = jnp.abs(kernel).astype(jnp.float32)
-    amax = jnp.max(jnp.where(jnp.isnan(magnitude), 0.0, magnitude), axis=(1, 2), initial=0.0)
-    data, scale_inv, straight = quantize_sharding.quantize_transposed(
-        kernel, amax, fmt=recipe.forward_format, untransposed=untransposed)
-    return (data, scale_inv, straight) if untransposed else (data, scale_inv)
+    # The same values as the path below, without XLA's transpose and a second amax pass.
+    return quantize_api.quantize_batches_transposed(kernel, recipe.forward_format,
+                                                    untransposed=untransposed)
   # [G, N, K] quantized as G * N rows (no reshape, so a sharded N stays sharded).
   kernel_t = jnp.swapaxes(kernel, 1, 2)
   q = quantize_api.quantize(kernel_t, recipe, group_offsets=expert_offsets(groups, n),

@@ -102,30 +102,36 @@ def _quantize(value, recipe, role):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _linear_scale_add_fp8(x, kernel, residual, alpha, recipe, varying_axes):
-  out, _ = _fp8_forward(x, kernel, residual, alpha, recipe, varying_axes)
+  out, _ = _fp8_forward(x, kernel, residual, alpha, recipe, varying_axes, for_backward=False)
   return out
 
 
-def _fp8_forward(x, kernel, residual, alpha, recipe, varying_axes):
+def _fp8_forward(x, kernel, residual, alpha, recipe, varying_axes, for_backward=True):
   del varying_axes
+  from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
   k = kernel.shape[0]
-  # E4M3 with one scale per tensor; the kernel goes in transposed ([N, K], K-major).
+  # E4M3 with one scale per tensor. The kernel goes in transposed ([N, K], K-major) from
+  # one quantizing pass, which also writes the [K, N] copy the dgrad takes when a backward
+  # follows (no transpose of the bf16 kernel here, none of the FP8 one there).
   x_fp8, x_scale_inv = _quantize(x.reshape(-1, k), recipe, "forward")
-  kernel_t_fp8, kernel_scale_inv = _quantize(kernel.T, recipe, "forward")
-  out = sharding.linear_scale_add_fp8(x_fp8.reshape(x.shape), kernel_t_fp8, residual,
+  kernel_t_fp8, kernel_scale_inv, *kernel_fp8 = quantize_api.quantize_batches_transposed(
+      kernel[None], recipe.forward_format, untransposed=for_backward)
+  out = sharding.linear_scale_add_fp8(x_fp8.reshape(x.shape), kernel_t_fp8[0], residual,
                                       x_scale_inv, kernel_scale_inv, alpha=alpha,
                                       fast_accumulation=recipe.forward_fast_accumulation)
-  saved = (x_fp8, x_scale_inv, kernel_t_fp8, kernel_scale_inv,
+  if not for_backward:
+    return out, None
+  saved = (x_fp8, x_scale_inv, kernel_fp8[0][0], kernel_scale_inv,
            jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
   return out, saved
 
 
 def _fp8_backward(alpha, recipe, varying_axes, saved, d_out):
-  x_fp8, x_scale_inv, kernel_t_fp8, kernel_scale_inv, x_like, kernel_like = saved
-  n, k = kernel_t_fp8.shape
+  x_fp8, x_scale_inv, kernel_fp8, kernel_scale_inv, x_like, kernel_like = saved
+  k, n = kernel_fp8.shape
   # Gradients in E5M2; split (non-fast) accumulation in both backward GEMMs, as TE does.
   dy_fp8, dy_scale_inv = _quantize(d_out.reshape(-1, n), recipe, "gradient")
-  d_x = sharding.scaled_matmul_fp8(dy_fp8, kernel_t_fp8.T, dy_scale_inv, kernel_scale_inv,
+  d_x = sharding.scaled_matmul_fp8(dy_fp8, kernel_fp8, dy_scale_inv, kernel_scale_inv,
                                    alpha=alpha, out_dtype=x_like.dtype)
   d_kernel = sharding.scaled_matmul_fp8(x_fp8.T, dy_fp8.T, x_scale_inv, dy_scale_inv,
                                         alpha=alpha, out_dtype=kernel_like.dtype)

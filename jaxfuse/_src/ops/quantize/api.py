@@ -109,6 +109,24 @@ def quantize(x: jax.Array, recipe, *, group_sizes=None, group_offsets=None,
   return _wrap(data, scale_inv, offsets, recipe, scaling_mode, block, x.dtype, role)
 
 
+def quantize_batches_transposed(x: jax.Array, fmt: str, *, untransposed: bool = False):
+  """Current scaling of each batch of x [B, R, C] (bf16/f16/f32), written transposed.
+
+  Returns (data [B, C, R] FP8 in ``fmt``, scale_inv float32 [B]) and, with
+  ``untransposed``, a third result: the same FP8 values in x's layout [B, R, C]. Batch b
+  gets one scale from its own amax, computed by XLA (one read of x; NaN counts as 0, as
+  in every quantize kernel); then one kernel pass quantizes and transposes with it. The
+  values equal quantizing each transposed batch with per-tensor current scaling, without
+  XLA's transpose of x or a second amax pass. The FP8 weights of the GEMMs come from here:
+  [N, K] (K-major) for the forward, [K, N] for the dgrad.
+  """
+  magnitude = jnp.abs(x).astype(jnp.float32)
+  amax = jnp.max(jnp.where(jnp.isnan(magnitude), 0.0, magnitude), axis=(1, 2), initial=0.0)
+  data, scale_inv, straight = sharding.quantize_transposed(x, amax, fmt=fmt,
+                                                           untransposed=untransposed)
+  return (data, scale_inv, straight) if untransposed else (data, scale_inv)
+
+
 def dequantize(q: recipes.QuantizedArray) -> jax.Array:
   """data * scale_inv in q's original dtype (pure jnp; XLA fuses it into its consumer)."""
   if not isinstance(q, recipes.QuantizedArray):

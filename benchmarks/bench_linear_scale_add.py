@@ -97,11 +97,12 @@ def time_fp8(shapes, rounds) -> list[dict]:
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true", help="two small shapes, few calls")
+  parser.add_argument("--fp8-only", action="store_true", help="the FP8 rows alone")
   args = parser.parse_args()
   shapes = SHAPES[:2] if args.quick else SHAPES
   rounds = 2 if args.quick else 12  # chunks per variant, alternating (common.CHUNK calls)
   rows = []
-  for tokens, features in shapes:
+  for tokens, features in ([] if args.fp8_only else shapes):
     x, kernel, d_out = operands(tokens, features, tokens + features)
     flops = 2 * tokens * features * features
     for backward in (False, True):
@@ -118,10 +119,12 @@ def main():
       row["paired_speedup"] = timing["jaxfuse"]["paired_speedup_vs_xla"]
       rows.append(row)
       print(row, flush=True)
-  common.print_table(rows, ["tokens", "features", "pass", "jaxfuse_ms", "xla_ms",
-                            "jaxfuse_tflops", "xla_tflops", "speedup_vs_xla", "paired_speedup"])
-  common.write_results("linear_scale_add", rows, alpha=ALPHA, dtype="bfloat16",
-                       baseline="XLA lowering of residual + alpha * (x @ kernel) in bf16, same run")
+  if rows:
+    common.print_table(rows, ["tokens", "features", "pass", "jaxfuse_ms", "xla_ms",
+                              "jaxfuse_tflops", "xla_tflops", "speedup_vs_xla", "paired_speedup"])
+    common.write_results("linear_scale_add", rows, alpha=ALPHA, dtype="bfloat16",
+                         baseline="XLA lowering of residual + alpha * (x @ kernel) in bf16, "
+                                  "same run")
   fp8_rows = time_fp8(FP8_SHAPES[:1] if args.quick else FP8_SHAPES, rounds)
   common.print_table(fp8_rows, ["tokens", "features", "pass", "jaxfuse_fp8_ms", "xla_bf16_ms",
                                 "jaxfuse_fp8_tflops", "fp8_speedup_vs_xla_bf16", "paired_speedup"])

@@ -7,7 +7,10 @@ quantization (per-group current scaling, 1x128 block scaling, MXFP8); the backwa
 with quantization of dx (per-group current scaling, E5M2).
 
 Bandwidth counts the fewest bytes: every input read once and every output written once
-(frac_of_copy, the issue's measure). Current scaling must read x (and dy) twice, since a
+(frac_of_copy, the issue's measure). kernel_ms / kernel_frac_of_copy: the same from the
+kernels' device time (CUPTI through torch.profiler, chunk-long runs of each variant back
+to back; kernels only, overlaps once), which at T=2048 is what the kernels do rather
+than a jitted call's dispatch; span_ms adds the idle gaps between them. Current scaling must read x (and dy) twice, since a
 group's amax is needed before any of its elements is quantized: that caps frac_of_copy near
 5/9 at T=65536; frac_of_copy_traffic counts the second read. Inputs are rotated across calls
 when one set would fit in the 50 MB L2; jaxfuse and XLA run in alternating chunks
@@ -68,10 +71,13 @@ def main():
     offsets = jaxfuse.group_offsets(sizes)
     x_bytes, s_bytes, dy_bytes = t * w * 2, t * 4, t * f * 2
 
-    def record(op, impl, ms, num_bytes, baseline_ms=None, traffic_bytes=None):
+    def record(op, impl, ms, num_bytes, baseline_ms=None, traffic_bytes=None, device=None):
       tbps = num_bytes / (ms * 1e-3) / 1e12
       row = dict(T=t, two_F=w, op=op, impl=impl, median_ms=ms, TBps=tbps,
                  frac_of_copy=tbps / copy_tbps)
+      if device:  # the kernels' own time (CUPTI), without dispatch
+        row["kernel_ms"], row["span_ms"] = device["kernel_ms"], device["span_ms"]
+        row["kernel_frac_of_copy"] = num_bytes / (device["kernel_ms"] * 1e-3) / 1e12 / copy_tbps
       if traffic_bytes is not None:  # what the two-pass algorithm must move at least
         row["frac_of_copy_traffic"] = traffic_bytes / (ms * 1e-3) / 1e12 / copy_tbps
       if baseline_ms is not None:
@@ -83,13 +89,16 @@ def main():
       # XLA and jaxfuse in alternating chunks (common.time_alternating) of ~10 ms of calls
       # (at 3 TB/s): one sync's latency is not charged to a few short calls.
       chunk = common.calls_per_sync((traffic_bytes or num_bytes) / 3e12 * 1e3)
-      stats = common.time_alternating({"xla": common.rotating(jax.jit(theirs), operands),
-                                       "jaxfuse": common.rotating(jax.jit(ours), operands)},
-                                      rounds=rounds, chunk=chunk)
+      variants = {"xla": common.rotating(jax.jit(theirs), operands),
+                  "jaxfuse": common.rotating(jax.jit(ours), operands)}
+      stats = common.time_alternating(variants, rounds=rounds, chunk=chunk)
+      # Device time too: host time is dispatch-bound for the T=2048 calls.
+      device = {name: common.device_time_per_call(variant, chunk)
+                for name, variant in variants.items()}
       xla_ms = record(op, "xla", stats["xla"]["median_ms"], num_bytes,
-                      traffic_bytes=traffic_bytes)
+                      traffic_bytes=traffic_bytes, device=device["xla"])
       record(op, "jaxfuse", stats["jaxfuse"]["median_ms"], num_bytes, xla_ms,
-             traffic_bytes=traffic_bytes)
+             traffic_bytes=traffic_bytes, device=device["jaxfuse"])
       rows[-1]["calls_per_sync"] = rows[-2]["calls_per_sync"] = chunk
 
     fwd_args = [(x, s) for x, s, _ in sets]
@@ -143,7 +152,8 @@ def main():
          fewest + dy_bytes + x_bytes + s_bytes)
 
   common.print_table(rows, ["T", "two_F", "op", "impl", "median_ms", "TBps", "frac_of_copy",
-                            "frac_of_copy_traffic", "speedup_vs_xla"])
+                            "frac_of_copy_traffic", "speedup_vs_xla", "kernel_ms",
+                            "kernel_frac_of_copy"])
   common.write_results("activations", rows, tag=args.tag, copy_bandwidth_TBps=copy_tbps,
                        groups=GROUPS, dtype="bfloat16")
 

@@ -163,6 +163,57 @@ def kernel_times_alternating(variants: dict[str, tuple], owner: Callable[[str], 
   return {name: total / calls / 1e3 for name, total in totals.items()}
 
 
+def summarize_kernel_events(events: Sequence[tuple[float, float]], calls: int) -> dict:
+  """Device time per call from (start_us, end_us) kernel intervals of ``calls`` calls run
+  back to back: ``kernel_ms`` sums the kernels (overlaps counted once), ``span_ms`` spans
+  the first start to the last end (idle gaps between kernels included). {} without
+  events."""
+  if not events or calls <= 0:
+    return {}
+  ordered = sorted(events)
+  busy, (current_start, current_end) = 0.0, ordered[0]
+  for start, end in ordered[1:]:
+    if start > current_end:
+      busy += current_end - current_start
+      current_start, current_end = start, end
+    else:
+      current_end = max(current_end, end)
+  busy += current_end - current_start
+  span = max(end for _, end in ordered) - ordered[0][0]
+  return {"kernel_ms": busy / calls / 1e3, "span_ms": span / calls / 1e3}
+
+
+def device_time_per_call(variant: tuple, calls: int) -> dict:
+  """Device time per call of one ``time_alternating`` variant, its calls dispatched back
+  to back with one sync at the end, from CUPTI's activity records through torch.profiler
+  (every kernel of the process, XLA's and jaxfuse's alike): summarize_kernel_events.
+  {} without torch or a CUDA device.
+
+  Host timing of a call that moves a few MB measures the dispatch of a jitted call
+  (~40 us on the H200), not the kernels; this measures the kernels."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top  (torch is optional)
+    from torch.profiler import ProfilerActivity, profile  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return {}
+  if not torch.cuda.is_available():
+    return {}
+  fn, args, advance, *rest = variant
+  wait = rest[0] if rest else jax.block_until_ready
+  outputs = fn(*args)  # warm: compiled, buffers allocated
+  wait(outputs)
+  args = advance(args, outputs)
+  with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for _ in range(calls):
+      outputs = fn(*args)
+      args = advance(args, outputs)
+    wait(outputs)
+    torch.cuda.synchronize()
+  events = [(event.time_range.start, event.time_range.end) for event in prof.events()
+            if event.device_type == torch.autograd.DeviceType.CUDA]
+  return summarize_kernel_events(events, calls)
+
+
 def keep_args(args, outputs):
   """``advance`` for time_alternating when the arguments are reused unchanged."""
   del outputs

@@ -102,6 +102,26 @@ def test_gpu_monitor_samples_while_the_block_runs(tmp_path, monkeypatch):
   assert monitor.summary["power_cap_fraction"] == 0.5
 
 
+def test_kernel_events_summary_counts_overlaps_once_and_spans_gaps():
+  # Two calls: kernels [0, 10) and [5, 12) overlap (12 us busy), a gap, then [20, 30).
+  events = [(20.0, 30.0), (0.0, 10.0), (5.0, 12.0)]
+  summary = common.summarize_kernel_events(events, calls=2)
+  assert summary["kernel_ms"] == pytest.approx(22.0 / 2 / 1e3)
+  assert summary["span_ms"] == pytest.approx(30.0 / 2 / 1e3)
+  assert common.summarize_kernel_events([], calls=2) == {}
+
+
+def test_device_time_needs_torch_and_cuda():
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    if torch.cuda.is_available():
+      pytest.skip("a CUDA device is visible: the GPU runs measure this")
+  except ImportError:
+    pass
+  variant = (lambda: None, (), common.keep_args, lambda _: None)
+  assert common.device_time_per_call(variant, calls=3) == {}
+
+
 def test_grouped_mlp_chunks_hold_about_ten_ms_of_calls():
   from benchmarks import bench_grouped_mlp  # pylint: disable=g-import-not-at-top
   large = bench_grouped_mlp.calls_per_sync(65536, 2048, 2048)

@@ -7,14 +7,16 @@ quantization (per-group current scaling, 1x128 block scaling, MXFP8); the backwa
 with quantization of dx (per-group current scaling, E5M2).
 
 Bandwidth counts the fewest bytes: every input read once and every output written once
-(frac_of_copy, the issue's measure). kernel_ms / kernel_frac_of_copy: the same from the
-kernels' device time (CUPTI through torch.profiler, chunk-long runs of each variant back
-to back; kernels only, overlaps once), which at T=2048 is what the kernels do rather
-than a jitted call's dispatch; span_ms adds the idle gaps between them. Current scaling must read x (and dy) twice, since a
+(frac_of_copy, the issue's measure). Current scaling must read x (and dy) twice, since a
 group's amax is needed before any of its elements is quantized: that caps frac_of_copy near
 5/9 at T=65536; frac_of_copy_traffic counts the second read. Inputs are rotated across calls
 when one set would fit in the 50 MB L2; jaxfuse and XLA run in alternating chunks
 (common.time_alternating) of ~10 ms of calls (common.calls_per_sync).
+
+kernel_ms / kernel_frac_of_copy: the same from the kernels' device time (CUPTI through
+torch.profiler, chunk-long runs of each variant back to back; kernels only, overlaps
+once), which at T=2048 is what the kernels do rather than a jitted call's dispatch;
+span_ms adds the idle gaps between them.
 
 Run on the GPU:  python -m benchmarks.bench_activations [--quick]
 """

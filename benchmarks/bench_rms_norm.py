@@ -129,8 +129,10 @@ def main():
         chunk = common.calls_per_sync(moved / 3e12 * 1e3)
         row["calls_per_sync"] = chunk
         implementations = {"xla": "xla", "jaxfuse": "ffi"}
-        make = lambda label: variant(implementations[label], add, backward, xs, dys, dzs,  # noqa: E731
-                                     gamma)
+
+        def make(label):
+          return variant(implementations[label], add, backward, xs, dys, dzs, gamma)
+
         stats = common.time_alternating({label: make(label) for label in implementations},
                                         rounds=rounds, chunk=chunk)
         for label, timing in stats.items():

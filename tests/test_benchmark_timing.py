@@ -1,6 +1,7 @@
 """The benchmarks' timing helpers (benchmarks/common.py): alternation order, chained
-arguments, the wait on the last outputs, the paired ratio, the warm-up, the grouped MLP
-benchmark's chunk lengths, and bench_grouped_linear's handling of a failing variant. Host-only: sleeps stand in for device work."""
+arguments, the wait on the last outputs, the paired ratio, the warm-up, the chunk lengths,
+the GPU monitor and the kernel-time summary, and bench_grouped_linear's handling of a
+failing variant. Host-only: sleeps and stand-ins replace device work."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxfuse._src.ops.linear_scale_add.api import linear_scale_add
 from jaxfuse._src.ops.rms_norm.api import add_rms_norm
@@ -88,6 +89,196 @@ class RMSNorm(nn.Module):
                         implementation=self.implementation)
 
 
+# --- tensor-parallel layers (issue 6) -------------------------------------------------
+#
+# Each runs inside ``jax.shard_map`` over ``axis_name`` and owns this device's parameter
+# shards: ``init`` inside shard_map creates local shapes, the kernels drawn with the key
+# folded with the device's axis index (so shards differ). Outside shard_map the global
+# parameters are the shards concatenated along the sharded dimension; LAYER_SPECS gives
+# their PartitionSpecs for shard_map's in_specs/out_specs.
+
+
+def _shard_init(kernel_init: Initializer, axis_name):
+  """kernel_init with the key folded with this device's index along axis_name."""
+
+  def init(key, shape, dtype):
+    return kernel_init(jax.random.fold_in(key, jax.lax.axis_index(axis_name)), shape, dtype)
+
+  return init
+
+
+def _features_shard(features: int, axis_name) -> int:
+  """features / tp, or a ValueError naming both."""
+  tp = parallel_layers.tensor_parallel_size(axis_name)
+  if features % tp:
+    raise ValueError(f"features ({features}) must be divisible by the tensor-parallel size "
+                     f"tp={tp} (mesh axis {axis_name!r})")
+  return features // tp
+
+
+def layer_specs(layer: str, axis_name="tp") -> dict[str, Any]:
+  """PartitionSpecs of a tensor-parallel layer module's global parameters, by name:
+  column-parallel kernels split by columns, row-parallel by rows, norm scales
+  replicated. ``layer``: the module's class name."""
+  column, row, replicated = P(None, axis_name), P(axis_name, None), P()
+  return {"ColumnParallelLinear": {"kernel": column},
+          "RowParallelLinear": {"kernel": row},
+          "RMSNormColumnParallelLinear": {"scale": replicated, "kernel": column},
+          "RowParallelResidualRMSNorm": {"scale": replicated}}[layer]
+
+
+class ColumnParallelLinear(nn.Module):
+  """``jaxfuse.parallel.column_parallel_linear`` owning its kernel shard [H, features/tp].
+
+  Called as ``module(x)`` or ``module(x, residual)`` (-> residual + alpha * x @ kernel,
+  the fused in-place GEMM). x: the sequence-parallel shard [S/tp, ..., H] (all-gathered
+  first), or the full [S, ..., H] with ``gather_input=False``.
+
+  Attributes:
+    features: N, the output size over all devices (divisible by tp).
+    axis_name: the tensor-parallel mesh axis.
+    gather_input: all-gather x along the sequence first.
+    alpha: the residual form's scale.
+    inference: forward kernels only (see ``jaxfuse.parallel.layers``).
+    dtype: compute dtype (default: x's); the kernel is cast to it.
+    param_dtype: parameter dtype.
+    kernel_init: initializer of the kernel shards.
+    implementation: None, "ffi" or "xla" for the fused GEMM.
+
+  Raises:
+    ValueError: features not divisible by tp (and the layer's own errors).
+  """
+
+  features: int
+  axis_name: str = "tp"
+  gather_input: bool = True
+  alpha: float = 1.0
+  inference: bool = False
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Initializer = default_kernel_init
+  implementation: str | None = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array, residual: jax.Array | None = None) -> jax.Array:
+    shape = (jnp.shape(x)[-1], _features_shard(self.features, self.axis_name))
+    kernel = self.param("kernel", _shard_init(self.kernel_init, self.axis_name), shape,
+                        self.param_dtype)
+    dtype = self.dtype or x.dtype
+    return parallel_layers.column_parallel_linear(
+        x.astype(dtype), kernel.astype(dtype), axis_name=self.axis_name,
+        gather_input=self.gather_input, residual=residual, alpha=self.alpha,
+        inference=self.inference, implementation=self.implementation)
+
+
+class RowParallelLinear(nn.Module):
+  """``jaxfuse.parallel.row_parallel_linear`` owning its kernel shard [K/tp, features].
+
+  Called as ``module(x_shard)`` or ``module(x_shard, residual)`` (residual added in fp32
+  after the reduction, never inside the GEMM). x_shard: [S, ..., K/tp], this device's
+  input features.
+
+  Attributes:
+    features: N, the output size.
+    axis_name: the tensor-parallel mesh axis.
+    reduce: "scatter" (sequence-parallel output [S/tp, ..., N]) or "all" (decode).
+    inference, dtype, param_dtype, kernel_init: as in ColumnParallelLinear.
+  """
+
+  features: int
+  axis_name: str = "tp"
+  reduce: str = "scatter"
+  inference: bool = False
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Initializer = default_kernel_init
+
+  @nn.compact
+  def __call__(self, x_shard: jax.Array, residual: jax.Array | None = None) -> jax.Array:
+    shape = (jnp.shape(x_shard)[-1], self.features)
+    kernel = self.param("kernel", _shard_init(self.kernel_init, self.axis_name), shape,
+                        self.param_dtype)
+    dtype = self.dtype or x_shard.dtype
+    return parallel_layers.row_parallel_linear(
+        x_shard.astype(dtype), kernel.astype(dtype), axis_name=self.axis_name,
+        reduce=self.reduce, residual=residual, inference=self.inference)
+
+
+class RMSNormColumnParallelLinear(nn.Module):
+  """``jaxfuse.parallel.rms_norm_column_parallel_linear``: RMSNorm of the sequence shard,
+  all-gather, column-parallel kernel. Parameters: ``scale`` [H] (replicated; ones, or
+  zeros when ``zero_centered_gamma``) and the kernel shard [H, features/tp].
+
+  Attributes:
+    features, axis_name, gather_input, inference, dtype, param_dtype, kernel_init: as in
+      ColumnParallelLinear.
+    epsilon, zero_centered_gamma: as in RMSNorm.
+    implementation: None, "ffi" or "xla" for the norm.
+  """
+
+  features: int
+  axis_name: str = "tp"
+  epsilon: float = 1e-6
+  zero_centered_gamma: bool = False
+  gather_input: bool = True
+  inference: bool = False
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Initializer = default_kernel_init
+  implementation: str | None = None
+
+  @nn.compact
+  def __call__(self, x_shard: jax.Array) -> jax.Array:
+    hidden = jnp.shape(x_shard)[-1]
+    init = nn.initializers.zeros if self.zero_centered_gamma else nn.initializers.ones
+    gamma = self.param("scale", init, (hidden,), self.param_dtype)
+    kernel = self.param("kernel", _shard_init(self.kernel_init, self.axis_name),
+                        (hidden, _features_shard(self.features, self.axis_name)),
+                        self.param_dtype)
+    x_shard = x_shard.astype(self.dtype or x_shard.dtype)
+    return parallel_layers.rms_norm_column_parallel_linear(
+        x_shard, _gamma_for(x_shard, gamma), kernel.astype(x_shard.dtype),
+        axis_name=self.axis_name, eps=self.epsilon,
+        zero_centered_gamma=self.zero_centered_gamma, gather_input=self.gather_input,
+        inference=self.inference, implementation=self.implementation)
+
+
+class RowParallelResidualRMSNorm(nn.Module):
+  """The fused row-parallel tail, ``jaxfuse.parallel.row_parallel_residual_rms_norm``:
+  reduce -> add residual -> RMSNorm with this module's ``scale`` [H] (the next layer's
+  norm weight, replicated) -> all-gather.
+
+  Called as ``module(y_partial, residual_shard)`` -> (new residual shard, normalized
+  activations), with y_partial [S, ..., H] this device's partial product.
+
+  Attributes:
+    axis_name, epsilon, zero_centered_gamma, inference, param_dtype, implementation: as
+      above.
+    reduce: "scatter" or "all".
+    gather_output: all-gather the normalized shard (reduce="scatter").
+  """
+
+  axis_name: str = "tp"
+  epsilon: float = 1e-6
+  zero_centered_gamma: bool = False
+  reduce: str = "scatter"
+  gather_output: bool = True
+  inference: bool = False
+  param_dtype: Any = jnp.float32
+  implementation: str | None = None
+
+  @nn.compact
+  def __call__(self, y_partial: jax.Array, residual_shard: jax.Array):
+    init = nn.initializers.zeros if self.zero_centered_gamma else nn.initializers.ones
+    gamma = self.param("scale", init, (jnp.shape(y_partial)[-1],), self.param_dtype)
+    return parallel_layers.row_parallel_residual_rms_norm(
+        y_partial, residual_shard, _gamma_for(residual_shard, gamma),
+        axis_name=self.axis_name, eps=self.epsilon,
+        zero_centered_gamma=self.zero_centered_gamma, reduce=self.reduce,
+        gather_output=self.gather_output, inference=self.inference,
+        implementation=self.implementation)
+
+
 class TensorParallelTransformerBlock(nn.Module):
   """A Megatron-style tensor-parallel pre-norm transformer block; runs inside
   ``jax.shard_map`` over ``axis_name`` on per-device parameter shards.
@@ -137,11 +328,7 @@ class TensorParallelTransformerBlock(nn.Module):
     shapes = parallel_block.global_param_shapes(hidden, self.num_heads, self.head_dim,
                                                 self.mlp_dim)
     specs = parallel_block.param_specs(self.axis_name)
-    axis_name, kernel_init = self.axis_name, self.kernel_init
-
-    def shard_init(key, shape, dtype):
-      return kernel_init(jax.random.fold_in(key, jax.lax.axis_index(axis_name)), shape, dtype)
-
+    shard_init = _shard_init(self.kernel_init, self.axis_name)
     params = {}
     for name in parallel_block.PARAM_NAMES:
       shape = _local_shape(shapes[name], specs[name], tp)

@@ -96,6 +96,161 @@ class RMSNorm(nnx.Module):
                         implementation=self.implementation)
 
 
+# --- tensor-parallel layers (issue 6) -------------------------------------------------
+#
+# Built outside shard_map with the *global* parameters. ``state_specs`` gives the
+# PartitionSpecs that shard their state (column-parallel kernels by columns, row-parallel
+# by rows, norm scales replicated); the module merged from a shard of that state runs
+# inside ``jax.shard_map`` over ``axis_name`` (as ``apply_sharded`` does for the block).
+
+
+def _specs_by_name(state, specs: dict[str, Any]):
+  """A PartitionSpec per leaf of ``state`` (from ``nnx.split``): the spec of the first
+  name on its path found in ``specs``, else replicated."""
+
+  def spec(path, _):
+    names = [str(getattr(key, "key", getattr(key, "name", ""))) for key in path]
+    for name in names:
+      if name in specs:
+        return specs[name]
+    return P()
+
+  return jax.tree_util.tree_map_with_path(spec, state)
+
+
+class _ParallelLayer(nnx.Module):
+  """Shared by the layers: ``state_specs`` from linen's ``layer_specs``."""
+
+  axis_name: str
+
+  def state_specs(self, state):
+    """PartitionSpecs for ``state`` (from ``nnx.split(self)``), by parameter name."""
+    from jaxfuse.flax import linen as linen_modules  # pylint: disable=g-import-not-at-top
+    return _specs_by_name(state, linen_modules.layer_specs(type(self).__name__,
+                                                           self.axis_name))
+
+
+class ColumnParallelLinear(_ParallelLayer):
+  """``jaxfuse.parallel.column_parallel_linear`` with a global kernel [in_features,
+  features] (see ``jaxfuse.flax.linen.ColumnParallelLinear`` for the call). Inside
+  shard_map the merged module holds this device's [in_features, features/tp] columns.
+
+  Args:
+    in_features: H.
+    features: N (divisible by tp).
+    axis_name, gather_input, alpha, inference, dtype, implementation: as in linen.
+    param_dtype, kernel_init: of the global kernel.
+    rngs: NNX random streams (``params``).
+  """
+
+  def __init__(self, in_features: int, features: int, *, axis_name: str = "tp",
+               gather_input: bool = True, alpha: float = 1.0, inference: bool = False,
+               dtype: Any = None, param_dtype: Any = jnp.float32,
+               kernel_init: Initializer = default_kernel_init,
+               implementation: str | None = None, rngs: nnx.Rngs):
+    self.axis_name, self.gather_input, self.alpha = axis_name, gather_input, alpha
+    self.inference, self.dtype, self.implementation = inference, dtype, implementation
+    self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, features), param_dtype))
+
+  def __call__(self, x: jax.Array, residual: jax.Array | None = None) -> jax.Array:
+    dtype = self.dtype or x.dtype
+    return parallel_layers.column_parallel_linear(
+        x.astype(dtype), self.kernel[...].astype(dtype), axis_name=self.axis_name,
+        gather_input=self.gather_input, residual=residual, alpha=self.alpha,
+        inference=self.inference, implementation=self.implementation)
+
+
+class RowParallelLinear(_ParallelLayer):
+  """``jaxfuse.parallel.row_parallel_linear`` with a global kernel [in_features, features]
+  (this device's [in_features/tp, features] rows inside shard_map; see
+  ``jaxfuse.flax.linen.RowParallelLinear``).
+
+  Args:
+    in_features: K (divisible by tp).
+    features: N.
+    axis_name, reduce, inference, dtype: as in linen.
+    param_dtype, kernel_init, rngs: as in ColumnParallelLinear.
+  """
+
+  def __init__(self, in_features: int, features: int, *, axis_name: str = "tp",
+               reduce: str = "scatter", inference: bool = False, dtype: Any = None,
+               param_dtype: Any = jnp.float32, kernel_init: Initializer = default_kernel_init,
+               rngs: nnx.Rngs):
+    self.axis_name, self.reduce, self.inference, self.dtype = axis_name, reduce, inference, dtype
+    self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, features), param_dtype))
+
+  def __call__(self, x_shard: jax.Array, residual: jax.Array | None = None) -> jax.Array:
+    dtype = self.dtype or x_shard.dtype
+    return parallel_layers.row_parallel_linear(
+        x_shard.astype(dtype), self.kernel[...].astype(dtype), axis_name=self.axis_name,
+        reduce=self.reduce, residual=residual, inference=self.inference)
+
+
+class RMSNormColumnParallelLinear(_ParallelLayer):
+  """``jaxfuse.parallel.rms_norm_column_parallel_linear`` with ``scale`` [in_features]
+  (replicated) and a global kernel [in_features, features] (see
+  ``jaxfuse.flax.linen.RMSNormColumnParallelLinear``).
+
+  Args:
+    in_features: H.
+    features: N (divisible by tp).
+    axis_name, epsilon, zero_centered_gamma, gather_input, inference, dtype,
+      implementation: as in linen.
+    param_dtype, kernel_init, rngs: as in ColumnParallelLinear.
+  """
+
+  def __init__(self, in_features: int, features: int, *, axis_name: str = "tp",
+               epsilon: float = 1e-6, zero_centered_gamma: bool = False,
+               gather_input: bool = True, inference: bool = False, dtype: Any = None,
+               param_dtype: Any = jnp.float32, kernel_init: Initializer = default_kernel_init,
+               implementation: str | None = None, rngs: nnx.Rngs):
+    self.axis_name, self.epsilon, self.zero_centered_gamma = axis_name, epsilon, zero_centered_gamma
+    self.gather_input, self.inference, self.dtype = gather_input, inference, dtype
+    self.implementation = implementation
+    init = jnp.zeros if zero_centered_gamma else jnp.ones
+    self.scale = nnx.Param(init((in_features,), param_dtype))
+    self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, features), param_dtype))
+
+  def __call__(self, x_shard: jax.Array) -> jax.Array:
+    x_shard = x_shard.astype(self.dtype or x_shard.dtype)
+    return parallel_layers.rms_norm_column_parallel_linear(
+        x_shard, _gamma_for(x_shard, self.scale[...]), self.kernel[...].astype(x_shard.dtype),
+        axis_name=self.axis_name, eps=self.epsilon,
+        zero_centered_gamma=self.zero_centered_gamma, gather_input=self.gather_input,
+        inference=self.inference, implementation=self.implementation)
+
+
+class RowParallelResidualRMSNorm(_ParallelLayer):
+  """The fused row-parallel tail (``jaxfuse.parallel.row_parallel_residual_rms_norm``)
+  with ``scale`` [features], the next layer's norm weight (replicated); see
+  ``jaxfuse.flax.linen.RowParallelResidualRMSNorm``.
+
+  Args:
+    features: H.
+    axis_name, epsilon, zero_centered_gamma, reduce, gather_output, inference,
+      implementation: as in linen.
+    param_dtype: of the scale.
+  """
+
+  def __init__(self, features: int, *, axis_name: str = "tp", epsilon: float = 1e-6,
+               zero_centered_gamma: bool = False, reduce: str = "scatter",
+               gather_output: bool = True, inference: bool = False,
+               param_dtype: Any = jnp.float32, implementation: str | None = None):
+    self.axis_name, self.epsilon, self.zero_centered_gamma = axis_name, epsilon, zero_centered_gamma
+    self.reduce, self.gather_output, self.inference = reduce, gather_output, inference
+    self.implementation = implementation
+    init = jnp.zeros if zero_centered_gamma else jnp.ones
+    self.scale = nnx.Param(init((features,), param_dtype))
+
+  def __call__(self, y_partial: jax.Array, residual_shard: jax.Array):
+    return parallel_layers.row_parallel_residual_rms_norm(
+        y_partial, residual_shard, _gamma_for(residual_shard, self.scale[...]),
+        axis_name=self.axis_name, eps=self.epsilon,
+        zero_centered_gamma=self.zero_centered_gamma, reduce=self.reduce,
+        gather_output=self.gather_output, inference=self.inference,
+        implementation=self.implementation)
+
+
 class TensorParallelTransformerBlock(nnx.Module):
   """A Megatron-style tensor-parallel pre-norm transformer block (see
   ``jaxfuse.flax.linen.TensorParallelTransformerBlock`` and ``jaxfuse.parallel.block``).
@@ -142,16 +297,7 @@ class TensorParallelTransformerBlock(nnx.Module):
 
   def state_specs(self, state):
     """PartitionSpecs for ``state`` (from ``nnx.split(self)``), by parameter name."""
-    specs = parallel_block.param_specs(self.axis_name)
-
-    def spec(path, _):
-      names = [str(getattr(key, "key", getattr(key, "name", ""))) for key in path]
-      for name in names:
-        if name in specs:
-          return specs[name]
-      return P()
-
-    return jax.tree_util.tree_map_with_path(spec, state)
+    return _specs_by_name(state, parallel_block.param_specs(self.axis_name))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     tp = parallel_layers.tensor_parallel_size(self.axis_name)

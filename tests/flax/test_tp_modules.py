@@ -125,3 +125,148 @@ def test_block_rejects_heads_not_divisible_by_tp():
   with pytest.raises(ValueError, match=r"num_heads \(6\) must be divisible by the "
                                        r"tensor-parallel size tp=4"):
     jf_nnx.apply_sharded(model, random_x(), mesh=mesh_of(4))
+
+
+# --- tensor-parallel layer modules ----------------------------------------------------
+
+TP, N = 4, 64
+
+
+def _stack_normalized(outputs):
+  """(new residual, normalized) with the replicated normalized activations stacked per
+  device (out_specs P("tp")), so that a test sees every device's copy."""
+  new_residual, normalized = outputs
+  return new_residual, normalized[None]
+
+
+def _linen_init_apply(module, args, arg_specs, out_specs, layer, post=lambda out: out):
+  """(global params, output) of a linen layer initialized and applied inside shard_map;
+  ``post`` maps each device's output first."""
+  mesh = mesh_of(TP)
+  param_specs = {"params": jf_linen.layer_specs(layer)}
+  init = jax.jit(compat.shard_map(lambda *a: module.init(jax.random.key(0), *a), mesh=mesh,
+                                  in_specs=arg_specs, out_specs=param_specs))
+  variables = init(*args)
+  # Scales away from their ones/zeros init, so that a wrong gamma shows.
+  variables = jax.tree_util.tree_map_with_path(
+      lambda path, v: v * (1.0 + 0.5 * jnp.arange(v.shape[-1]) / v.shape[-1])
+      if "scale" in jax.tree_util.keystr(path) else v, variables)
+  apply = jax.jit(compat.shard_map(lambda v, *a: post(module.apply(v, *a)), mesh=mesh,
+                                   in_specs=(param_specs, *arg_specs), out_specs=out_specs))
+  return variables["params"], apply(variables, *args)
+
+
+def _close(got, want):
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def test_linen_column_parallel_linear_shards_and_matches_reference():
+  x, residual = random_x(5), helpers.random_array(np.random.default_rng(6), (S, B, N),
+                                                  jnp.float32)
+  module = jf_linen.ColumnParallelLinear(N, alpha=0.5, implementation="ffi")
+  params, out = _linen_init_apply(module, (x, residual), (P("tp"), P(None, None, "tp")),
+                                  P(None, None, "tp"), "ColumnParallelLinear")
+  kernel = params["kernel"]
+  assert kernel.shape == (H, N)
+  assert not np.allclose(kernel[:, :N // TP], kernel[:, N // TP:2 * N // TP])  # shards differ
+  _close(out, residual + 0.5 * jnp.matmul(x, kernel))
+
+
+def test_linen_row_parallel_linear_matches_reference():
+  x = helpers.random_array(np.random.default_rng(7), (S, B, N), jnp.float32)
+  residual = random_x(8)
+  module = jf_linen.RowParallelLinear(H)
+  params, out = _linen_init_apply(module, (x, residual), (P(None, None, "tp"), P("tp")),
+                                  P("tp"), "RowParallelLinear")
+  assert params["kernel"].shape == (N, H)
+  _close(out, residual + jnp.matmul(x, params["kernel"]))
+
+
+def test_linen_rms_norm_column_parallel_linear_matches_reference():
+  x = random_x(9)
+  module = jf_linen.RMSNormColumnParallelLinear(N, epsilon=EPS, implementation="ffi")
+  params, out = _linen_init_apply(module, (x,), (P("tp"),), P(None, None, "tp"),
+                                  "RMSNormColumnParallelLinear")
+  assert params["scale"].shape == (H,) and params["kernel"].shape == (H, N)
+  _close(out, jnp.matmul(norm_ref.rms_norm(x, params["scale"], EPS), params["kernel"]))
+
+
+def test_linen_row_parallel_residual_rms_norm_matches_reference():
+  # Device d's partial product is rows [d * S, (d + 1) * S) of y_partials (the tail sums
+  # them over the devices).
+  y_partials = helpers.random_array(np.random.default_rng(10), (TP * S, B, H), jnp.float32)
+  residual = random_x(11)
+  module = jf_linen.RowParallelResidualRMSNorm(epsilon=EPS, implementation="ffi")
+  params, (new_residual, normalized) = _linen_init_apply(
+      module, (y_partials, residual), (P("tp"), P("tp")), (P("tp"), P("tp")),
+      "RowParallelResidualRMSNorm", post=_stack_normalized)
+  summed = y_partials.reshape(TP, S, B, H).sum(0)
+  want_normalized, want_residual = norm_ref.add_rms_norm(summed, residual, params["scale"], EPS)
+  _close(new_residual, want_residual)
+  assert normalized.shape == (TP, S, B, H)
+  for copy in normalized:  # gathered: every device holds all of it
+    _close(copy, want_normalized)
+
+
+def test_linen_column_parallel_linear_rejects_features_not_divisible_by_tp():
+  module = jf_linen.ColumnParallelLinear(N + 2)
+  with pytest.raises(ValueError, match=r"features \(66\) must be divisible by the "
+                                       r"tensor-parallel size tp=4"):
+    jax.jit(compat.shard_map(lambda x: module.init(jax.random.key(0), x), mesh=mesh_of(TP),
+                             in_specs=P("tp"), out_specs=P()))(random_x())
+
+
+def _nnx_sharded(model, args, arg_specs, out_specs, post=lambda out: out):
+  """model(*args) inside shard_map on its sharded state (each device's output mapped by
+  ``post``), and a loss's gradients with respect to the global state and the args."""
+  graphdef, state = flax_nnx.split(model)
+  mesh = mesh_of(TP)
+
+  def run(state, *args):
+    return compat.shard_map(lambda s, *a: post(flax_nnx.merge(graphdef, s)(*a)), mesh=mesh,
+                            in_specs=(model.state_specs(state), *arg_specs),
+                            out_specs=out_specs)(state, *args)
+
+  loss = lambda state, *args: sum(jnp.sum(jnp.sin(o)) for o in jax.tree.leaves(run(state, *args)))
+  grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(args) + 1))))(state, *args)
+  return jax.jit(run)(state, *args), grads
+
+
+@pytest.mark.parametrize("layer", ["column", "row", "norm_column", "tail"])
+def test_nnx_layers_match_reference_in_values_and_gradients(layer):
+  rngs = flax_nnx.Rngs(0)
+  x = random_x(12)
+  wide = helpers.random_array(np.random.default_rng(13), (S, B, N), jnp.float32)
+  if layer == "column":
+    model = jf_nnx.ColumnParallelLinear(H, N, implementation="ffi", rngs=rngs)
+    args, specs, out_spec = (x,), (P("tp"),), P(None, None, "tp")
+    reference = lambda p, x: jnp.matmul(x, p["kernel"])
+  elif layer == "row":
+    model = jf_nnx.RowParallelLinear(N, H, rngs=rngs)
+    args, specs, out_spec = (wide,), (P(None, None, "tp"),), P("tp")
+    reference = lambda p, x: jnp.matmul(x, p["kernel"])
+  elif layer == "norm_column":
+    model = jf_nnx.RMSNormColumnParallelLinear(H, N, epsilon=EPS, implementation="ffi",
+                                               rngs=rngs)
+    model.scale[...] = 1.0 + 0.5 * jnp.arange(H) / H
+    args, specs, out_spec = (x,), (P("tp"),), P(None, None, "tp")
+    reference = lambda p, x: jnp.matmul(norm_ref.rms_norm(x, p["scale"], EPS), p["kernel"])
+  else:
+    model = jf_nnx.RowParallelResidualRMSNorm(H, epsilon=EPS, implementation="ffi")
+    model.scale[...] = 1.0 + 0.5 * jnp.arange(H) / H
+    y = x  # every device contributes the same partial product: the sum is TP * x
+    args, specs, out_spec = (y, random_x(14)), (P(), P("tp")), (P("tp"), P("tp"))
+
+    def reference(p, y, r):  # (new residual, normalized once per device)
+      normalized, new_residual = norm_ref.add_rms_norm(TP * y, r, p["scale"], EPS)
+      return new_residual, jnp.broadcast_to(normalized, (TP, *normalized.shape))
+  params = {name: value[...] for name, value in flax_nnx.state(model).items()}
+  post = _stack_normalized if layer == "tail" else (lambda out: out)
+  out, grads = _nnx_sharded(model, args, specs, out_spec, post)
+  jax.tree.map(_close, out, reference(params, *args))
+  ref_loss = lambda p, *a: sum(jnp.sum(jnp.sin(o)) for o in jax.tree.leaves(reference(p, *a)))
+  ref_grads = jax.grad(ref_loss, argnums=tuple(range(len(args) + 1)))(params, *args)
+  for name in params:
+    _close(grads[0][name][...], ref_grads[0][name])
+  for got, want in zip(grads[1:], ref_grads[1:]):
+    _close(got, want)

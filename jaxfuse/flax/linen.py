@@ -349,6 +349,54 @@ class TensorParallelTransformerBlock(nn.Module):
 def _local_shape(shape, spec, tp):
   return tuple(size // tp if axis is not None else size
                for size, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))))
+# --- grouped linear (issue 4) ---------------------------------------------------------
+
+from jaxfuse._src.ops.grouped_linear.api import grouped_linear as _grouped_linear  # noqa: E402
+
+
+class GroupedLinear(nn.Module):
+  """``jaxfuse.grouped_linear`` owning its kernel [num_groups, in_features, features]: the
+  expert GEMM of a mixture-of-experts layer (rows of group g times kernel[g]).
+
+  Called as ``module(x, group_sizes)`` with x [M, in_features], rows sorted by group, and
+  int32 group_sizes [num_groups] on the device (see ``jaxfuse.grouped_linear``: rows past
+  their total come out as zeros). Returns [M, features].
+
+  Attributes:
+    num_groups: G, the experts.
+    features: N.
+    dtype: compute dtype (default: x's); the kernel is cast to it.
+    param_dtype: parameter dtype.
+    kernel_init: initializer of the [G, K, N] kernel (fan-in per expert by default).
+    recipe: None (16-bit) or ``Float8CurrentScaling(per_group=True)`` (FP8 forward and
+      dgrad).
+    implementation: None, "ffi" or "xla".
+
+  Raises:
+    ValueError: group_sizes not of shape [num_groups] (and grouped_linear's own errors).
+  """
+
+  num_groups: int
+  features: int
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Initializer = nn.initializers.variance_scaling(
+      1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))
+  recipe: Any = None
+  implementation: str | None = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    if jnp.shape(group_sizes) != (self.num_groups,):
+      raise ValueError(f"group_sizes must have shape ({self.num_groups},) (num_groups), "
+                       f"got {jnp.shape(group_sizes)}")
+    kernel = self.param("kernel", self.kernel_init,
+                        (self.num_groups, jnp.shape(x)[-1], self.features), self.param_dtype)
+    dtype = self.dtype or x.dtype
+    return _grouped_linear(x.astype(dtype), kernel.astype(dtype), group_sizes,
+                           recipe=self.recipe, implementation=self.implementation)
+
+
 # --- mixture of experts (issue 5) ------------------------------------------------------
 
 from jaxfuse._src.ops.moe.api import moe as _moe  # noqa: E402

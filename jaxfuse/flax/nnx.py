@@ -328,6 +328,44 @@ def apply_sharded(model: TensorParallelTransformerBlock, x: jax.Array, *, mesh) 
 
   return compat.shard_map(body, mesh=mesh, in_specs=(model.state_specs(state), x_spec),
                           out_specs=x_spec)(state, x)
+# --- grouped linear (issue 4) ---------------------------------------------------------
+
+from jaxfuse._src.ops.grouped_linear.api import grouped_linear as _grouped_linear  # noqa: E402
+
+
+class GroupedLinear(nnx.Module):
+  """``jaxfuse.grouped_linear`` owning its kernel [num_groups, in_features, features] (see
+  ``jaxfuse.flax.linen.GroupedLinear``); called as ``module(x, group_sizes)``.
+
+  Args:
+    in_features: K.
+    num_groups: G, the experts.
+    features: N.
+    dtype, recipe, implementation: as in linen.
+    param_dtype, kernel_init: of the kernel (fan-in per expert by default).
+    rngs: NNX random streams (``params``).
+  """
+
+  def __init__(self, in_features: int, num_groups: int, features: int, *, dtype: Any = None,
+               param_dtype: Any = jnp.float32,
+               kernel_init: Initializer = nnx.initializers.variance_scaling(
+                   1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
+                   batch_axis=(0,)),
+               recipe: Any = None, implementation: str | None = None, rngs: nnx.Rngs):
+    self.num_groups, self.dtype = num_groups, dtype
+    self.recipe, self.implementation = recipe, implementation
+    self.kernel = nnx.Param(kernel_init(rngs.params(), (num_groups, in_features, features),
+                                        param_dtype))
+
+  def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    if jnp.shape(group_sizes) != (self.num_groups,):
+      raise ValueError(f"group_sizes must have shape ({self.num_groups},) (num_groups), "
+                       f"got {jnp.shape(group_sizes)}")
+    dtype = self.dtype or x.dtype
+    return _grouped_linear(x.astype(dtype), self.kernel[...].astype(dtype), group_sizes,
+                           recipe=self.recipe, implementation=self.implementation)
+
+
 # --- mixture of experts (issue 5) ------------------------------------------------------
 
 from jaxfuse._src.ops.moe.api import moe as _moe  # noqa: E402

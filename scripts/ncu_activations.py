@@ -1,0 +1,59 @@
+"""Scaled SwiGLU at T=65536, 2F=8192 bf16 (8 groups): the forward, its backward, the
+forward fused with each FP8 recipe and the backward fused with per-group quantization, one
+call each after a compile-only warm-up: a target for Nsight Compute on the GPU machine,
+e.g. after `gpu_run.sh prebuilt` (the prebuilt extension sits in /tmp/jaxfuse-head, which
+is not on sys.path by default):
+
+    cd /tmp/jaxfuse-head && PYTHONPATH=$PWD ncu --clock-control none -k regex:RowKernel \
+        --section SpeedOfLight --section WarpStateStats python3 scripts/ncu_activations.py
+
+Each op runs once, so every kernel launch ncu reports belongs to one named op, in the order
+printed.
+"""
+
+import jax
+import jax.numpy as jnp
+
+import jaxfuse
+from jaxfuse.quantization import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+
+T, W, GROUPS = 65536, 8192, 8
+x = jax.random.normal(jax.random.key(0), (T, W), jnp.bfloat16)
+dy = jax.random.normal(jax.random.key(1), (T, W // 2), jnp.bfloat16)
+scales = jax.random.uniform(jax.random.key(2), (T,), jnp.float32, 0.1, 1.0)
+offsets = jaxfuse.group_offsets(jnp.full((GROUPS,), T // GROUPS, jnp.int32))
+
+
+def forward(x, s):
+  return jaxfuse.scaled_activation(x, s, implementation="ffi")
+
+
+def backward(dy, x, s):
+  _, vjp = jax.vjp(forward, x, s)
+  return vjp(dy)
+
+
+def quantized(recipe):
+  def run(x, s):
+    q = jaxfuse.scaled_activation_quantize(x, s, group_offsets=offsets, recipe=recipe,
+                                           implementation="ffi")
+    return q.data, q.scale_inv
+  return run
+
+
+def dquantized(dy, x, s):
+  q, _, ds = jaxfuse.scaled_dactivation_quantize(
+      dy, x, s, group_offsets=offsets, recipe=Float8CurrentScaling(), implementation="ffi")
+  return q.data, q.scale_inv, ds
+
+
+ops = [("swiglu_fwd", forward, (x, scales)), ("swiglu_bwd", backward, (dy, x, scales)),
+       ("quantize_block_1x128", quantized(Float8BlockScaling()), (x, scales)),
+       ("quantize_mxfp8_1x32", quantized(MXFP8BlockScaling()), (x, scales)),
+       ("quantize_current_per_group", quantized(Float8CurrentScaling()), (x, scales)),
+       ("dquantize_current_per_group", dquantized, (dy, x, scales))]
+compiled = [(name, jax.jit(fn).lower(*args).compile(), args) for name, fn, args in ops]
+for name, fn, args in compiled:
+  print("op", name, flush=True)
+  jax.block_until_ready(fn(*args))
+print("done")

@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(256) Block2DKernel(const T* x, uint8_t* data, 
     float v[8];
     gpu::Load8(base + r * cols + u * 8, vector, left >= 8 ? 8 : static_cast<int>(left), v);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) amax = fmaxf(amax, AbsForAmax(v[k]));
+    for (int k = 0; k < 8; ++k) amax = gpu::MaxAbs(amax, v[k]);
   }
   const float reduced = gpu::BlockReduceMaxSum(amax, 0.0f).x;
   __shared__ float shared_scale;

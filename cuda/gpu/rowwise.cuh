@@ -178,8 +178,9 @@ __device__ __forceinline__ void ActivationBackward8(const ActivationParams& para
 }
 
 // --- producers ------------------------------------------------------------------------
-// Compute(row, unit, v, side) fills v[chunk][0..8) for output columns Col(chunk, unit) and
-// adds a row-reduction term to side (dscales). Valid(chunk, unit) elements of 8 are real.
+// Compute(row, unit, scale, v, side) fills v[chunk][0..8) for output columns Col(chunk, unit)
+// and adds a row-reduction term to side (dscales); scale is RowScale(row), loaded once per
+// row by the kernel. Valid(chunk, unit) elements of 8 are real.
 //
 // Producers with kStaged also run in StagedRowKernel (when `vector`): their inputs are
 // Streams() row segments, Segment(stream, row, col) being where the one for the tile
@@ -202,7 +203,7 @@ struct LoadProducer {
     const int64_t left = cols - u * kUnit;
     return left >= kUnit ? kUnit : static_cast<int>(left);
   }
-  __device__ void Compute(int64_t row, int64_t u, float (&v)[1][8], float&) const {
+  __device__ void Compute(int64_t row, int64_t u, float, float (&v)[1][8], float&) const {
     Load8(x + row * cols + u * kUnit, vector, Valid(0, u), v[0]);
   }
   static constexpr bool kStaged = true;
@@ -232,7 +233,7 @@ struct ActProducer {
     const int64_t left = f - u * kUnit;
     return left >= kUnit ? kUnit : static_cast<int>(left);
   }
-  __device__ void Compute(int64_t row, int64_t u, float (&v)[1][8], float&) const {
+  __device__ void Compute(int64_t row, int64_t u, float scale, float (&v)[1][8], float&) const {
     const int valid = Valid(0, u);
     const T* base = x + row * w + u * kUnit;
     float a[8], b[8];
@@ -243,7 +244,6 @@ struct ActProducer {
 #pragma unroll
       for (int i = 0; i < 8; ++i) b[i] = 0.0f;
     }
-    const float scale = LoadScale<T>(scales, scales_f32, row);
     float act[8];
     ActivationForward8(params, a, b, act);
 #pragma unroll
@@ -292,7 +292,8 @@ struct DActPairProducer {
     const int64_t left = f - u * kUnit;
     return left >= kUnit ? kUnit : static_cast<int>(left);
   }
-  __device__ void Compute(int64_t row, int64_t u, float (&v)[2][8], float& side) const {
+  __device__ void Compute(int64_t row, int64_t u, float scale, float (&v)[2][8],
+                          float& side) const {
     const int valid = Valid(0, u);
     const T* base = x + row * w + u * kUnit;
     float a[8], b[8], g[8];
@@ -305,7 +306,6 @@ struct DActPairProducer {
 #pragma unroll
       for (int i = 0; i < 8; ++i) b[i] = 0.0f;
     }
-    const float scale = LoadScale<T>(scales, scales_f32, row);
     ActivationGrad grads[8];
     ActivationBackward8(params, a, b, grads);
 #pragma unroll
@@ -367,8 +367,9 @@ struct DActFlatProducer {
     const int64_t left = w - u * kUnit;
     return left >= kUnit ? kUnit : static_cast<int>(left);
   }
-  __device__ void Compute(int64_t row, int64_t u, float (&v)[1][8], float& side) const {
-    const float scale = LoadScale<T>(scales, scales_f32, row);
+  __device__ float RowScale(int64_t row) const { return LoadScale<T>(scales, scales_f32, row); }
+  __device__ void Compute(int64_t row, int64_t u, float scale, float (&v)[1][8],
+                          float& side) const {
     const bool glu = IsGlu(params.kind);
     const int valid = Valid(0, u);
     const int64_t c0 = u * kUnit;
@@ -439,10 +440,15 @@ __device__ __forceinline__ float2 BlockReduceMaxSum(float m, float s) {
 }
 
 // Non-negative floats order like their bit patterns, so atomicMax on the bits is a float
-// max (amax starts at +0 and NaN never reaches it: AbsForAmax drops NaN).
+// max (amax starts at +0 and NaN never reaches it: MaxAbs drops NaN).
 __device__ __forceinline__ void AtomicMaxNonNegative(float* address, float value) {
   atomicMax(reinterpret_cast<unsigned int*>(address), __float_as_uint(value));
 }
+
+// max(amax, |v|) with NaN dropped, as AbsForAmax (jaxfuse/fp8.h) defines it: fmaxf returns
+// the other operand when one is NaN, and amax is never NaN. One instruction (|v| is an
+// operand modifier) where AbsForAmax's explicit NaN test costs three.
+__device__ __forceinline__ float MaxAbs(float amax, float v) { return fmaxf(amax, fabsf(v)); }
 
 // --- sinks ----------------------------------------------------------------------------
 
@@ -501,7 +507,7 @@ __device__ __forceinline__ void SinkUnit(const SinkArgs<T>& s, int64_t row, int6
   if (s.out != nullptr && valid > 0) Store8(s.out + row * s.cols + col, s.out_vector, valid, v);
   if constexpr (kKind == SinkKind::kAmax) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) state.amax = fmaxf(state.amax, AbsForAmax(v[i]));
+    for (int i = 0; i < 8; ++i) state.amax = MaxAbs(state.amax, v[i]);
   } else if constexpr (kKind == SinkKind::kCurrent) {
     if (valid > 0) {
       if (state.valid) {
@@ -514,9 +520,12 @@ __device__ __forceinline__ void SinkUnit(const SinkArgs<T>& s, int64_t row, int6
   } else {  // kBlock: `lanes` adjacent threads share one block of s.block elements
     float local = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) local = fmaxf(local, AbsForAmax(v[i]));
-    for (int offset = lanes / 2; offset > 0; offset /= 2) {
-      local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, offset));
+    for (int i = 0; i < 8; ++i) local = MaxAbs(local, v[i]);
+    // Unrolled with a uniform guard (lanes is at most 32): a runtime loop costs its own
+    // counter and branch per step.
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      if (offset < lanes) local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, offset));
     }
     float scale;
     // Shifts and masks: s.block is a power of two (64-bit divisions per unit cost more than
@@ -564,12 +573,13 @@ __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
   const float fp8_max = Fp8Max(s.format);
   for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
     RowState state = BeginRow<kKind>(s, row, fp8_max);
+    const float scale = p.RowScale(row);
     for (int64_t base = 0; base < units; base += blockDim.x) {
       const int64_t u = base + threadIdx.x;
       const bool active = u < units;
       float v[P::kChunks][8];
       if (active) {
-        p.Compute(row, u, v, state.side);
+        p.Compute(row, u, scale, v, state.side);
       } else {
 #pragma unroll
         for (int c = 0; c < P::kChunks; ++c)

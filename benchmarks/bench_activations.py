@@ -16,7 +16,9 @@ when one set would fit in the 50 MB L2; jaxfuse and XLA run in alternating chunk
 kernel_ms / kernel_frac_of_copy: the same from the kernels' device time (CUPTI through
 torch.profiler, chunk-long runs of each variant back to back; kernels only, overlaps
 once), which at T=2048 is what the kernels do rather than a jitted call's dispatch;
-span_ms adds the idle gaps between them.
+span_ms adds the idle gaps between them. kernel_frac_of_size_copy divides by the kernel
+bandwidth of a copy of x of the case's size (size_copy_kernel_TBps), timed the same way:
+the ceiling for a kernel that moves a few MB.
 
 Run on the GPU:  python -m benchmarks.bench_activations [--quick]
 """
@@ -79,7 +81,11 @@ def main():
                  frac_of_copy=tbps / copy_tbps)
       if device:  # the kernels' own time (CUPTI), without dispatch
         row["kernel_ms"], row["span_ms"] = device["kernel_ms"], device["span_ms"]
-        row["kernel_frac_of_copy"] = num_bytes / (device["kernel_ms"] * 1e-3) / 1e12 / copy_tbps
+        kernel_tbps = num_bytes / (device["kernel_ms"] * 1e-3) / 1e12
+        row["kernel_frac_of_copy"] = kernel_tbps / copy_tbps
+        if size_copy_tbps:
+          row["size_copy_kernel_TBps"] = size_copy_tbps
+          row["kernel_frac_of_size_copy"] = kernel_tbps / size_copy_tbps
       if traffic_bytes is not None:  # what the two-pass algorithm must move at least
         row["frac_of_copy_traffic"] = traffic_bytes / (ms * 1e-3) / 1e12 / copy_tbps
       if baseline_ms is not None:
@@ -104,6 +110,14 @@ def main():
       rows[-1]["calls_per_sync"] = rows[-2]["calls_per_sync"] = chunk
 
     fwd_args = [(x, s) for x, s, _ in sets]
+    # The kernel time of a copy of x (read once, written once), measured the same way: what
+    # a kernel moving this many bytes reaches at all. At T=2048 (8 MB, a few us) launch and
+    # ramp-up are a large part of any kernel, so the 4 GiB copy's bandwidth overstates it.
+    copy_variant = common.rotating(jax.jit(lambda x, s: x * 1.0 + 0.0), fwd_args)
+    copy_device = common.device_time_per_call(
+        copy_variant, common.calls_per_sync(2 * x_bytes / 3e12 * 1e3))
+    size_copy_tbps = (2 * x_bytes / (copy_device["kernel_ms"] * 1e-3) / 1e12
+                      if copy_device else None)
     bwd_args = [(dy, x, s) for x, s, dy in sets]
     pair("swiglu_fwd",
          lambda x, s: jaxfuse.scaled_activation(x, s, implementation="ffi"),
@@ -155,7 +169,7 @@ def main():
 
   common.print_table(rows, ["T", "two_F", "op", "impl", "median_ms", "TBps", "frac_of_copy",
                             "frac_of_copy_traffic", "speedup_vs_xla", "kernel_ms",
-                            "kernel_frac_of_copy"])
+                            "kernel_frac_of_copy", "kernel_frac_of_size_copy"])
   common.write_results("activations", rows, tag=args.tag, copy_bandwidth_TBps=copy_tbps,
                        groups=GROUPS, dtype="bfloat16")
 

@@ -236,16 +236,22 @@ np.savez(sys.argv[1] + "/out.npz", **{k: np.asarray(v, np.uint8 if v.dtype == jn
     {"JAXFUSE_ROWWISE_STAGED": "1"},
     {"JAXFUSE_ROWWISE_STAGED": "1", "JAXFUSE_ROWWISE_STAGES": "2",
      "JAXFUSE_ROWWISE_TILE_UNITS": "32", "JAXFUSE_ROWWISE_STAGED_THREADS": "64"},
-], ids=["unstaged", "default", "staged", "staged_small_tiles"])
+    {"JAXFUSE_ROWWISE_STAGED": "0", "JAXFUSE_ROWWISE_MAX_THREADS": "64",
+     "JAXFUSE_ROWWISE_PREFETCH": "2"},
+    {"JAXFUSE_ROWWISE_STAGED": "0", "JAXFUSE_ROWWISE_MAX_THREADS": "64",
+     "JAXFUSE_ROWWISE_PREFETCH": "0"},
+], ids=["unstaged", "default", "staged", "staged_small_tiles", "prefetch_l2_long_rows",
+        "no_prefetch_long_rows"])
 def test_gpu_row_kernel_variants_match(tmp_path, config):
   """The row kernels as the environment shapes them (read once per process, hence a
   subprocess each): RowKernel everywhere, the default choice (staged for the plain
   backward only), the staged kernel for every producer and sink with its default tiles
   (F=4800: a full tile and a ragged one per row), and with 32-vector tiles two stages deep
-  (19 tiles a row, so the stages wrap many times within a row). The plain activation and
-  its backward (bf16 SwiGLU, float32 squared ReLU) against float64 numpy; the fused
-  quantization, forward and backward, per-group current, 1x128 and MXFP8, against the XLA
-  reference."""
+  (19 tiles a row, so the stages wrap many times within a row), and RowKernel at 64
+  threads (10 steps a row, each prefetching the next) with L2 prefetch and without. The
+  plain activation and its backward (bf16 SwiGLU, float32 squared ReLU) against float64
+  numpy; the fused quantization, forward and backward, per-group current, 1x128 and MXFP8,
+  against the XLA reference."""
   rows, f = 70, 4800
   x, scales, dy = inputs(60, f, jnp.bfloat16, "swiglu", rows=rows)
   x_srelu, _ = ta.make_inputs(61, (rows,), f, jnp.float32, "srelu", magnitude=3.0)

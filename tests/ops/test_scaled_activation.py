@@ -112,7 +112,9 @@ def test_ffi_matches_float64_numpy(backend, activation, dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ffi_equals_reference_bits_in_float32(backend):
-  # Same fp32 formulas; only exp's last bit may differ between libm and XLA.
+  # Same fp32 formulas. exp's last bits may differ between libm and XLA, and the CUDA
+  # kernels use the hardware ex2/rcp approximations (activation.h): under 1e-6 relative
+  # for these |x| < 5.
   for activation in ACTIVATIONS:
     x, scales = on(backend, *make_inputs(1, (33,), 40, jnp.float32, activation, magnitude=5.0))
     a = jaxfuse.scaled_activation(x, scales, activation, implementation="ffi")

@@ -96,11 +96,12 @@ int MaxActiveClusters() {
   return result > 0 ? result : 0;
 }
 
-// Sets the kernel's dynamic shared memory limit, once per device (false if the driver
-// refused). GemmUniversalAdapter::initialize() sets it on every call: a driver call on the
-// host path of every launch, and the small grouped MLP step (T=2048) is bound by the host.
+// Sets the kernel's dynamic shared memory limit, once per device unless every_launch
+// (false if the driver refused). GemmUniversalAdapter::initialize() sets it on every call:
+// a driver call on the host path of every launch, and the small grouped MLP step (T=2048)
+// is bound by the host.
 template <class Gemm>
-bool AllowKernelSharedMemory() {
+bool AllowKernelSharedMemory(bool every_launch) {
   using Kernel = typename Gemm::GemmKernel;
   constexpr int kMaxDevices = 64;
   static std::atomic<bool> done[kMaxDevices];
@@ -109,7 +110,7 @@ bool AllowKernelSharedMemory() {
     cudaGetLastError();
     return false;
   }
-  if (done[device].load(std::memory_order_acquire)) return true;
+  if (!every_launch && done[device].load(std::memory_order_acquire)) return true;
   const int smem = static_cast<int>(Kernel::SharedStorageSize);
   const void* fn = reinterpret_cast<const void*>(cutlass::device_kernel<Kernel>);
   if (smem >= (48 << 10) &&
@@ -198,7 +199,9 @@ cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream)
     return cudaErrorInvalidValue;
   }
   if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
-  if (!AllowKernelSharedMemory<Gemm>()) return cudaErrorInvalidConfiguration;
+  if (!AllowKernelSharedMemory<Gemm>(ActiveTuningOptions().smem_attribute_every_launch)) {
+    return cudaErrorInvalidConfiguration;
+  }
   // What GemmUniversalAdapter::initialize() + run() do, less the per-call attribute: the
   // workspace (nothing to launch for this scheduler), the parameters with the TMA descriptor
   // templates built on the host (driver entry point, no sync), and one kernel launch.

@@ -96,32 +96,6 @@ int MaxActiveClusters() {
   return result > 0 ? result : 0;
 }
 
-// Sets the kernel's dynamic shared memory limit, once per device unless every_launch
-// (false if the driver refused). GemmUniversalAdapter::initialize() sets it on every call:
-// a driver call on the host path of every launch, and the small grouped MLP step (T=2048)
-// is bound by the host.
-template <class Gemm>
-bool AllowKernelSharedMemory(bool every_launch) {
-  using Kernel = typename Gemm::GemmKernel;
-  constexpr int kMaxDevices = 64;
-  static std::atomic<bool> done[kMaxDevices];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    cudaGetLastError();
-    return false;
-  }
-  if (!every_launch && done[device].load(std::memory_order_acquire)) return true;
-  const int smem = static_cast<int>(Kernel::SharedStorageSize);
-  const void* fn = reinterpret_cast<const void*>(cutlass::device_kernel<Kernel>);
-  if (smem >= (48 << 10) &&
-      cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  done[device].store(true, std::memory_order_release);  // racing threads set it twice: harmless
-  return true;
-}
-
 template <class Gemm>
 typename Gemm::Arguments MakeArguments(const GemmArrays& arrays, int sm_count,
                                        int max_active_clusters) {
@@ -198,21 +172,15 @@ cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream)
   if (Gemm::get_workspace_size(args) > arrays.cutlass_workspace_bytes) {
     return cudaErrorInvalidValue;
   }
-  if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
-  if (!AllowKernelSharedMemory<Gemm>(ActiveTuningOptions().smem_attribute_every_launch)) {
-    return cudaErrorInvalidConfiguration;
-  }
-  // What GemmUniversalAdapter::initialize() + run() do, less the per-call attribute: the
-  // workspace (nothing to launch for this scheduler), the parameters with the TMA descriptor
-  // templates built on the host (driver entry point, no sync), and one kernel launch.
-  using Kernel = typename Gemm::GemmKernel;
-  if (Kernel::initialize_workspace(args, arrays.cutlass_workspace, stream, nullptr) !=
-      cutlass::Status::kSuccess) {
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
+  // initialize(): builds the TMA descriptor templates on the host (driver entry point, no
+  // sync) and launches nothing for this scheduler; run(): one kernel launch on `stream`.
+  if (gemm.initialize(args, arrays.cutlass_workspace, stream) != cutlass::Status::kSuccess) {
     cudaError_t error = cudaGetLastError();
     return error != cudaSuccess ? error : cudaErrorUnknown;
   }
-  typename Gemm::Params params = Kernel::to_underlying_arguments(args, arrays.cutlass_workspace);
-  if (Gemm::run(params, stream) != cutlass::Status::kSuccess) {
+  if (gemm.run(stream) != cutlass::Status::kSuccess) {
     cudaError_t error = cudaGetLastError();
     return error != cudaSuccess ? error : cudaErrorLaunchFailure;
   }

@@ -380,9 +380,6 @@ TuningOptions& ActiveTuningOptions() {
       if (value == "uniform") o.tile = TileConfig::kUniform;
       if (value == "adaptive") o.tile = TileConfig::kAdaptive;
     }
-    if (const char* every = std::getenv("JAXFUSE_GROUPED_GEMM_SMEM_ATTRIBUTE_EVERY_LAUNCH")) {
-      o.smem_attribute_every_launch = every[0] == '1';
-    }
     return o;
   }();
   return options;

@@ -43,9 +43,6 @@ struct TuningOptions {
   char raster = 0;
   int swizzle = 1;
   TileConfig tile = TileConfig::kAuto;
-  // JAXFUSE_GROUPED_GEMM_SMEM_ATTRIBUTE_EVERY_LAUNCH=1: set the kernel's shared-memory
-  // attribute before every launch, as CUTLASS's initialize() does (an A/B benchmark knob).
-  bool smem_attribute_every_launch = false;
 };
 TuningOptions& ActiveTuningOptions();
 

@@ -2,14 +2,15 @@
 //
 // Current scaling (per group / per tensor), in one launch chain with no host sync:
 //   1. cudaMemsetAsync(amax, 0)
-//   2. RowKernel<kAmax>: per row, the block's amax of the values (activation recomputed
-//      from x, never written), atomicMax on the float bits into amax[group of row]
-//      (groups located by a binary search over the device offsets; rows past the last
-//      offset belong to no group); the fused backward also writes dscales (and dx when
-//      asked) in this pass
-//   3. CurrentScaleInvKernel: scale_inv[g] = 1 / (fp8_max / amax[g])
-//   4. RowKernel<kCurrent>: recomputes the values and writes FP8 with its group's scale;
-//      rows past the last offset are written as zeros.
+//   2. RowKernel<kAmax>: the values' amax (activation recomputed from x, never written),
+//      carried over each block's rows of one group and published by an atomicMax on the
+//      float bits into amax[group] when the group changes (groups located by a binary
+//      search over the device offsets; rows past the last offset belong to no group). The
+//      fused backward also writes dscales (and dx when asked) in this pass, and then
+//      reduces per row.
+//   3. RowKernel<kCurrent>: block 0 writes scale_inv[g] = 1 / (fp8_max / amax[g]); every
+//      row recomputes its values and writes FP8 with its group's scale; rows past the last
+//      offset are written as zeros.
 // Block scaling (1 x 128) and MXFP8 (1 x 32, E8M0): one pass, RowKernel<kBlock> (amax of a
 // block by warp shuffles across the block/8 lanes that hold it).
 // 2-D block scaling (weights, 128 x 128): one CUDA block per tile, two reads of the tile
@@ -54,17 +55,14 @@ ffi::Error LaunchRows(cudaStream_t stream, const P& p, SinkArgs<T> s, int64_t un
     if (s.rows > 0) {
       gpu::LaunchRowKernel<P, SinkKind::kAmax, T>(p, s, units, stream);
     }
-    if (problem.num_groups > 0) {
-      const int scale_threads = 256;
-      const int scale_blocks = static_cast<int>(std::min<int64_t>((problem.num_groups + 255) / 256, 1024));
-      CurrentScaleInvKernel<<<scale_blocks, scale_threads, 0, stream>>>(
-          s.amax, static_cast<float*>(s.scale_inv), problem.num_groups, problem.format);
-    }
     SinkArgs<T> second = s;
     second.out = nullptr;   // dx (if any) and dscales were written by pass 1
     second.side = nullptr;
     if (s.rows > 0) {
       gpu::LaunchRowKernel<P, SinkKind::kCurrent, T>(p, second, units, stream);
+    } else if (problem.num_groups > 0) {  // no rows: the scales of the zero amaxes only
+      CurrentScaleInvKernel<<<1, 256, 0, stream>>>(
+          s.amax, static_cast<float*>(s.scale_inv), problem.num_groups, problem.format);
     }
     return gpu::LaunchError("current-scaling quantization kernels");
   }

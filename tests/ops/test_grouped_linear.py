@@ -37,6 +37,9 @@ def sizes_cases(m: int) -> dict[str, list[int]]:
       "negative_sizes": [-5, m // 2, -1, m // 3],
       "skewed": [m - 3, 1, 1, 1],
       "many_groups": list(rng.multinomial(m, np.ones(128) / 128)),
+      # The CUDA setup kernel's two paths: one warp up to 31 groups, the block from 32.
+      "groups_31_sum_less": list(rng.multinomial(m - 7, np.ones(31) / 31)),
+      "groups_32_negative": [-2] + list(rng.multinomial(m, np.ones(31) / 31)),
   }
 
 
@@ -105,7 +108,8 @@ def test_ffi_matches_float64_numpy(backend, dtype, case):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["uniform", "empty_groups", "sum_less_than_rows",
-                                  "sum_more_than_rows", "many_groups"])
+                                  "sum_more_than_rows", "many_groups", "groups_31_sum_less",
+                                  "groups_32_negative"])
 def test_gradients_match_float64_numpy(backend, case):
   dtype = jnp.bfloat16
   m, k, n = (64, 16, 24) if backend == "cpu" else (768, 128, 256)

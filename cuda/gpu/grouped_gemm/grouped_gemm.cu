@@ -14,7 +14,13 @@ namespace {
 using detail::GemmArrays;
 
 constexpr size_t kAlign = 256;
-constexpr int kSetupThreads = 1024;
+// Threads per block of SetupKernel. Block 0 writes the setup arrays; the other blocks zero
+// what the GEMM does not write. 256 rather than 1024: block 0's scans synchronize fewer
+// warps, and one wave of 256-thread blocks still zeroes at full bandwidth.
+constexpr int kSetupThreads = 256;
+// Up to this many groups (G + 1 offsets in one warp's lanes), one warp of block 0 writes
+// the setup arrays with shuffles only, no block barrier.
+constexpr int kWarpSetupMaxGroups = 31;
 
 size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -206,8 +212,81 @@ __device__ bool UniformFits(const SetupParams& p) {
   return fits;
 }
 
-// One block's work. Pass 1: clamped[i] = max_{j <= i} clamp(offsets[j], 0, m) (block scan,
-// chunked for any G). Pass 2: per-group shapes, pointers, strides and alphas.
+// UniformFits for one warp holding every group (num_groups <= 31): lane g's rows. Call it
+// from every lane of the warp.
+__device__ bool UniformFitsWarp(const SetupParams& p, int64_t rows) {
+  unsigned long long large = 0, uniform = 0;
+  if (static_cast<int>(threadIdx.x & 31) < p.num_groups) {
+    large = (rows + p.large_rows - 1) / p.large_rows;
+    uniform = (rows + p.uniform_rows - 1) / p.uniform_rows * (p.uniform_rows / p.large_rows);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    large += __shfl_xor_sync(0xffffffffu, large, offset);
+    uniform += __shfl_xor_sync(0xffffffffu, uniform, offset);
+  }
+  return uniform * kUniformMaxExtraSlotsPer <= large * (kUniformMaxExtraSlotsPer + 1);
+}
+
+// Group g's shape, pointers, strides and alpha, from its clamped row range [lo, hi).
+// `uniform` (kAdaptive): the kUniform launch gets the rows.
+__device__ __forceinline__ void WriteGroup(const SetupParams& p, int g, int64_t lo, int64_t hi,
+                                           bool uniform) {
+  const int32_t rows = static_cast<int32_t>(hi - lo);
+  int32_t* shape = p.shapes + 3 * g;
+  if (p.shapes_uniform != nullptr) {  // kAdaptive: one launch gets the rows, the other none
+    int32_t* other = p.shapes_uniform + 3 * g;
+    if (uniform) {
+      int32_t* swap = shape;
+      shape = other;
+      other = swap;
+    }
+    other[0] = 0;
+    other[1] = static_cast<int32_t>(p.form == 0 ? p.n : p.k);
+    other[2] = static_cast<int32_t>(p.form == 0 ? p.k : p.n);
+  }
+  const int64_t weight = static_cast<int64_t>(g) * p.k * p.n;  // w[g] / dw[g] element offset
+  if (p.form == 0) {  // forward: (rows, n, k)
+    shape[0] = rows;
+    shape[1] = static_cast<int32_t>(p.n);
+    shape[2] = static_cast<int32_t>(p.k);
+    p.ptr_a[g] = p.a + lo * p.k * p.a_bytes;
+    p.stride_a[g] = p.k;
+    p.ptr_b[g] = p.b + weight * p.b_bytes;
+    p.stride_b[g] = p.b_k_major_forward ? p.k : p.n;
+    p.ptr_d[g] = p.out + lo * p.n * p.out_bytes;
+    p.stride_d[g] = p.n;
+  } else if (p.form == 1) {  // dgrad: (rows, k, n)
+    shape[0] = rows;
+    shape[1] = static_cast<int32_t>(p.k);
+    shape[2] = static_cast<int32_t>(p.n);
+    p.ptr_a[g] = p.a + lo * p.n * p.a_bytes;
+    p.stride_a[g] = p.n;
+    p.ptr_b[g] = p.b + weight * p.b_bytes;
+    p.stride_b[g] = p.n;
+    p.ptr_d[g] = p.out + lo * p.k * p.out_bytes;
+    p.stride_d[g] = p.k;
+  } else {  // wgrad: (k, n, rows); an empty group gets no tiles (SetupKernel zeroes it)
+    shape[0] = rows > 0 ? static_cast<int32_t>(p.k) : 0;
+    shape[1] = rows > 0 ? static_cast<int32_t>(p.n) : 0;
+    shape[2] = rows;
+    p.ptr_a[g] = p.a + lo * p.k * p.a_bytes;
+    p.stride_a[g] = p.k;
+    p.ptr_b[g] = p.b + lo * p.n * p.b_bytes;
+    p.stride_b[g] = p.n;
+    p.ptr_d[g] = p.out + weight * p.out_bytes;
+    p.stride_d[g] = p.n;
+  }
+  if (p.alpha != nullptr) {
+    const float sa = p.a_scale_inv != nullptr ? p.a_scale_inv[g] : 1.0f;
+    const float sb = p.b_scale_inv != nullptr ? p.b_scale_inv[g] : 1.0f;
+    p.alpha[g] = sa * sb;
+    p.alpha_ptrs[g] = p.alpha + g;
+  }
+}
+
+// The whole block's work, any G. Pass 1: clamped[i] = max_{j <= i} clamp(offsets[j], 0, m)
+// (block scan, chunked). Pass 2: per-group shapes, pointers, strides and alphas.
 __device__ void WriteSetup(const SetupParams& p) {
   __shared__ int64_t warp_max[kSetupThreads / 32];
   __shared__ int64_t carry;
@@ -250,60 +329,26 @@ __device__ void WriteSetup(const SetupParams& p) {
   // __syncthreads above also orders the global writes of `clamped` for this block.
   const bool uniform = p.shapes_uniform != nullptr && UniformFits(p);
   for (int g = tid; g < p.num_groups; g += kSetupThreads) {
-    const int64_t lo = p.clamped[g];
-    const int64_t hi = p.clamped[g + 1];
-    const int32_t rows = static_cast<int32_t>(hi - lo);
-    int32_t* shape = p.shapes + 3 * g;
-    if (p.shapes_uniform != nullptr) {  // kAdaptive: one launch gets the rows, the other none
-      int32_t* other = p.shapes_uniform + 3 * g;
-      if (uniform) {
-        int32_t* swap = shape;
-        shape = other;
-        other = swap;
-      }
-      other[0] = 0;
-      other[1] = static_cast<int32_t>(p.form == 0 ? p.n : p.k);
-      other[2] = static_cast<int32_t>(p.form == 0 ? p.k : p.n);
-    }
-    const int64_t weight = static_cast<int64_t>(g) * p.k * p.n;  // w[g] / dw[g] element offset
-    if (p.form == 0) {  // forward: (rows, n, k)
-      shape[0] = rows;
-      shape[1] = static_cast<int32_t>(p.n);
-      shape[2] = static_cast<int32_t>(p.k);
-      p.ptr_a[g] = p.a + lo * p.k * p.a_bytes;
-      p.stride_a[g] = p.k;
-      p.ptr_b[g] = p.b + weight * p.b_bytes;
-      p.stride_b[g] = p.b_k_major_forward ? p.k : p.n;
-      p.ptr_d[g] = p.out + lo * p.n * p.out_bytes;
-      p.stride_d[g] = p.n;
-    } else if (p.form == 1) {  // dgrad: (rows, k, n)
-      shape[0] = rows;
-      shape[1] = static_cast<int32_t>(p.k);
-      shape[2] = static_cast<int32_t>(p.n);
-      p.ptr_a[g] = p.a + lo * p.n * p.a_bytes;
-      p.stride_a[g] = p.n;
-      p.ptr_b[g] = p.b + weight * p.b_bytes;
-      p.stride_b[g] = p.n;
-      p.ptr_d[g] = p.out + lo * p.k * p.out_bytes;
-      p.stride_d[g] = p.k;
-    } else {  // wgrad: (k, n, rows); an empty group gets no tiles (SetupKernel zeroes it)
-      shape[0] = rows > 0 ? static_cast<int32_t>(p.k) : 0;
-      shape[1] = rows > 0 ? static_cast<int32_t>(p.n) : 0;
-      shape[2] = rows;
-      p.ptr_a[g] = p.a + lo * p.k * p.a_bytes;
-      p.stride_a[g] = p.k;
-      p.ptr_b[g] = p.b + lo * p.n * p.b_bytes;
-      p.stride_b[g] = p.n;
-      p.ptr_d[g] = p.out + weight * p.out_bytes;
-      p.stride_d[g] = p.n;
-    }
-    if (p.alpha != nullptr) {
-      const float sa = p.a_scale_inv != nullptr ? p.a_scale_inv[g] : 1.0f;
-      const float sb = p.b_scale_inv != nullptr ? p.b_scale_inv[g] : 1.0f;
-      p.alpha[g] = sa * sb;
-      p.alpha_ptrs[g] = p.alpha + g;
-    }
+    WriteGroup(p, g, p.clamped[g], p.clamped[g + 1], uniform);
   }
+}
+
+// WriteSetup for num_groups <= kWarpSetupMaxGroups, by one warp: lane i holds offset i, a
+// max-scan by shuffles clamps it, and lane g writes group g. No block barrier and no read
+// back of `clamped`, so the launch's critical path is a few dependent loads and stores.
+__device__ void WriteSetupWarp(const SetupParams& p) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int count = p.num_groups + 1;
+  int64_t v = lane < count ? ClampRow(p.offsets[lane], p.m) : 0;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int64_t u = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v = max(v, u);
+  }
+  if (lane < count) p.clamped[lane] = v;
+  const int64_t hi = __shfl_down_sync(0xffffffffu, v, 1);
+  const bool uniform = p.shapes_uniform != nullptr && UniformFitsWarp(p, hi - v);
+  if (lane < p.num_groups) WriteGroup(p, lane, v, hi, uniform);
 }
 
 // max_{j < count} clamp(offsets[j], 0, m), i.e. clamped[count - 1], reduced by the whole block
@@ -331,17 +376,44 @@ struct ZeroParams {
   int64_t units;
 };
 
-// Block (0, 0) writes the setup arrays (WriteSetup); every block zeroes a grid-stride share,
-// with the clamped offsets it needs recomputed from the device offsets (a max over at most
-// G + 1 values), so no block waits for another.
+// max_{j < count} clamp(offsets[j], 0, m) for count <= 32, by one warp with shuffles only
+// (no block barrier); every lane gets it, and *first gets clamp(offsets[0], 0, m).
+__device__ int64_t ClampedMaxWarp(const int32_t* offsets, int count, int64_t m, int64_t* first) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  int64_t v = lane < count ? ClampRow(offsets[lane], m) : 0;
+  *first = __shfl_sync(0xffffffffu, v, 0);
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, d));
+  return v;
+}
+
+// Block (0, 0) writes the setup arrays: one warp when G <= kWarpSetupMaxGroups
+// (WriteSetupWarp), else the whole block (WriteSetup). Every block zeroes a grid-stride
+// share, with the clamped offsets it needs recomputed from the device offsets, so no block
+// waits for another. For forward/dgrad with G + 1 <= 32 offsets every warp finds its bounds
+// alone, so the zeroing warps of block 0 do not wait for its setup warp either.
 __global__ void __launch_bounds__(kSetupThreads) SetupKernel(SetupParams p, ZeroParams z) {
-  if (blockIdx.x == 0 && blockIdx.y == 0) WriteSetup(p);
+  const bool warp_setup = p.num_groups <= kWarpSetupMaxGroups;
+  if (blockIdx.x == 0 && blockIdx.y == 0) {
+    if (!warp_setup) {
+      WriteSetup(p);
+    } else if (threadIdx.x < 32) {
+      WriteSetupWarp(p);
+    }
+  }
   const uint4 zero = make_uint4(0, 0, 0, 0);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (p.form != 2) {
-    const int64_t head_end = ClampRow(p.offsets[0], p.m) * z.units;
-    const int64_t tail_begin = ClampedMax(p.offsets, p.num_groups + 1, p.m) * z.units;
+    int64_t head = 0, tail = 0;  // clamped[0] and clamped[G]
+    if (warp_setup) {
+      tail = ClampedMaxWarp(p.offsets, p.num_groups + 1, p.m, &head);
+    } else {
+      head = ClampRow(p.offsets[0], p.m);
+      tail = ClampedMax(p.offsets, p.num_groups + 1, p.m);
+    }
+    const int64_t head_end = head * z.units;
+    const int64_t tail_begin = tail * z.units;
     const int64_t total = head_end + (p.m * z.units - tail_begin);
     for (int64_t i = first; i < total; i += stride) {
       z.out[i < head_end ? i : tail_begin + (i - head_end)] = zero;

@@ -315,7 +315,7 @@ __device__ void WriteSetup(const SetupParams& p) {
         int64_t u = __shfl_up_sync(0xffffffffu, w, d);
         if (lane >= d) w = max(w, u);
       }
-      warp_max[lane] = w;  // inclusive prefix over warps
+      if (lane < kSetupThreads / 32) warp_max[lane] = w;  // inclusive prefix over warps
     }
     __syncthreads();
     int64_t prefix = carry;

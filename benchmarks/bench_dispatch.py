@@ -13,7 +13,7 @@ Every case runs under three XLA command-buffer settings, each in its own process
   default: jax's defaults;
   all:     FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL with --xla_gpu_graph_min_graph_size=1.
 
-    python -m benchmarks.bench_dispatch [--calls 16]
+    python -m benchmarks.bench_dispatch [--calls 16] [--tag TAG]
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ def main():
   parser.add_argument("--calls", type=int, default=16, help="op calls per jitted step")
   parser.add_argument("--no-mlp", action="store_true",
                       help="skip the grouped MLP step (slow on the CPU handlers)")
+  parser.add_argument("--tag", default="", help="suffix of the results file name (knob A/Bs)")
   parser.add_argument("--child", choices=sorted(MODES), help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:  # one mode, in this process: print the rows as one JSON line
@@ -127,7 +128,7 @@ def main():
       print(row, flush=True)
   common.print_table(rows, ["case", "command_buffers", "calls_per_step", "step_ms",
                             "us_per_call"])
-  common.write_results("dispatch", rows, modes=MODES, shapes=f"{ROWS}x{WIDTH} bf16, "
+  common.write_results("dispatch", rows, tag=args.tag, modes=MODES, shapes=f"{ROWS}x{WIDTH} bf16, "
                        f"{GROUPS} groups", baseline="XLA's own dot and fusion, same process")
 
 

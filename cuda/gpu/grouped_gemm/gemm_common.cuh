@@ -3,9 +3,7 @@
 // kernels (compiles cost ~80 s and ~4 GB for the first kernel of a file).
 #pragma once
 
-#include <array>
 #include <atomic>
-#include <mutex>
 
 #include "cutlass/cutlass.h"
 #include "cute/tensor.hpp"
@@ -167,98 +165,10 @@ size_t CutlassWorkspaceBytes(int num_groups, int sm_count) {
   return Gemm::get_workspace_size(args);
 }
 
-// What a launch's CUTLASS parameters are computed from: every pointer of the arrays (the
-// setup kernel writes their contents on the device, so contents never matter), the group
-// count, the persistent grid and the scheduler knobs, and the device.
-struct ParamsKey {
-  int device = 0;
-  int num_groups = 0;
-  int sm_count = 0;
-  int max_active_clusters = 0;
-  char raster = 0;
-  int swizzle = 0;
-  std::array<const void*, 9> pointers{};
-
-  static ParamsKey Of(const GemmArrays& arrays, int device, int sm_count,
-                      int max_active_clusters) {
-    ParamsKey key;
-    key.device = device;
-    key.num_groups = arrays.num_groups;
-    key.sm_count = sm_count;
-    key.max_active_clusters = max_active_clusters;
-    key.raster = arrays.raster;
-    key.swizzle = ActiveTuningOptions().swizzle;
-    key.pointers = {arrays.problem_shapes, arrays.ptr_a,  arrays.ptr_b,
-                    arrays.ptr_d,          arrays.stride_a, arrays.stride_b,
-                    arrays.stride_d,       arrays.alpha_ptrs, arrays.cutlass_workspace};
-    return key;
-  }
-  bool operator==(const ParamsKey& o) const {
-    return device == o.device && num_groups == o.num_groups && sm_count == o.sm_count &&
-           max_active_clusters == o.max_active_clusters && raster == o.raster &&
-           swizzle == o.swizzle && pointers == o.pointers;
-  }
-};
-
-// The kernel parameters of the last kParamsCacheSize distinct launches of one kernel.
-// GemmUniversalAdapter::initialize() rebuilds them on every call: TMA descriptor templates
-// encoded on the host through the driver, the tile scheduler's parameters. XLA hands a
-// handler the same buffers on every execution of an executable, so a step's launches find
-// their parameters here and only launch. Parameters hold pointers, never device data.
-constexpr int kParamsCacheSize = 32;
-
-template <class Gemm>
-class ParamsCache {
- public:
-  using Params = typename Gemm::Params;
-  static ParamsCache& Instance() {
-    static ParamsCache cache;
-    return cache;
-  }
-  bool Find(const ParamsKey& key, Params* params) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (int i = 0; i < size_; ++i) {
-      if (keys_[i] == key) {
-        *params = params_[i];
-        return true;
-      }
-    }
-    return false;
-  }
-  void Insert(const ParamsKey& key, const Params& params) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    keys_[next_] = key;  // oldest entry first out
-    params_[next_] = params;
-    next_ = (next_ + 1) % kParamsCacheSize;
-    if (size_ < kParamsCacheSize) ++size_;
-  }
-
- private:
-  std::mutex mutex_;
-  std::array<ParamsKey, kParamsCacheSize> keys_{};
-  std::array<Params, kParamsCacheSize> params_{};
-  int size_ = 0, next_ = 0;
-};
-
 template <class Gemm>
 cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream) {
   if (sm_count <= 0 || arrays.num_groups <= 0) return cudaErrorInvalidValue;
-  const int max_active_clusters = MaxActiveClusters<Gemm>();
-  const bool cache = ActiveTuningOptions().params_cache;
-  int device = 0;
-  if (cache && cudaGetDevice(&device) != cudaSuccess) return cudaGetLastError();
-  const ParamsKey key = ParamsKey::Of(arrays, device, sm_count, max_active_clusters);
-  typename Gemm::Params params;
-  if (cache && ParamsCache<Gemm>::Instance().Find(key, &params)) {
-    // initialize() set the kernel's shared-memory attribute on this device when the entry
-    // was made.
-    if (Gemm::run(params, stream) != cutlass::Status::kSuccess) {
-      const cudaError_t error = cudaGetLastError();
-      return error != cudaSuccess ? error : cudaErrorLaunchFailure;
-    }
-    return cudaSuccess;
-  }
-  auto args = MakeArguments<Gemm>(arrays, sm_count, max_active_clusters);
+  auto args = MakeArguments<Gemm>(arrays, sm_count, MaxActiveClusters<Gemm>());
   if (Gemm::get_workspace_size(args) > arrays.cutlass_workspace_bytes) {
     return cudaErrorInvalidValue;
   }
@@ -270,7 +180,6 @@ cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream)
     cudaError_t error = cudaGetLastError();
     return error != cudaSuccess ? error : cudaErrorUnknown;
   }
-  if (cache) ParamsCache<Gemm>::Instance().Insert(key, gemm.params());
   if (gemm.run(stream) != cutlass::Status::kSuccess) {
     cudaError_t error = cudaGetLastError();
     return error != cudaSuccess ? error : cudaErrorLaunchFailure;

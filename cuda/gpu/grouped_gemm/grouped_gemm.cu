@@ -445,9 +445,6 @@ TuningOptions& ActiveTuningOptions() {
       const int value = std::atoi(swizzle);
       if (value == 1 || value == 2 || value == 4 || value == 8) o.swizzle = value;
     }
-    if (const char* cache = std::getenv("JAXFUSE_GROUPED_GEMM_PARAMS_CACHE")) {
-      o.params_cache = cache[0] != '0';
-    }
     if (const char* tile = std::getenv("JAXFUSE_GROUPED_GEMM_TILE")) {
       const std::string value(tile);
       if (value == "large") o.tile = TileConfig::kLarge;

@@ -39,13 +39,10 @@ struct GemmArrays {
 //   JAXFUSE_GROUPED_GEMM_RASTER (M|N), JAXFUSE_GROUPED_GEMM_SWIZZLE.
 // - The tile configuration of problems that leave it at kAuto (kAuto: the heuristic):
 //   JAXFUSE_GROUPED_GEMM_TILE (large | small | uniform | adaptive).
-// - Whether a launch reuses the CUTLASS kernel parameters of an earlier launch with the same
-//   arguments (gemm_common.cuh, RunGemm): JAXFUSE_GROUPED_GEMM_PARAMS_CACHE=0 turns it off.
 struct TuningOptions {
   char raster = 0;
   int swizzle = 1;
   TileConfig tile = TileConfig::kAuto;
-  bool params_cache = true;
 };
 TuningOptions& ActiveTuningOptions();
 

@@ -2,12 +2,11 @@
 //
 // Current scaling (per group / per tensor), in one launch chain with no host sync:
 //   1. cudaMemsetAsync(amax, 0)
-//   2. RowKernel<kAmax>: the values' amax (activation recomputed from x, never written),
-//      carried over each block's rows of one group and published by an atomicMax on the
-//      float bits into amax[group] when the group changes (groups located by a binary
-//      search over the device offsets; rows past the last offset belong to no group). The
-//      fused backward also writes dscales (and dx when asked) in this pass, and then
-//      reduces per row.
+//   2. RowKernel<kAmax>: per row, the block's amax of the values (activation recomputed
+//      from x, never written), atomicMax on the float bits into amax[group of row]
+//      (groups located by a binary search over the device offsets; rows past the last
+//      offset belong to no group); the fused backward also writes dscales (and dx when
+//      asked) in this pass
 //   3. RowKernel<kCurrent>: block 0 writes scale_inv[g] = 1 / (fp8_max / amax[g]); every
 //      row recomputes its values and writes FP8 with its group's scale; rows past the last
 //      offset are written as zeros.

@@ -600,14 +600,6 @@ __device__ __forceinline__ void EndRow(const SinkArgs<T>& s, int64_t row, const 
   }
 }
 
-// Publishes a block's amax of rows of group g (every thread calls it; uniform branch): a
-// block reduction and one atomic max, skipped for rows past the groups (g == num_groups).
-template <typename T>
-__device__ __forceinline__ void PublishGroupAmax(const SinkArgs<T>& s, int64_t g, float amax) {
-  const float2 reduced = BlockReduceMaxSum(amax, 0.0f);
-  if (threadIdx.x == 0 && g < s.num_groups) AtomicMaxNonNegative(s.amax + g, reduced.x);
-}
-
 // Launch bounds of 512 threads, the most ThreadsFor() returns: every instantiation stays
 // at or under 64 registers with it, without spills (nvcc 13.0, e9c2e614). One unit per
 // thread per step, with the next step's unit prefetched (SinkArgs::prefetch): two or four
@@ -619,39 +611,17 @@ __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
   const int64_t units = p.Units();
   const int lanes = s.block / kUnit;  // block scaling: lanes per block (power of two)
   const float fp8_max = Fp8Max(s.format);
-  // The amax pass without a side output carries the amax over the block's rows of one group
-  // and publishes it when the group changes: with a resident grid (RowPersistent), one
-  // block reduction and atomic per group a block meets, not per row.
-  constexpr bool kAmaxSink = kKind == SinkKind::kAmax;
-  const bool carry_amax = kAmaxSink && !(P::kSide && s.side != nullptr);
-  float carried_amax = 0.0f;
-  int64_t group = -1, group_end = -1;  // the carried rows' group; its rows end at group_end
   WriteGroupScaleInv<kKind>(s, fp8_max);
   for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
-    if (carry_amax && row >= group_end) {  // uniform: row is the block's
-      if (group >= 0) PublishGroupAmax(s, group, carried_amax);
-      carried_amax = 0.0f;
-      // Offsets from group_offsets are non-decreasing: rows [row, group_end) are all in group.
-      group = GroupOfRow(s.offsets, s.num_groups, row, s.rows);
-      group_end = group < s.num_groups ? ClampedOffset(s.offsets, group + 1, s.rows) : s.rows;
-    }
     RowState state = BeginRow<kKind>(s, row, fp8_max);
     const float scale = p.RowScale(row);
-    const int64_t next_row = row + gridDim.x;
     for (int64_t base = 0; base < units; base += blockDim.x) {
       const int64_t u = base + threadIdx.x;
       const bool active = u < units;
       // The next step's inputs travel while this step computes: the quantizing sinks keep
       // a warp busy long enough between its loads that one unit in flight per thread
-      // leaves DRAM idle (Nsight Compute: half the stall cycles wait on L1TEX). A thread
-      // past its row's last unit prefetches its first unit of the block's next row.
-      if (s.prefetch != 0) {
-        if (u + blockDim.x < units) {
-          p.Prefetch(row, u + blockDim.x, s.prefetch);
-        } else if (next_row < s.rows && threadIdx.x < units) {
-          p.Prefetch(next_row, threadIdx.x, s.prefetch);
-        }
-      }
+      // leaves DRAM idle (Nsight Compute: half the stall cycles wait on L1TEX).
+      if (s.prefetch != 0 && u + blockDim.x < units) p.Prefetch(row, u + blockDim.x, s.prefetch);
       float v[P::kChunks][8];
       if (active) {
         p.Compute(row, u, scale, v, state.side);
@@ -667,13 +637,8 @@ __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
                         state);
       }
     }
-    if (carry_amax) {
-      carried_amax = fmaxf(carried_amax, state.amax);
-    } else {
-      EndRow<P, kKind>(s, row, state);
-    }
+    EndRow<P, kKind>(s, row, state);
   }
-  if (carry_amax && group >= 0) PublishGroupAmax(s, group, carried_amax);
 }
 
 // The tiling of a StagedRowKernel launch. A block owns rows blockIdx.x, + gridDim.x, ...;
@@ -832,22 +797,13 @@ inline int ThreadsFor(int64_t rows, int64_t units) {
   return static_cast<int>(threads);
 }
 
+// One block per row. A resident wave of blocks walking rows with a stride (the amax carried
+// over a group's rows, the next row prefetched) measured slower on the H200 (e0c2eacd, same
+// run, T=65536, 2F=8192): SwiGLU forward 0.438 against 0.381 ms, 1x128 quantized 0.426
+// against 0.366, per-group current scaling 0.657 against 0.625; also on the grouped MLP's
+// 2048-wide rows (76690146: the activation gradient's amax pass 0.403 against 0.367 ms).
 inline int GridFor(int64_t rows) {
   return static_cast<int>(rows < (1 << 20) ? (rows > 0 ? rows : 1) : (1 << 20));
-}
-
-// JAXFUSE_ROWWISE_PERSISTENT=1 launches RowKernel as at most one resident wave, each block
-// walking rows with a stride (the amax carried over a group's rows, the next row
-// prefetched); by default one block per row (GridFor). Measured on the H200 at T=65536,
-// 2F=8192 (e0c2eacd, same run): the resident wave was slower everywhere, SwiGLU forward
-// 0.438 against 0.381 ms, 1x128 quantized 0.426 against 0.366, per-group current scaling
-// 0.657 against 0.625, its backward 1.118 against 1.073. Read once.
-inline bool RowPersistent() {
-  static const bool persistent = [] {
-    const char* value = std::getenv("JAXFUSE_ROWWISE_PERSISTENT");
-    return value != nullptr && value[0] == '1';
-  }();
-  return persistent;
 }
 
 // Reads a positive integer knob from the environment (fallback when unset or invalid).
@@ -949,13 +905,7 @@ void LaunchRowKernel(const P& p, const SinkArgs<T>& s, int64_t units, cudaStream
   }
   SinkArgs<T> args = s;
   args.prefetch = RowPrefetchLevel();
-  const int threads = ThreadsFor(s.rows, units);
-  int64_t grid = GridFor(s.rows);
-  if (RowPersistent()) {
-    const void* kernel = reinterpret_cast<const void*>(&RowKernel<P, kKind, T>);
-    grid = std::min<int64_t>(grid, ResidentBlocks(kernel, threads));
-  }
-  RowKernel<P, kKind, T><<<static_cast<int>(grid), threads, 0, stream>>>(p, args);
+  RowKernel<P, kKind, T><<<GridFor(s.rows), ThreadsFor(s.rows, units), 0, stream>>>(p, args);
 }
 
 inline bool PointerAligned16(const void* p) {

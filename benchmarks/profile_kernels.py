@@ -246,9 +246,9 @@ def command_buffer_summary(step, args) -> dict:
   """Which custom calls of the compiled step sit in HLO computations named command_buffer*.
 
   Only what XLA's HLO-level command-buffer scheduling shows: XLA versions that convert
-  thunks to commands after emission (jax 0.11.2 on the H200 listed none here even with
-  CUSTOM_CALL forced, while bench_dispatch saw forced command buffers cut the host cost of
-  some custom calls) keep their graphs out of the HLO. bench_dispatch is the measurement.
+  thunks to commands after emission keep their graphs out of the HLO. jax 0.11.2 on the
+  H200 lists none here, yet replays every launch of the T=2048 grouped MLP step from CUDA
+  graphs under its default flags: scripts/probe_command_buffers.py counts the launch calls.
   """
   if not hasattr(step, "lower"):  # a torch baseline
     return {"in_command_buffers": {}, "eager": {}}

@@ -1,4 +1,4 @@
-"""Host cost per custom call: where a launch-bound step (issue 5's T=2048 MLP) spends its time.
+"""Cost per custom call of a launch-bound chain (issue 5's T=2048 MLP): host and graph replay.
 
 Each case jits a chain of CALLS calls of one op on tiny inputs (separated by optimization
 barriers, so XLA fuses nothing across calls), so the device work is a few microseconds
@@ -12,6 +12,9 @@ Every case runs under three XLA command-buffer settings, each in its own process
   none:    --xla_gpu_enable_command_buffer= (every thunk launched eagerly);
   default: jax's defaults;
   all:     FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL with --xla_gpu_graph_min_graph_size=1.
+Only "none" measures the host's cost per call. Under the other two, jax 0.11.2 replays the
+chain from CUDA graphs without calling the handlers (scripts/probe_command_buffers.py), so
+a row is the graph's device time per call: the tiny kernels and the gaps between them.
 
     python -m benchmarks.bench_dispatch [--calls 16] [--tag TAG]
 """

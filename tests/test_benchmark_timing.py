@@ -128,8 +128,12 @@ def test_grouped_mlp_chunks_hold_about_ten_ms_of_calls():
   large = bench_grouped_mlp.calls_per_sync(65536, 2048, 2048)
   small = bench_grouped_mlp.calls_per_sync(2048, 1024, 1024)
   middle = bench_grouped_mlp.calls_per_sync(4096, 2048, 2048)
-  assert large == common.CHUNK and small == 50
-  assert large < middle < small
+  assert large == common.CHUNK
+  assert large < middle < small <= 200
+  # The T=2048 step (~0.08 ms at the estimate's 500 TFLOP/s): its chunk holds ~10 ms.
+  from jaxfuse._src.ops.grouped_mlp import api as mlp_api  # pylint: disable=g-import-not-at-top
+  estimated_ms = mlp_api.flops(2048, 1024, 1024) / 500e12 * 1e3
+  assert 10.0 <= small * estimated_ms < 10.0 + estimated_ms
 
 
 def test_alternating_times_and_paired_ratio():

@@ -182,6 +182,31 @@ __device__ __forceinline__ int64_t ClampRow(int32_t offset, int64_t m) {
   return v < 0 ? 0 : (v > m ? m : v);
 }
 
+// kAdaptive's rule, in three pieces shared by the block and the one-warp setup: the 128-row
+// tile slots each kernel spends on a group, their sum over a warp, and the verdict.
+struct TileSlots {
+  unsigned long long large = 0, uniform = 0;
+};
+
+__device__ __forceinline__ void AddGroupSlots(const SetupParams& p, int64_t rows,
+                                              TileSlots& slots) {
+  slots.large += (rows + p.large_rows - 1) / p.large_rows;
+  slots.uniform += (rows + p.uniform_rows - 1) / p.uniform_rows * (p.uniform_rows / p.large_rows);
+}
+
+__device__ __forceinline__ TileSlots WarpSumSlots(TileSlots slots) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    slots.large += __shfl_xor_sync(0xffffffffu, slots.large, offset);
+    slots.uniform += __shfl_xor_sync(0xffffffffu, slots.uniform, offset);
+  }
+  return slots;
+}
+
+__device__ __forceinline__ bool UniformSlotsFit(const TileSlots& total) {
+  return total.uniform * kUniformMaxExtraSlotsPer <= total.large * (kUniformMaxExtraSlotsPer + 1);
+}
+
 // kAdaptive: whether the kUniform kernel wastes at most 1/kUniformMaxExtraSlotsPer more
 // 128-row tile slots than the large kernel on the clamped sizes (p.clamped, written by this
 // block). Call it uniformly across the block.
@@ -189,43 +214,31 @@ __device__ bool UniformFits(const SetupParams& p) {
   __shared__ unsigned long long slots[2];  // large, uniform
   if (threadIdx.x == 0) slots[0] = slots[1] = 0;
   __syncthreads();
-  unsigned long long large = 0, uniform = 0;
+  TileSlots mine;
   for (int g = threadIdx.x; g < p.num_groups; g += blockDim.x) {
-    const int64_t rows = p.clamped[g + 1] - p.clamped[g];
-    large += (rows + p.large_rows - 1) / p.large_rows;
-    uniform += (rows + p.uniform_rows - 1) / p.uniform_rows * (p.uniform_rows / p.large_rows);
+    AddGroupSlots(p, p.clamped[g + 1] - p.clamped[g], mine);
   }
   // Warp sums first: 1024 threads' atomics on one shared word serialize (measured: the
   // setup launch took 8-16 us instead of 3-4 us).
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    large += __shfl_xor_sync(0xffffffffu, large, offset);
-    uniform += __shfl_xor_sync(0xffffffffu, uniform, offset);
-  }
+  mine = WarpSumSlots(mine);
   if ((threadIdx.x & 31) == 0) {
-    atomicAdd(&slots[0], large);
-    atomicAdd(&slots[1], uniform);
+    atomicAdd(&slots[0], mine.large);
+    atomicAdd(&slots[1], mine.uniform);
   }
   __syncthreads();
-  const bool fits = slots[1] * kUniformMaxExtraSlotsPer <= slots[0] * (kUniformMaxExtraSlotsPer + 1);
+  TileSlots total;
+  total.large = slots[0];
+  total.uniform = slots[1];
   __syncthreads();
-  return fits;
+  return UniformSlotsFit(total);
 }
 
 // UniformFits for one warp holding every group (num_groups <= 31): lane g's rows. Call it
 // from every lane of the warp.
 __device__ bool UniformFitsWarp(const SetupParams& p, int64_t rows) {
-  unsigned long long large = 0, uniform = 0;
-  if (static_cast<int>(threadIdx.x & 31) < p.num_groups) {
-    large = (rows + p.large_rows - 1) / p.large_rows;
-    uniform = (rows + p.uniform_rows - 1) / p.uniform_rows * (p.uniform_rows / p.large_rows);
-  }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    large += __shfl_xor_sync(0xffffffffu, large, offset);
-    uniform += __shfl_xor_sync(0xffffffffu, uniform, offset);
-  }
-  return uniform * kUniformMaxExtraSlotsPer <= large * (kUniformMaxExtraSlotsPer + 1);
+  TileSlots mine;
+  if (static_cast<int>(threadIdx.x & 31) < p.num_groups) AddGroupSlots(p, rows, mine);
+  return UniformSlotsFit(WarpSumSlots(mine));
 }
 
 // Group g's shape, pointers, strides and alpha, from its clamped row range [lo, hi).

@@ -9,7 +9,9 @@ FP8 rows (precision "fp8"): the FP8 grouped GEMM on pre-quantized E4M3 operands 
 x [m, K] x w^T [G, N, K], fast accumulation as the recipe's default; "fp8 promoted" the same
 forward with fp32 promotion; dgrad: E5M2 dy x E4M3 w [G, K, N]), and "op fwd" / "op fwd+bwd":
 jaxfuse.grouped_linear with recipe=Float8CurrentScaling(per_group=True), quantization
-included, against the bf16 op (precision "bf16", same rows). There is no FP8 wgrad.
+included, against the bf16 op (precision "bf16", same rows). FP8 wgrad: "fp8" takes the
+row-wise E4M3 x and E5M2 dy, so it includes their two column-wise copies
+(jaxfuse_group_columnwise); "fp8 columnwise" is the wgrad kernel alone on ready copies.
 
 jaxfuse bf16, jaxfuse FP8 and torch._grouped_mm run in alternating chunks with the same
 host-clock timing (common.time_alternating), so GPU clock drift cannot favour one of them.
@@ -23,6 +25,7 @@ calls of a millisecond-long GEMM weighs ~1%, over the default 5 calls up to ~10%
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +34,7 @@ import numpy as np
 from benchmarks import common
 from jaxfuse._src.ops.grouped_linear import api as grouped_api
 from jaxfuse._src.ops.grouped_linear import ffi as grouped_ffi
+from jaxfuse._src.ops.quantize import ffi as quantize_ffi
 
 K, N = 2048, 4096
 CASES = {
@@ -45,6 +49,7 @@ CASES = {
                        np.random.default_rng(64).multinomial(32768, np.ones(64) / 64)],
 }
 FORMS = ("fwd", "dgrad", "wgrad")
+FP8_PRECISIONS = ("fp8", "fp8 promoted", "fp8 columnwise")
 CHUNK = 20  # calls per alternating chunk (see the module docstring)
 
 
@@ -65,6 +70,10 @@ def fp8_steps(x, w, dy, offsets):
   dy_q, dy_s = grouped_reference.quantize_rows(dy, recipe, offsets, "gradient", "ffi")
   w_t_q, w_s = grouped_reference.quantize_experts_t(w, recipe, "ffi")
   w_q = jnp.swapaxes(w_t_q, 1, 2)
+  x_t = quantize_ffi.group_columnwise(x_q, offsets)
+  dy_t = quantize_ffi.group_columnwise(dy_q, offsets)
+  wgrad_columnwise = jax.jit(functools.partial(grouped_ffi.fp8_wgrad_columnwise,
+                                               rows=x.shape[0]))
   gemm = lambda form, fast=False: jax.jit(lambda a, b, o, sa, sb: grouped_ffi.grouped_gemm(
       a, b, o, form=form, a_scale_inv=sa, b_scale_inv=sb, fast_accumulation=fast))
   sizes = jnp.diff(offsets)
@@ -84,6 +93,8 @@ def fp8_steps(x, w, dy, offsets):
                        (x_q, w_t_q, offsets, x_s, w_s)),
       ("fp8 promoted", "fwd"): (gemm(grouped_ffi.FORWARD), (x_q, w_t_q, offsets, x_s, w_s)),
       ("fp8", "dgrad"): (gemm(grouped_ffi.DGRAD), (dy_q, w_q, offsets, dy_s, w_s)),
+      ("fp8", "wgrad"): (gemm(grouped_ffi.WGRAD), (x_q, dy_q, offsets, x_s, dy_s)),
+      ("fp8 columnwise", "wgrad"): (wgrad_columnwise, (x_t, dy_t, offsets, x_s, dy_s)),
       ("fp8", "op fwd"): (fp8_fwd, (x, w, sizes)),
       ("fp8", "op fwd+bwd"): (fp8_fwd_bwd, (x, w, sizes, dy)),
       ("bf16", "op fwd"): (bf16_fwd, (x, w, sizes)),
@@ -209,7 +220,7 @@ def main():
       variants = {"jaxfuse": (*gemms[form], common.keep_args)}
       if form == "fwd":
         variants["dense"] = dense
-      for precision in ("fp8", "fp8 promoted"):
+      for precision in FP8_PRECISIONS:
         if (precision, form) in fp8:
           variants[precision] = (*fp8[precision, form], common.keep_args)
       if form in torch_gemms:
@@ -265,10 +276,10 @@ def main():
                                         if dense_kernel_ms and kernels.get("jaxfuse") else None)
       rows.append(row)
       print(row, flush=True)
-    for form in ("fwd", "dgrad", "op fwd", "op fwd+bwd"):
+    for form in FORMS + ("op fwd", "op fwd+bwd"):
       bf16_ms = times[form].get("jaxfuse" if form in FORMS else "bf16")
       passes = 3 if form == "op fwd+bwd" else 1
-      fp8_rows = [(p, times[form][p]) for p in ("fp8", "fp8 promoted") if p in times[form]]
+      fp8_rows = [(p, times[form][p]) for p in FP8_PRECISIONS if p in times[form]]
       for precision, ms in fp8_rows + ([("bf16", bf16_ms)] if form not in FORMS else []):
         row = {"case": name, "groups": g, "rows": m, "K": K, "N": N, "form": form,
                "precision": precision, "jaxfuse_ms": ms, "jaxfuse_tflops": tflops(ms, passes),

@@ -3,7 +3,8 @@ jaxfuse.grouped_mlp vs a jax.lax.ragged_dot + jnp composition vs a torch._groupe
 composition, in one process on one GPU.
 
 jaxfuse_fp8_* columns: the same op with recipe=Float8CurrentScaling(per_group=True)
-(quantization kernels included; FP8 forward GEMMs and dgrads, 16-bit wgrads), timed in
+(quantization kernels included; every GEMM in FP8, the wgrads from column-wise copies);
+jaxfuse_fp8_wgrad16_*: the same recipe with fp8_wgrad=False (16-bit wgrads). Both timed in
 alternating chunks with the bf16 op (common.time_alternating), after 2 s of warm-up; a
 chunk holds ~10 ms of calls (5 to 200, calls_per_sync), so that one sync's latency is not
 charged to a few short steps.
@@ -61,6 +62,8 @@ def jax_inputs(tokens, hidden, ffn, seed):
 
 
 FP8_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
+FP8_WGRAD16_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True, fp8_wgrad=False)
+JAX_IMPLS = ("jaxfuse", "jaxfuse_fp8", "jaxfuse_fp8_wgrad16", "ragged_dot")
 
 
 def jax_fns(implementation, recipe=None):
@@ -94,17 +97,19 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls):
   """{impl: {pass: ms}} for jaxfuse (bf16 and FP8) and the ragged_dot composition.
 
   jaxfuse_fp8: recipe=Float8CurrentScaling(per_group=True), the quantization kernels
-  included (FP8 forward GEMMs and dgrads, 16-bit wgrads); FLOPs counted as for bf16.
+  included (every GEMM in FP8); jaxfuse_fp8_wgrad16: with 16-bit wgrads; FLOPs counted as
+  for bf16.
   jaxfuse runs `calls` rounds of alternating chunks of calls_per_sync calls."""
   working_set = 2 * (tokens * hidden * 2 + EXPERTS * hidden * ffn * 3)
   rotations = 3 if working_set < 2 * L2_BYTES else 1
   sizes = jnp.asarray(group_sizes(tokens))
   sets = [jax_inputs(tokens, hidden, ffn, seed) for seed in range(rotations)]
   arg_sets = [(x, k1, k2, s, sizes, dy) for x, k1, k2, s, dy in sets]
-  out = {"jaxfuse": {}, "jaxfuse_fp8": {}, "ragged_dot": {}}
+  out = {impl: {} for impl in JAX_IMPLS}
   # jaxfuse bf16 and FP8 in alternating chunks (common.time_alternating): the FP8 speedup
   # is a ratio of two runs that saw the same clocks.
   bf16_fns, fp8_fns = jax_fns("ffi"), jax_fns("ffi", FP8_RECIPE)
+  fp8_wgrad16_fns = jax_fns("ffi", FP8_WGRAD16_RECIPE)
   # Clocks settle under load first (the first timings of a fresh process ran 5-10% slow).
   common.warm_up_device(bf16_fns["fwd+bwd"], *arg_sets[0], seconds=2.0)
   chunk = calls_per_sync(tokens, hidden, ffn)
@@ -112,7 +117,8 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls):
   for pass_name in bf16_fns:
     stats = common.time_alternating(
         {"jaxfuse": common.rotating(bf16_fns[pass_name], arg_sets),
-         "jaxfuse_fp8": common.rotating(fp8_fns[pass_name], arg_sets)},
+         "jaxfuse_fp8": common.rotating(fp8_fns[pass_name], arg_sets),
+         "jaxfuse_fp8_wgrad16": common.rotating(fp8_wgrad16_fns[pass_name], arg_sets)},
         rounds=max(2, calls // common.CHUNK), chunk=chunk)
     for name, timing in stats.items():
       out[name][pass_name] = timing["median_ms"]
@@ -241,7 +247,7 @@ def rows_for(section, name, tokens, hidden, ffn, jax_times, torch_times):
     row = {"section": section, "case": name, "tokens": tokens, "hidden": hidden, "ffn": ffn,
            "experts": EXPERTS, "pass": pass_name, "flops": flops,
            "jaxfuse_calls_per_sync": jax_times.get("calls_per_sync")}
-    for impl in ("jaxfuse", "jaxfuse_fp8", "ragged_dot"):
+    for impl in JAX_IMPLS:
       row[f"{impl}_ms"] = jax_times[impl][pass_name]
       row[f"{impl}_tflops"] = tflops(row[f"{impl}_ms"])
     t = torch_times or {}
@@ -291,11 +297,13 @@ def main():
     rows += rows_for("sweep", f"sweep T={tokens}", tokens, SWEEP_HIDDEN, SWEEP_FFN, jax_times,
                      torch_times)
   common.print_table(rows, ["case", "pass", "jaxfuse_ms", "jaxfuse_tflops",
-                            "jaxfuse_fp8_tflops", "fp8_speedup", "torch_tflops",
+                            "jaxfuse_fp8_tflops", "jaxfuse_fp8_wgrad16_tflops",
+                            "fp8_speedup", "torch_tflops",
                             "torch_graph_tflops", "ragged_dot_tflops", "jaxfuse_vs_torch",
                             "jaxfuse_vs_ragged_dot"])
   common.write_results("grouped_mlp", rows, tag=args.tag, dtype="bfloat16",
-                       fp8_recipe="Float8CurrentScaling(per_group=True) (jaxfuse_fp8_*)",
+                       fp8_recipe="Float8CurrentScaling(per_group=True) (jaxfuse_fp8_*); "
+                                  "fp8_wgrad=False (jaxfuse_fp8_wgrad16_*)",
                        activation="swiglu",
                        experts=EXPERTS,
                        baselines="jax.lax.ragged_dot + jnp SwiGLU (XLA) and torch._grouped_mm "

@@ -31,6 +31,8 @@ namespace py = pybind11;
   X("jaxfuse_scaled_matmul_fp8", JaxfuseScaledMatmulFp8Cpu)                       \
   X("jaxfuse_grouped_gemm", JaxfuseGroupedGemmCpu)                                \
   X("jaxfuse_grouped_gemm_fp8", JaxfuseGroupedGemmFp8Cpu)                         \
+  X("jaxfuse_grouped_gemm_fp8_wgrad", JaxfuseGroupedGemmFp8WgradCpu)              \
+  X("jaxfuse_group_columnwise", JaxfuseGroupColumnwiseCpu)                        \
   X("jaxfuse_group_offsets", JaxfuseGroupOffsetsCpu)                              \
   X("jaxfuse_scaled_activation_fwd", JaxfuseScaledActivationFwdCpu)               \
   X("jaxfuse_scaled_activation_bwd", JaxfuseScaledActivationBwdCpu)               \
@@ -61,6 +63,8 @@ namespace py = pybind11;
 #define JAXFUSE_CUDA_STATELESS_HANDLERS(X)                                          \
   X("jaxfuse_grouped_gemm", JaxfuseGroupedGemmCuda)                                 \
   X("jaxfuse_grouped_gemm_fp8", JaxfuseGroupedGemmFp8Cuda)                          \
+  X("jaxfuse_grouped_gemm_fp8_wgrad", JaxfuseGroupedGemmFp8WgradCuda)               \
+  X("jaxfuse_group_columnwise", JaxfuseGroupColumnwiseCuda)                         \
   X("jaxfuse_group_offsets", JaxfuseGroupOffsetsCuda)                               \
   X("jaxfuse_scaled_activation_fwd", JaxfuseScaledActivationFwdCuda)                \
   X("jaxfuse_scaled_activation_bwd", JaxfuseScaledActivationBwdCuda)                \

@@ -92,6 +92,18 @@ ffi::Error GroupedGemmCpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+ffi::Error CheckFp8Scales(const ffi::AnyBuffer& a_scale_inv, const ffi::AnyBuffer& b_scale_inv,
+                          int64_t groups) {
+  for (const ffi::AnyBuffer* scale : {&a_scale_inv, &b_scale_inv}) {
+    const auto dims = scale->dimensions();
+    if (scale->element_type() != ffi::DataType::F32 || dims.size() != 1 || dims[0] != groups) {
+      return InvalidArgument("FP8 grouped GEMM scale_inv must be float32 [G = ", groups,
+                             "], got ", DataTypeName(scale->element_type()), ShapeString(dims));
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // FP8 codes -> float (jaxfuse/fp8.h, the decoding the tests compare with ml_dtypes).
 bool DecodeFp8(const ffi::AnyBuffer& buffer, std::vector<float>* values) {
   const auto* codes = static_cast<const uint8_t*>(buffer.untyped_data());
@@ -154,21 +166,15 @@ ffi::Error GroupedGemmFp8CpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuf
     return error;
   }
   if (problem.form == GroupedForm::kWgrad) {
-    return InvalidArgument("FP8 grouped GEMM has no wgrad form (form 2): weight gradients "
-                           "run in 16-bit");
+    return InvalidArgument("FP8 grouped GEMM: the wgrad form (2) reads column-wise copies; "
+                           "call jaxfuse_grouped_gemm_fp8_wgrad");
   }
   if (out->element_type() != ffi::DataType::BF16) {
     return InvalidArgument("FP8 grouped GEMM output must be bfloat16, got ",
                            DataTypeName(out->element_type()));
   }
-  for (const ffi::AnyBuffer* scale : {&a_scale_inv, &b_scale_inv}) {
-    const auto dims = scale->dimensions();
-    if (scale->element_type() != ffi::DataType::F32 || dims.size() != 1 ||
-        dims[0] != problem.groups) {
-      return InvalidArgument("FP8 grouped GEMM scale_inv must be float32 [G = ",
-                             problem.groups, "], got ", DataTypeName(scale->element_type()),
-                             ShapeString(dims));
-    }
+  if (auto error = CheckFp8Scales(a_scale_inv, b_scale_inv, problem.groups); error.failure()) {
+    return error;
   }
   std::vector<float> a_values, b_values;
   if (!DecodeFp8(a, &a_values) || !DecodeFp8(b, &b_values)) {
@@ -181,6 +187,54 @@ ffi::Error GroupedGemmFp8CpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuf
                  static_cast<const float*>(a_scale_inv.untyped_data()),
                  static_cast<const float*>(b_scale_inv.untyped_data()),
                  static_cast<bfloat16_bits*>(out->untyped_data()));
+  return ffi::Error::Success();
+}
+
+// The FP8 wgrad on column-wise copies (jaxfuse/columnwise.h), as the CUTLASS kernel
+// computes it: dw[g][i, j] = alpha_g * sum over the group's columns c of
+// xT[i, c] * dyT[j, c], exact products accumulated in fp32, one rounding to bfloat16; zero
+// for an empty group. Reads only the columns of each group's rows (never the padding).
+ffi::Error GroupedGemmFp8WgradCpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer offsets,
+                                      ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
+                                      ffi::Result<ffi::AnyBuffer> out, int64_t rows) {
+  GroupedProblem p;
+  if (auto error = ParseColumnwiseWgrad(a, b, offsets, *out, rows, &p); error.failure()) {
+    return error;
+  }
+  if (auto error = CheckFp8Scales(a_scale_inv, b_scale_inv, p.groups); error.failure()) {
+    return error;
+  }
+  if (out->element_type() != ffi::DataType::BF16) {
+    return InvalidArgument("FP8 grouped wgrad output must be bfloat16, got ",
+                           DataTypeName(out->element_type()));
+  }
+  if (a.element_type() != ffi::DataType::F8E4M3FN) {
+    return InvalidArgument("FP8 grouped wgrad: a (x^T) must be float8_e4m3fn, got ",
+                           DataTypeName(a.element_type()));
+  }
+  std::vector<float> a_values, b_values;
+  if (!DecodeFp8(a, &a_values) || !DecodeFp8(b, &b_values)) {
+    return InvalidArgument("FP8 grouped wgrad: b (dy^T) must be float8_e4m3fn or float8_e5m2, "
+                           "got ", DataTypeName(b.element_type()));
+  }
+  const auto clamped = ClampOffsets(offsets.typed_data<int32_t>(), p.groups, p.m);
+  const int64_t width = ColumnwiseWidth(p.m, p.groups);
+  const auto* a_scales = static_cast<const float*>(a_scale_inv.untyped_data());
+  const auto* b_scales = static_cast<const float*>(b_scale_inv.untyped_data());
+  auto* dw = static_cast<bfloat16_bits*>(out->untyped_data());
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const int64_t start = ColumnwiseStart(clamped[g], g), count = clamped[g + 1] - clamped[g];
+    const float alpha = a_scales[g] * b_scales[g];
+    for (int64_t i = 0; i < p.k; ++i) {
+      const float* x_i = a_values.data() + i * width + start;
+      for (int64_t j = 0; j < p.n; ++j) {
+        const float* dy_j = b_values.data() + j * width + start;
+        float accumulator = 0.0f;
+        for (int64_t c = 0; c < count; ++c) accumulator += x_i[c] * dy_j[c];
+        dw[(g * p.k + i) * p.n + j] = FromFloat<bfloat16_bits>(count > 0 ? alpha * accumulator : 0.0f);
+      }
+    }
+  }
   return ffi::Error::Success();
 }
 
@@ -205,3 +259,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8Cpu, jaxfuse::GroupedGemmFp8C
                                   .Ret<xla::ffi::AnyBuffer>()  // out: bf16 y [m, n] or dx [m, k]
                                   .Attr<int32_t>("form")       // 0 forward, 1 dgrad
                                   .Attr<bool>("fast_accumulation"));  // forward only; exact here
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8WgradCpu, jaxfuse::GroupedGemmFp8WgradCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // a: x^T e4m3 [k, W], column-wise copy
+                                  .Arg<xla::ffi::AnyBuffer>()  // b: dy^T e4m3|e5m2 [n, W], column-wise copy
+                                  .Arg<xla::ffi::AnyBuffer>()  // group_offsets: int32 [G + 1]
+                                  .Arg<xla::ffi::AnyBuffer>()  // a_scale_inv: float32 [G]
+                                  .Arg<xla::ffi::AnyBuffer>()  // b_scale_inv: float32 [G]
+                                  .Ret<xla::ffi::AnyBuffer>()  // out: bf16 dw [G, k, n]
+                                  .Attr<int64_t>("rows"));     // m: rows the copies were made from

@@ -147,6 +147,14 @@ ffi::Error DactivationQuantizeCpuImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::
   return ffi::Error::Success();
 }
 
+ffi::Error ColumnwiseCpuImpl(ffi::AnyBuffer data, ffi::AnyBuffer offsets,
+                             ffi::Result<ffi::AnyBuffer> out) {
+  ColumnwiseProblem problem;
+  if (auto error = ParseColumnwise(data, offsets, *out, &problem); error.failure()) return error;
+  ColumnwiseCpu(problem, static_cast<const uint8_t*>(data.untyped_data()),
+                offsets.typed_data<int32_t>(), static_cast<uint8_t*>(out->untyped_data()));
+  return ffi::Error::Success();
+}
 }  // namespace
 }  // namespace jaxfuse
 
@@ -204,3 +212,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledDactivationQuantizeCpu,
                                   .Attr<float>("linear_offset")
                                   .Attr<int32_t>("mode")
                                   .Attr<int32_t>("block"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupColumnwiseCpu, jaxfuse::ColumnwiseCpuImpl,
+                              xffi::Ffi::Bind()
+                                  .Arg<xffi::AnyBuffer>()   // data FP8 [M, K], rows grouped
+                                  .Arg<xffi::AnyBuffer>()   // group offsets int32 [G + 1]
+                                  .Ret<xffi::AnyBuffer>()); // out FP8 [K, ColumnwiseWidth(M, G)]

@@ -5,6 +5,7 @@
 // compatible, and a CUDA-graph replay after the sizes change on the device is correct.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_map>
 
@@ -40,16 +41,24 @@ int SmCount(int device) {
   return count;
 }
 
+// `columnwise`: the FP8 wgrad on column-wise copies made from `columnwise_rows` rows.
 ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
                const ffi::AnyBuffer& b, const ffi::AnyBuffer& offsets,
                const ffi::AnyBuffer* a_scale_inv, const ffi::AnyBuffer* b_scale_inv,
                ffi::AnyBuffer out, ffi::AnyBuffer workspace, int32_t form,
-               bool fast_accumulation) {
+               bool fast_accumulation, bool columnwise = false,
+               int64_t columnwise_rows = 0) {
   GroupedProblem shape;
   const bool fp8 = a_scale_inv != nullptr;  // FP8 forward takes the weight K-major
-  if (auto error = ParseGroupedProblem(a, b, offsets, out, form, &shape, fp8 && form == 0);
+  if (auto error = columnwise
+                       ? ParseColumnwiseWgrad(a, b, offsets, out, columnwise_rows, &shape)
+                       : ParseGroupedProblem(a, b, offsets, out, form, &shape, fp8 && form == 0);
       error.failure()) {
     return error;
+  }
+  if (fp8 && !columnwise && form == static_cast<int32_t>(GroupedForm::kWgrad)) {
+    return InvalidArgument("FP8 grouped GEMM: the wgrad form reads column-wise copies; call "
+                           "jaxfuse_grouped_gemm_fp8_wgrad");
   }
   if (auto error = CheckFastAccumulation(form, a.element_type(), fast_accumulation);
       error.failure()) {
@@ -76,12 +85,13 @@ ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
   problem.a_scale_inv = a_scale_inv ? static_cast<const float*>(a_scale_inv->untyped_data()) : nullptr;
   problem.b_scale_inv = b_scale_inv ? static_cast<const float*>(b_scale_inv->untyped_data()) : nullptr;
   problem.fast_accumulation = fast_accumulation;
+  problem.columnwise = columnwise;
   problem.workspace = workspace.untyped_data();
   problem.workspace_bytes = workspace.size_bytes();
   if (!gg::IsSupported(problem)) {
     return InvalidArgument("grouped GEMM form ", form, " not supported for these dtypes/shapes "
                            "(k, n must be multiples of 8 for 16-bit and 16 for FP8 inputs; "
-                           "FP8 wgrad is not available): m=", shape.m, " k=", shape.k,
+                           "the FP8 wgrad takes an e4m3 x and an e4m3 or e5m2 dy): m=", shape.m, " k=", shape.k,
                            " n=", shape.n, " G=", shape.groups);
   }
   const int sm_count = SmCount(device);
@@ -114,6 +124,16 @@ ffi::Error GroupedGemmFp8Cuda(cudaStream_t stream, int32_t device, ffi::AnyBuffe
              fast_accumulation);
 }
 
+ffi::Error GroupedGemmFp8WgradCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
+                                   ffi::AnyBuffer b, ffi::AnyBuffer offsets,
+                                   ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
+                                   ffi::Result<ffi::AnyBuffer> out,
+                                   ffi::Result<ffi::AnyBuffer> workspace, int64_t rows) {
+  return Run(stream, device, a, b, offsets, &a_scale_inv, &b_scale_inv, *out, *workspace,
+             static_cast<int32_t>(GroupedForm::kWgrad), /*fast_accumulation=*/false,
+             /*columnwise=*/true, rows);
+}
+
 }  // namespace
 
 // Workspace the CUDA handler needs (for the Python wrapper, which sizes the scratch result).
@@ -127,6 +147,9 @@ size_t GroupedGemmWorkspaceBytes(int32_t form, int32_t a_type, int32_t b_type, i
   problem.b_type = static_cast<gg::ElementType>(b_type);
   problem.out_type = problem.a_type == gg::ElementType::kF16 ? gg::ElementType::kF16
                                                              : gg::ElementType::kBF16;
+  problem.columnwise = form == static_cast<int32_t>(GroupedForm::kWgrad) &&
+                       (problem.a_type == gg::ElementType::kFloat8E4M3 ||
+                        problem.a_type == gg::ElementType::kFloat8E5M2);
   problem.m = m;
   problem.k = k;
   problem.n = n;
@@ -163,4 +186,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8Cuda, jaxfuse::GroupedGemmFp8
                                   .Ret<ffi::AnyBuffer>()  // workspace
                                   .Attr<int32_t>("form")  // 0 forward, 1 dgrad
                                   .Attr<bool>("fast_accumulation"),  // forward only: FP8 accumulator
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8WgradCuda, jaxfuse::GroupedGemmFp8WgradCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // a: x^T e4m3 [k, W], column-wise copy
+                                  .Arg<ffi::AnyBuffer>()  // b: dy^T e4m3|e5m2 [n, W], column-wise copy
+                                  .Arg<ffi::AnyBuffer>()  // group_offsets: int32 [G + 1]
+                                  .Arg<ffi::AnyBuffer>()  // a_scale_inv: float32 [G]
+                                  .Arg<ffi::AnyBuffer>()  // b_scale_inv: float32 [G]
+                                  .Ret<ffi::AnyBuffer>()  // out: bf16 dw [G, k, n]
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<int64_t>("rows"), // m: rows the copies were made from
                               {ffi::Traits::kCmdBufferCompatible});

@@ -323,6 +323,132 @@ ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
   });
 }
 
+// --- the columnwise copy of row-grouped FP8 data (jaxfuse/columnwise.h) -----------------
+
+// One block per output tile of kColumnwiseTileK output rows (K) x kColumnwiseTileCols
+// output columns (source rows). The block first finds the clamped offsets (running max) of
+// every group in shared memory, then the source row of each of its columns by binary
+// search (-1: padding, written as zero). Loads: 16 bytes along K of one source row
+// (coalesced); stores: 16 bytes along the columns of one output row. The tile's 16-byte
+// chunks are XOR-swizzled by source-row block so that the byte gathers of the store phase
+// (16 source rows, one output row) hit eight different bank quads.
+constexpr int kColumnwiseTileCols = 128;  // source rows per tile
+constexpr int kColumnwiseTileK = 128;     // source bytes per row per tile
+constexpr int kColumnwiseThreads = 256;
+
+// c_g = max_{j <= g} clamp(offsets[j], 0, rows) for g in [0, count), into clamped[] (shared),
+// by the whole block: each thread scans a contiguous run, then a block scan of run maxima.
+__device__ void ClampedOffsetsToShared(const int32_t* offsets, int count, int64_t rows,
+                                       int32_t* clamped) {
+  __shared__ int32_t warp_max[kColumnwiseThreads / 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int per = (count + kColumnwiseThreads - 1) / kColumnwiseThreads;
+  const int begin = min(count, tid * per), end = min(count, begin + per);
+  int32_t run = 0;
+  for (int i = begin; i < end; ++i) {
+    run = max(run, static_cast<int32_t>(ClampedOffset(offsets, i, rows)));
+    clamped[i] = run;
+  }
+  int32_t inclusive = run;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int32_t up = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive = max(inclusive, up);
+  }
+  if (lane == 31) warp_max[warp] = inclusive;
+  __syncthreads();
+  int32_t before = __shfl_up_sync(0xffffffffu, inclusive, 1);
+  if (lane == 0) before = 0;
+  for (int w = 0; w < warp; ++w) before = max(before, warp_max[w]);
+  for (int i = begin; i < end; ++i) clamped[i] = max(clamped[i], before);
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kColumnwiseThreads)
+ColumnwiseKernel(const uint8_t* __restrict__ data, const int32_t* __restrict__ offsets,
+                 int groups, int64_t rows, int64_t cols, int64_t width,
+                 uint8_t* __restrict__ out) {
+  extern __shared__ int32_t clamped[];  // [groups + 1]
+  __shared__ int64_t source_row[kColumnwiseTileCols];
+  __shared__ __align__(16) uint8_t tile[kColumnwiseTileCols * kColumnwiseTileK];
+  constexpr int kChunks = kColumnwiseTileK / 16;  // 16-byte chunks per tile row
+  constexpr int kSteps = kColumnwiseTileCols * kChunks / kColumnwiseThreads;
+  ClampedOffsetsToShared(offsets, groups + 1, rows, clamped);
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kColumnwiseTileCols;
+  const int64_t k0 = static_cast<int64_t>(blockIdx.y) * kColumnwiseTileK;
+  if (threadIdx.x < kColumnwiseTileCols) {
+    const int64_t col = col0 + threadIdx.x;
+    // Last group g with ColumnwiseStart(c_g, g) <= col (starts strictly increase in g).
+    int lo = 0, hi = groups - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (ColumnwiseStart(clamped[mid], mid) <= col) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    const int64_t row = clamped[lo] + (col - ColumnwiseStart(clamped[lo], lo));
+    source_row[threadIdx.x] = col < width && row >= clamped[lo] && row < clamped[lo + 1] ? row : -1;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int step = 0; step < kSteps; ++step) {
+    const int c = threadIdx.x + step * kColumnwiseThreads;
+    const int q = c / kChunks, chunk = c % kChunks;
+    const int64_t row = source_row[q];
+    const int64_t kk = k0 + chunk * 16;
+    uint4 value = make_uint4(0, 0, 0, 0);
+    if (row >= 0 && kk < cols) value = *reinterpret_cast<const uint4*>(data + row * cols + kk);
+    const int slot = chunk ^ ((q / 16) % kChunks);
+    *reinterpret_cast<uint4*>(tile + q * kColumnwiseTileK + slot * 16) = value;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int step = 0; step < kSteps; ++step) {
+    const int c = threadIdx.x + step * kColumnwiseThreads;
+    const int i = c / kChunks, part = c % kChunks;  // output row k0 + i, columns part * 16..
+    const int64_t kk = k0 + i;
+    if (kk >= cols || col0 + part * 16 >= width) continue;
+    const int byte = ((i / 16) ^ part) * 16 + i % 16;  // swizzled position of byte i
+    uint32_t words[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const int q = part * 16 + w * 4 + b;
+        word |= static_cast<uint32_t>(tile[q * kColumnwiseTileK + byte]) << (8 * b);
+      }
+      words[w] = word;
+    }
+    *reinterpret_cast<uint4*>(out + kk * width + col0 + part * 16) =
+        make_uint4(words[0], words[1], words[2], words[3]);
+  }
+}
+
+ffi::Error ColumnwiseCuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer offsets,
+                          ffi::Result<ffi::AnyBuffer> out) {
+  ColumnwiseProblem problem;
+  if (auto error = ParseColumnwise(data, offsets, *out, &problem); error.failure()) return error;
+  if (problem.cols == 0 || problem.width == 0) return ffi::Error::Success();
+  if (!PointerAligned16(data.untyped_data()) || !PointerAligned16(out->untyped_data())) {
+    return InvalidArgument("group_columnwise: data and out must be 16-byte aligned");
+  }
+  const dim3 grid(static_cast<unsigned>(CeilDiv(problem.width, kColumnwiseTileCols)),
+                  static_cast<unsigned>(CeilDiv(problem.cols, kColumnwiseTileK)));
+  if (grid.y > 65535) {
+    return InvalidArgument("group_columnwise: K = ", problem.cols, " exceeds ",
+                           int64_t{65535} * kColumnwiseTileK);
+  }
+  const size_t shared = static_cast<size_t>(problem.groups + 1) * sizeof(int32_t);
+  ColumnwiseKernel<<<grid, kColumnwiseThreads, shared, stream>>>(
+      static_cast<const uint8_t*>(data.untyped_data()), offsets.typed_data<int32_t>(),
+      static_cast<int>(problem.groups), problem.rows, problem.cols, problem.width,
+      static_cast<uint8_t*>(out->untyped_data()));
+  return gpu::LaunchError("columnwise copy kernel");
+}
+
 ffi::Error ActivationQuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                   ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> data,
                                   ffi::Result<ffi::AnyBuffer> scale_inv,
@@ -475,4 +601,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledDactivationQuantizeCuda,
                                   .Attr<float>("linear_offset")
                                   .Attr<int32_t>("mode")
                                   .Attr<int32_t>("block"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupColumnwiseCuda, jaxfuse::ColumnwiseCuda,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::AnyBuffer>()   // data FP8 [M, K], rows grouped
+                                  .Arg<xffi::AnyBuffer>()   // group offsets int32 [G + 1]
+                                  .Ret<xffi::AnyBuffer>(),  // out FP8 [K, ColumnwiseWidth(M, G)]
                               {xffi::Traits::kCmdBufferCompatible});

@@ -193,7 +193,8 @@ class GroupedLinear(BasicOp):
 
   recipe: None (16-bit GEMM) or ``Float8CurrentScaling(per_group=True)``: the FP8 grouped
   GEMM of ``jaxfuse.grouped_linear(..., recipe=recipe)`` (x quantized to E4M3 per group of
-  rows, the kernel per expert; FP8 dgrad, 16-bit wgrad; K and N multiples of 16). Unfused
+  rows, the kernel per expert; FP8 dgrad and, with ``recipe.fp8_wgrad``, FP8 wgrad; K and N
+  multiples of 16). Unfused
   it runs with the Sequential's implementation ("ffi": the FP8 kernels; "xla": the jnp
   FP8 reference, whose gradients are straight-through).
   """

@@ -38,8 +38,8 @@ Registered fusions (``registered_fusions()``):
   FP8 data and scales feed the FP8 grouped GEMM as they are (no dequantization, no
   re-quantization), the kernel quantized per expert as ``grouped_linear(recipe=...)`` does;
   offsets computed once for the whole step. Backward: FP8 dgrad (dy in E5M2 per group),
-  16-bit wgrad from the saved FP8 activation dequantized (the kernels have no FP8 wgrad),
-  then the fused dact kernel (straight-through the quantization, as the unfused ops). Needs
+  FP8 wgrad from the saved FP8 activation and that FP8 dy (``recipe.fp8_wgrad``; else a
+  16-bit wgrad from the FP8 activation dequantized), then the fused dact kernel (straight-through the quantization, as the unfused ops). Needs
   the activation width and the output width to be multiples of 16 and, with "ffi", a
   bfloat16/float16 x. The unfused ops agree to FP8 accuracy: re-quantizing the Quantize
   op's output with the same per-group current scaling is idempotent; the fused kernel
@@ -603,11 +603,10 @@ def _aqgl8_forward(x, scales, kernel, offsets, act, recipe, implementation, vary
 def _aqgl8_backward(act, recipe, implementation, varying_axes, saved, dy):
   x, scales, q, w, w_scale_inv, offsets, kernel = saved
   dy = dy.astype(x.dtype)
-  # The 16-bit activation for wgrad (the grouped kernels have no FP8 wgrad): the FP8
-  # activation dequantized, i.e. what the unfused GroupedLinear saves (its input, the
-  # Quantize op's output).
-  h = quantize_api.dequantize(q).astype(x.dtype)
   if implementation == "xla":
+    # The 16-bit activation: the FP8 activation dequantized, i.e. what the unfused
+    # GroupedLinear saves (its input, the Quantize op's output).
+    h = quantize_api.dequantize(q).astype(x.dtype)
     # The jnp FP8 reference's gradients: straight-through the quantization of h and the
     # kernel (the products of the dequantized operands).
     _, gemm_vjp = jax.vjp(lambda a, w: grouped_linear_reference.grouped_linear_fp8(
@@ -615,9 +614,17 @@ def _aqgl8_backward(act, recipe, implementation, varying_axes, saved, dy):
     dh, d_kernel = gemm_vjp(dy)
   else:
     # FP8 dgrad as grouped_linear's: dy in E5M2 per group, the saved FP8 kernel.
-    dh = grouped_linear_api.fp8_dgrad(dy, w, w_scale_inv, offsets, recipe, x.dtype)
-    d_kernel = grouped_linear_sharding.grouped_gemm(h, dy, offsets,
-                                                    form=grouped_linear_api.ffi.WGRAD)
+    dh, dy_fp8 = grouped_linear_api.fp8_dgrad(dy, w, w_scale_inv, offsets, recipe, x.dtype)
+    if recipe.fp8_wgrad:
+      # FP8 wgrad as grouped_linear's: the saved FP8 activation (the unfused GroupedLinear
+      # re-quantizes the Quantize op's output to the same values) and the FP8 dy.
+      d_kernel = grouped_linear_api.fp8_wgrad((q.data, q.scale_inv), dy_fp8, offsets,
+                                              x.dtype)
+    else:
+      # 16-bit wgrad from the FP8 activation dequantized (what the unfused op saves).
+      h = quantize_api.dequantize(q).astype(x.dtype)
+      d_kernel = grouped_linear_sharding.grouped_gemm(h, dy, offsets,
+                                                      form=grouped_linear_api.ffi.WGRAD)
   # Straight-through the quantization of the activation (the unfused Quantize op and
   # grouped_linear's FP8 input): the fused dact kernel at x. dx is not quantized: the op
   # before the window decides its own precision.

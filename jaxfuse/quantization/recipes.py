@@ -33,11 +33,18 @@ class Float8CurrentScaling:
   faster (and on Hopper lets the grouped GEMM use 128x256 tiles) and a little less precise;
   TransformerEngine's default for the forward GEMM. The gradient GEMMs always promote
   (TransformerEngine's split accumulator).
+
+  fp8_wgrad: the grouped ops (grouped_linear, grouped_mlp) compute weight gradients in FP8
+  too, from the FP8 copies the forward and dgrad already made (x in E4M3, the output
+  gradient in gradient_format) transposed column-wise, as TransformerEngine's Hopper recipe
+  does; the backward then keeps no 16-bit copy of x. False runs them in 16-bit from the
+  saved 16-bit inputs (more accurate, slower, more memory).
   """
   per_group: bool = True
   forward_format: str = "e4m3"
   gradient_format: str = "e5m2"
   forward_fast_accumulation: bool = True
+  fp8_wgrad: bool = True
 
   def __post_init__(self):
     _check_format("forward_format", self.forward_format)

@@ -13,6 +13,7 @@ import pytest
 import jaxfuse
 from jaxfuse._src.ops.grouped_linear import ffi as gemm_ffi
 from jaxfuse._src.ops.grouped_linear import reference
+from jaxfuse._src.ops.quantize import ffi as quantize_ffi
 from tests import helpers
 from tests.ops.test_grouped_linear import BACKENDS, make_inputs, on, sizes_cases
 
@@ -168,8 +169,8 @@ def test_ffi_matches_the_fp8_reference(backend, case, recipe):
 @pytest.mark.parametrize("case", ["uniform", "empty_groups", "sum_less_than_rows"])
 def test_accuracy_against_the_bf16_op(backend, implementation, case, recipe):
   """E4M3 keeps 3 mantissa bits; over a K-term product of unit-variance data the errors
-  average out to a few percent of the norm. dgrad uses E5M2 (2 bits) for dy; wgrad is
-  16-bit."""
+  average out to a few percent of the norm. dgrad uses E5M2 (2 bits) for dy; so does the
+  FP8 wgrad (E4M3 x times E5M2 dy)."""
   m, k, n = (128, 64, 48) if backend == "cpu" else (2048, 1024, 1024)
   sizes = sizes_cases(m)[case]
   x, kernel = make_inputs(12, m, k, n, len(sizes), jnp.bfloat16)
@@ -218,17 +219,149 @@ def test_gradients_of_empty_groups_and_uncovered_rows_are_zero(backend, case):
   assert_within_accumulation_bound(d_x, want, abs_sum, "dx")
 
 
-def test_fp8_gemms_forward_and_dgrad_16bit_wgrad():
+@pytest.mark.parametrize("fp8_wgrad", [True, False])
+def test_fp8_gemms_forward_dgrad_and_wgrad(fp8_wgrad):
   x, kernel = make_inputs(16, 32, 32, 16, 2, jnp.bfloat16)
   group_sizes = jnp.asarray([20, 12], jnp.int32)
-  loss = lambda x, w: jnp.sum(fp8_linear("ffi")(x, w, group_sizes).astype(jnp.float32))
+  recipe = jaxfuse.quantization.Float8CurrentScaling(per_group=True, fp8_wgrad=fp8_wgrad)
+  loss = lambda x, w: jnp.sum(fp8_linear("ffi", recipe)(x, w, group_sizes)
+                              .astype(jnp.float32))
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, kernel)
   count = lambda target: helpers.count_primitives(jaxpr, helpers.ffi_target(target))
   # platform_dependent lowers a cpu and a cuda branch: each GEMM appears twice.
   assert count("jaxfuse_grouped_gemm_fp8") == 2 * 2
-  assert count("jaxfuse_grouped_gemm") == 2 * 1
+  # FP8 wgrad: the column-wise copies of the forward's FP8 x and the dgrad's FP8 dy.
+  assert count("jaxfuse_grouped_gemm_fp8_wgrad") == 2 * fp8_wgrad
+  assert count("jaxfuse_group_columnwise") == 2 * fp8_wgrad
+  assert count("jaxfuse_grouped_gemm") == 2 * (not fp8_wgrad)
   # Offsets computed once: x's and dy's quantization and all three GEMMs share them.
   assert helpers.count_primitives(jaxpr, lambda e: e.primitive.name == "cumsum") == 1
+
+
+# --- The FP8 wgrad: column-wise copies and the wgrad kernel -----------------------------
+
+COLUMNWISE_CASES = CASES + ["groups_31_sum_less", "groups_32_negative"]
+
+
+def numpy_columnwise(data, sizes):
+  """The column-wise copy (cuda/include/jaxfuse/columnwise.h) in numpy, as uint8 codes."""
+  codes = np.asarray(data).view(np.uint8)
+  m, k = codes.shape
+  out = np.zeros((k, quantize_ffi.columnwise_width(m, len(sizes))), np.uint8)
+  for g, (start, end) in enumerate(group_rows(sizes, m)):
+    first = quantize_ffi.columnwise_start(start, g)
+    assert first % 16 == 0
+    out[:, first:first + end - start] = codes[start:end].T
+  return out
+
+
+def random_fp8(seed, shape, dtype):
+  """Random FP8 codes of every finite magnitude class (no NaN)."""
+  values = np.random.default_rng(seed).standard_normal(shape) * 8.0
+  return jnp.asarray(values.astype(np.float32), dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", COLUMNWISE_CASES)
+def test_group_columnwise_matches_numpy(backend, case):
+  m, k = (77, 48) if backend == "cpu" else (1000, 272)
+  sizes = sizes_cases(m)[case]
+  data = random_fp8(40, (m, k), jnp.float8_e4m3fn)
+  offsets = jaxfuse.group_offsets(jnp.asarray(sizes, jnp.int32))
+  data, offsets = on(backend, data, offsets)
+  out = jax.jit(quantize_ffi.group_columnwise)(data, offsets)
+  assert out.dtype == data.dtype
+  np.testing.assert_array_equal(np.asarray(out).view(np.uint8), numpy_columnwise(data, sizes))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_columnwise_of_hostile_offsets(backend):
+  """Offsets that decrease, go negative or run past M: clamped and made non-decreasing,
+  as the wgrad kernel reads them; nothing lands outside the copy."""
+  m, k = 70, 32
+  data = random_fp8(41, (m, k), jnp.float8_e5m2)
+  hostile = np.asarray([5, -20, 40, 30, 900, 60], np.int32)  # G = 5
+  data, offsets = on(backend, data, jnp.asarray(hostile))
+  out = np.asarray(jax.jit(quantize_ffi.group_columnwise)(data, offsets)).view(np.uint8)
+  codes = np.asarray(data).view(np.uint8)
+  clamped = np.maximum.accumulate(np.clip(hostile, 0, m))
+  want = np.zeros_like(out)
+  for g in range(5):
+    first = quantize_ffi.columnwise_start(int(clamped[g]), g)
+    want[:, first:first + clamped[g + 1] - clamped[g]] = codes[clamped[g]:clamped[g + 1]].T
+  np.testing.assert_array_equal(out, want)
+
+
+def numpy_fp8_wgrad(x, x_s, dy, dy_s, sizes):
+  """(exact, abs_sum) float64 [G, K, N]: x_s[g] * dy_s[g] * x_g^T @ dy_g and the sum of
+  |products| per element."""
+  x64, dy64 = helpers.as_f64(x), helpers.as_f64(dy)
+  x_s, dy_s = helpers.as_f64(x_s), helpers.as_f64(dy_s)
+  groups, k, n = len(sizes), x64.shape[1], dy64.shape[1]
+  exact, abs_sum = np.zeros((groups, k, n)), np.zeros((groups, k, n))
+  for g, (start, end) in enumerate(group_rows(sizes, x64.shape[0])):
+    alpha = x_s[g] * dy_s[g]
+    exact[g] = x64[start:end].T @ dy64[start:end] * alpha
+    abs_sum[g] = np.abs(x64[start:end]).T @ np.abs(dy64[start:end]) * alpha
+  return exact, abs_sum
+
+
+@pytest.mark.parametrize("gradient_dtype", [jnp.float8_e5m2, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", COLUMNWISE_CASES)
+def test_fp8_wgrad_matches_float64_numpy(backend, case, gradient_dtype):
+  """dw[g] = alpha_g * x_g^T @ dy_g from FP8 x (E4M3) and dy (E5M2 or E4M3), exact products
+  in fp32 (promoted accumulation on the GPU), one bf16 rounding; empty groups exactly 0."""
+  m, k, n = (77, 32, 48) if backend == "cpu" else (1000, 256, 272)
+  sizes = sizes_cases(m)[case]
+  groups = len(sizes)
+  x = random_fp8(42, (m, k), jnp.float8_e4m3fn)
+  dy = random_fp8(43, (m, n), gradient_dtype)
+  rng = np.random.default_rng(44)
+  x_s = jnp.asarray(rng.uniform(0.01, 0.1, groups), jnp.float32)
+  dy_s = jnp.asarray(rng.uniform(0.01, 0.1, groups), jnp.float32)
+  offsets = jaxfuse.group_offsets(jnp.asarray(sizes, jnp.int32))
+  x, dy, x_s, dy_s, offsets = on(backend, x, dy, x_s, dy_s, offsets)
+  dw = jax.jit(lambda *a: gemm_ffi.grouped_gemm(*a[:3], form=gemm_ffi.WGRAD, a_scale_inv=a[3],
+                                                b_scale_inv=a[4]))(x, dy, offsets, x_s, dy_s)
+  assert dw.dtype == jnp.bfloat16 and dw.shape == (groups, k, n)
+  exact, abs_sum = numpy_fp8_wgrad(x, x_s, dy, dy_s, sizes)
+  assert_within_accumulation_bound(dw, exact, abs_sum, case)
+  for g, (start, end) in enumerate(group_rows(sizes, m)):
+    if start == end:
+      assert not np.asarray(dw[g], np.float32).any(), f"dw[{g}] of an empty group"
+
+
+def test_fp8_wgrad_handler_errors():
+  offsets = jnp.asarray([0, 8, 16], jnp.int32)
+  ones = jnp.ones((2,), jnp.float32)
+  width = quantize_ffi.columnwise_width(16, 2)
+  x_t = jnp.ones((16, width), jnp.float8_e4m3fn)
+  out = jax.ShapeDtypeStruct((2, 16, 16), jnp.bfloat16)
+  wgrad = lambda a, b, rows, s=ones: jax.block_until_ready(jax.ffi.ffi_call(
+      "jaxfuse_grouped_gemm_fp8_wgrad", out)(a, b, offsets, s, ones, rows=np.int64(rows)))
+  with pytest.raises(Exception, match=r"column-wise copies \[K, W\] and \[N, W\] with "
+                                      r"W = ColumnwiseWidth\(rows = 17"):
+    wgrad(x_t, x_t, 17)
+  with pytest.raises(Exception, match=r"a \(x\^T\) must be float8_e4m3fn"):
+    wgrad(x_t.astype(jnp.float8_e5m2), x_t, 16)
+  with pytest.raises(Exception, match=r"scale_inv must be float32 \[G = 2\]"):
+    wgrad(x_t, x_t, 16, ones[:1])
+  # The row-wise FP8 handler refuses the wgrad form: it needs column-wise copies.
+  a = jnp.ones((16, 16), jnp.float8_e4m3fn)
+  with pytest.raises(Exception, match="reads column-wise copies"):
+    jax.block_until_ready(jax.ffi.ffi_call("jaxfuse_grouped_gemm_fp8", out)(
+        a, a, offsets, ones, ones, form=np.int32(2), fast_accumulation=False))
+
+
+def test_group_columnwise_errors():
+  offsets = jnp.asarray([0, 8, 16], jnp.int32)
+  with pytest.raises(Exception, match=r"K \(data.shape\[1\]\) must be a multiple of 16"):
+    jax.block_until_ready(quantize_ffi.group_columnwise(jnp.ones((16, 24), jnp.float8_e4m3fn),
+                                                        offsets))
+  with pytest.raises(Exception, match="data must be float8_e4m3fn or float8_e5m2"):
+    jax.block_until_ready(quantize_ffi.group_columnwise(jnp.ones((16, 32), jnp.bfloat16),
+                                                        offsets))
 
 
 def test_float16_x_gives_float16():
@@ -239,13 +372,10 @@ def test_float16_x_gives_float16():
   assert_bf16_close(out, fp8_linear("xla")(x, kernel, group_sizes))
 
 
-def test_handler_rejects_fp8_wgrad_and_bad_scales():
+def test_handler_rejects_bad_scales():
   a = jnp.ones((16, 16), jnp.float8_e4m3fn)
   offsets = jnp.asarray([0, 8, 16], jnp.int32)
   ones = jnp.ones((2,), jnp.float32)
-  with pytest.raises(Exception, match="no wgrad form"):
-    jax.block_until_ready(gemm_ffi.grouped_gemm(a, a, offsets, form=gemm_ffi.WGRAD,
-                                                a_scale_inv=ones, b_scale_inv=ones))
   w_t = jnp.ones((2, 16, 16), jnp.float8_e4m3fn)
   with pytest.raises(Exception, match=r"scale_inv must be float32 \[G = 2\]"):
     jax.block_until_ready(gemm_ffi.grouped_gemm(a, w_t, offsets, form=gemm_ffi.FORWARD,

@@ -83,7 +83,8 @@ def test_accuracy_against_the_bf16_op(backend, implementation, activation):
   """Two chained FP8 GEMMs compound their errors: one E4M3 GEMM is ~3-5% relative
   (Frobenius, see test_grouped_linear_fp8), the MLP forward measures 6-7% on CPU shapes.
   dx goes through two E5M2-quantized gradients (dy, then dh) and two E4M3 weights; it
-  measures up to ~14% (clamped_swiglu). Budgets: 10% forward, 20% gradients."""
+  measures up to ~14% (clamped_swiglu). The FP8 wgrads multiply an E4M3 input by an E5M2
+  gradient. Budgets: 10% forward, 20% gradients."""
   m, hidden, ffn = (128, 64, 32) if backend == "cpu" else (2048, 1024, 512)
   sizes = sizes_cases(m)["empty_groups"]
   x, k1, k2, scales = make_inputs(31, m, hidden, ffn, len(sizes), activation, jnp.bfloat16)
@@ -118,21 +119,29 @@ def test_save_activation_gives_identical_gradients():
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_fp8_gemms_and_fused_quantization_run():
+@pytest.mark.parametrize("fp8_wgrad", [True, False])
+def test_fp8_gemms_and_fused_quantization_run(fp8_wgrad):
   x, k1, k2, scales = make_inputs(34, 32, 16, 16, 4, "swiglu", jnp.bfloat16)
   sizes = jnp.asarray([8, 0, 16, 8], jnp.int32)
-  loss = lambda *a: jnp.sum(call("ffi", "swiglu")(*a[:3], sizes, a[3]).astype(jnp.float32))
+  recipe = jaxfuse.quantization.Float8CurrentScaling(per_group=True, fp8_wgrad=fp8_wgrad)
+  loss = lambda *a: jnp.sum(call("ffi", "swiglu", recipe)(*a[:3], sizes, a[3])
+                            .astype(jnp.float32))
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, k1, k2, scales)
   count = lambda predicate: helpers.count_primitives(jaxpr, predicate)
   name_is = lambda *names: lambda e: e.primitive.name in names
   assert count(helpers.ffi_target("jaxfuse_group_offsets")) == 1
   assert count(name_is("cumsum")) == 0
-  # FC1 fwd, FC2 fwd, FC2 dgrad, FC1 dgrad in FP8; the two wgrads in 16-bit; each in both
-  # platform branches of platform_dependent.
+  # FC1 fwd, FC2 fwd, FC2 dgrad, FC1 dgrad in FP8; each in both platform branches of
+  # platform_dependent. The two wgrads: FP8 from four column-wise copies (x, a, dy, dh),
+  # or 16-bit.
   assert count(helpers.ffi_target("jaxfuse_grouped_gemm_fp8")) == 4 * 2
-  assert count(helpers.ffi_target("jaxfuse_grouped_gemm")) == 2 * 2
+  assert count(helpers.ffi_target("jaxfuse_grouped_gemm_fp8_wgrad")) == 2 * 2 * fp8_wgrad
+  assert count(helpers.ffi_target("jaxfuse_group_columnwise")) == 4 * fp8_wgrad
+  assert count(helpers.ffi_target("jaxfuse_grouped_gemm")) == 2 * 2 * (not fp8_wgrad)
   assert count(helpers.ffi_target("jaxfuse_scaled_activation_quantize")) == 1
   assert count(helpers.ffi_target("jaxfuse_scaled_dactivation_quantize")) == 1
+  # With FP8 wgrads the activation is saved in FP8, never recomputed in 16-bit.
+  assert count(helpers.ffi_target("jaxfuse_scaled_activation_fwd")) == (not fp8_wgrad)
   assert count(name_is("ragged_dot_general", "ragged_dot", "dot_general")) == 0
 
 

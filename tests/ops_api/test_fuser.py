@@ -545,8 +545,10 @@ def test_unfused_fp8_grouped_linear_is_grouped_linear_with_the_recipe():
 # rounding of an E4M3 rounding midpoint and lands one E4M3 step (<= 2^-3 relative) away;
 # over a K = 32 term product that moves an output by up to a few percent of the largest
 # output, so 2 x 2%. The dgrad sees the same E5M2 dy and FP8 kernel in both (bit-equal
-# dh); wgrad differs by the same flipped activation elements.
-FP8_ATOL_SCALE = 2.0
+# dh); wgrad differs by the same flipped activation elements, contracted over one group's
+# rows only (M / G terms, fewer than K, so a flip weighs more): measured 4.06% of the
+# largest FC2 weight gradient with FP8 wgrads (the same E5M2 dy in both), so 2.5 x 2%.
+FP8_ATOL_SCALE = 2.5
 
 
 @pytest.mark.parametrize("implementation,dtype", [("ffi", BF16), ("xla", BF16), ("xla", F32)])
@@ -611,10 +613,13 @@ def test_fp8_fusion_feeds_the_fp8_activation_to_the_fp8_gemm():
   # The kernel's untransposed FP8 copy is for dgrad: written only when a backward follows.
   assert helpers.untransposed_copy_sizes(forward) == [0]
   assert helpers.untransposed_copy_sizes(grad) == [G * FFN8 * H]
-  # Backward: FP8 dgrad, 16-bit wgrad (from the saved FP8 activation, dequantized there),
+  # Backward: FP8 dgrad, FP8 wgrad (the saved FP8 activation and the FP8 dy, column-wise),
   # the fused dact kernel; offsets computed once for the whole step.
   assert count(grad, "jaxfuse_grouped_gemm_fp8") == 2 * 2
-  assert count(grad, "jaxfuse_grouped_gemm") == 2 * 1
+  assert count(grad, "jaxfuse_grouped_gemm_fp8_wgrad") == 2 * 1
+  assert count(grad, "jaxfuse_group_columnwise") == 2
+  assert count(grad, "jaxfuse_grouped_gemm") == 0
+  assert helpers.count_primitives(grad, fp8_to_wide) == 0  # nothing dequantized
   assert count(grad, "jaxfuse_scaled_activation_bwd") >= 1
   assert count(grad, "jaxfuse_group_offsets") == 1
   # Unfused: no fused activation + quantization; the activation is dequantized (Quantize)

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "internal.cuh"
+#include "jaxfuse/columnwise.h"
 #include "jaxfuse/grouped_gemm.h"
 
 namespace jaxfuse::grouped_gemm {
@@ -73,10 +74,18 @@ Family PickFamily(const Problem& p) {
     return {};
   }
   if (IsFp8(p.a_type)) {
-    // FP8: A e4m3 or e5m2 (gradient operand), B e4m3, bf16 output; no wgrad (would need
-    // column-wise FP8 copies with 16-aligned group starts).
-    if (p.b_type != ElementType::kFloat8E4M3 || p.out_type != ElementType::kBF16) return {};
-    if (p.form == Form::kWgrad) return {};
+    if (p.out_type != ElementType::kBF16) return {};
+    if (p.form == Form::kWgrad) {
+      // FP8 wgrad reads the column-wise copies (jaxfuse/columnwise.h): A = x^T e4m3,
+      // B = dy^T in the gradient format; both K-major, so the forward's layouts.
+      if (!p.columnwise || p.a_type != ElementType::kFloat8E4M3 || p.fast_accumulation) {
+        return {};
+      }
+      return p.b_type == ElementType::kFloat8E5M2 ? JAXFUSE_GG_FAMILY(Fp8E4m3E5m2, true)
+                                                  : JAXFUSE_GG_FAMILY(Fp8E4m3E4m3, true);
+    }
+    // Forward and dgrad: A e4m3 or e5m2 (gradient operand), B e4m3.
+    if (p.b_type != ElementType::kFloat8E4M3 || p.columnwise) return {};
     const bool e4m3 = p.a_type == ElementType::kFloat8E4M3;
     if (p.fast_accumulation) {
       // Only the forward (E4M3 activations) accumulates fast; gradients keep the promoted
@@ -152,6 +161,7 @@ struct SetupParams {
   char* out;
   int a_bytes, b_bytes, out_bytes;
   bool b_k_major_forward;  // FP8 forward: b = w^T [G, n, k]
+  int64_t columnwise_width;  // FP8 wgrad: a = x^T [k, width], b = dy^T [n, width]; else 0
   const float* a_scale_inv;
   const float* b_scale_inv;
   // Outputs (workspace).
@@ -283,10 +293,18 @@ __device__ __forceinline__ void WriteGroup(const SetupParams& p, int g, int64_t 
     shape[0] = rows > 0 ? static_cast<int32_t>(p.k) : 0;
     shape[1] = rows > 0 ? static_cast<int32_t>(p.n) : 0;
     shape[2] = rows;
-    p.ptr_a[g] = p.a + lo * p.k * p.a_bytes;
-    p.stride_a[g] = p.k;
-    p.ptr_b[g] = p.b + lo * p.n * p.b_bytes;
-    p.stride_b[g] = p.n;
+    if (p.columnwise_width > 0) {  // K-major copies: group g's rows are columns from start
+      const int64_t start = ColumnwiseStart(lo, g);
+      p.ptr_a[g] = p.a + start * p.a_bytes;
+      p.stride_a[g] = p.columnwise_width;
+      p.ptr_b[g] = p.b + start * p.b_bytes;
+      p.stride_b[g] = p.columnwise_width;
+    } else {
+      p.ptr_a[g] = p.a + lo * p.k * p.a_bytes;
+      p.stride_a[g] = p.k;
+      p.ptr_b[g] = p.b + lo * p.n * p.b_bytes;
+      p.stride_b[g] = p.n;
+    }
     p.ptr_d[g] = p.out + weight * p.out_bytes;
     p.stride_d[g] = p.n;
   }
@@ -476,6 +494,7 @@ bool IsSupported(const Problem& p) {
   if (p.m < 0 || p.k < 0 || p.n < 0) return false;
   constexpr int64_t kMax = (int64_t{1} << 31) - 1;
   if (p.m > kMax || p.k > kMax || p.n > kMax) return false;
+  if (p.columnwise && ColumnwiseWidth(p.m, p.num_groups) > kMax) return false;
   const Family family = PickFamily(p);
   if (family.run == nullptr) return false;
   // TMA: 16-byte aligned leading dimensions and group base addresses.
@@ -576,6 +595,7 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   s.b_bytes = ElementBytes(p.b_type);
   s.out_bytes = out_bytes;
   s.b_k_major_forward = IsFp8(p.a_type) && p.form == Form::kForward;
+  s.columnwise_width = p.columnwise ? ColumnwiseWidth(p.m, p.num_groups) : 0;
   s.a_scale_inv = p.a_scale_inv;
   s.b_scale_inv = p.b_scale_inv;
   s.clamped = reinterpret_cast<int64_t*>(base + layout.offsets);

@@ -64,6 +64,7 @@ JAXFUSE_GG_DECLARE_FAMILY(F16Wgrad)
 JAXFUSE_GG_DECLARE_FAMILY(Fp8E4m3E4m3)
 JAXFUSE_GG_DECLARE_FAMILY(Fp8E5m2E4m3)
 JAXFUSE_GG_DECLARE_FAMILY(Fp8E4m3FastAccum)  // forward only: FP8 fast accumulation
+JAXFUSE_GG_DECLARE_FAMILY(Fp8E4m3E5m2)       // wgrad only: x^T e4m3, dy^T e5m2 (columnwise)
 
 // kUniform kernels (bf16 forward/dgrad), one config each; NAME_RowGranularity() = its CTA
 // tile M x cluster M.

@@ -12,7 +12,10 @@
 // FP8 (both operands must be K-major for SM90 FP8 wgmma; output is bf16):
 //   kForward  a = x [m, k] e4m3, b = w TRANSPOSED [G, n, k] e4m3
 //   kDgrad    a = dy [m, n] e4m3|e5m2, b = w [G, k, n] e4m3
-//   kWgrad    not supported (IsSupported returns false).
+//   kWgrad    columnwise = true: a = x^T, b = dy^T, the column-wise copies of the rows
+//             (jaxfuse/columnwise.h): a [k, ColumnwiseWidth(m, G)] e4m3,
+//             b [n, ColumnwiseWidth(m, G)] e4m3|e5m2; group g's rows are the columns from
+//             ColumnwiseStart(clamped offset g, g). out = dw [G, k, n] (zero for empty groups).
 //   out = (a_scale_inv[g] * b_scale_inv[g]) * (a @ b) per group (a null scale pointer means 1).
 //   fast_accumulation (kForward with e4m3 x e4m3 only): accumulate in the tensor cores' FP8
 //   accumulator without promoting to fp32 registers every few k-blocks (faster, a little less
@@ -68,6 +71,7 @@ struct Problem {
   void* workspace;           // DEVICE scratch, >= WorkspaceBytes(problem, sm_count) bytes,
   size_t workspace_bytes;    // 256-byte aligned (XLA buffers are)
   bool fast_accumulation = false;  // FP8 forward only (e4m3 x e4m3), see above
+  bool columnwise = false;         // FP8 wgrad only (and required there): a, b column-wise
   TileConfig tile_config = TileConfig::kAuto;  // optional override
 };
 

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "jaxfuse/columnwise.h"
 #include "jaxfuse/ffi_common.h"
 
 namespace jaxfuse {
@@ -71,6 +72,40 @@ inline ffi::Error ParseGroupedProblem(const ffi::AnyBuffer& a, const ffi::AnyBuf
     return InvalidArgument("grouped GEMM form ", form, ": inconsistent shapes a ",
                            ShapeString(a_dims), ", b ", ShapeString(b_dims), ", out ",
                            ShapeString(out_dims), " for G = ", g);
+  }
+  return ffi::Error::Success();
+}
+
+// The FP8 wgrad (both backends): dw[g] = x[rows_g]^T @ dy[rows_g] from the column-wise
+// copies (jaxfuse/columnwise.h) a = x^T [k, W], b = dy^T [n, W] with W = ColumnwiseWidth(rows,
+// G); out = dw [G, k, n]. `rows` (m) is the row count of the tensors the copies were made
+// from (W alone does not determine it); offsets are clamped to it as in the other forms.
+inline ffi::Error ParseColumnwiseWgrad(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+                                       const ffi::AnyBuffer& offsets, const ffi::AnyBuffer& out,
+                                       int64_t rows, GroupedProblem* problem) {
+  const auto a_dims = a.dimensions(), b_dims = b.dimensions(), o_dims = offsets.dimensions();
+  const auto out_dims = out.dimensions();
+  if (o_dims.size() != 1 || o_dims[0] < 2 || offsets.element_type() != ffi::DataType::S32) {
+    return InvalidArgument("group_offsets must be int32 [G + 1] with G >= 1, got ",
+                           DataTypeName(offsets.element_type()), ShapeString(o_dims));
+  }
+  problem->form = GroupedForm::kWgrad;
+  problem->groups = o_dims[0] - 1;
+  problem->m = rows;
+  const int64_t width = rows >= 0 ? ColumnwiseWidth(rows, problem->groups) : -1;
+  if (rows < 0 || a_dims.size() != 2 || b_dims.size() != 2 || a_dims[1] != width ||
+      b_dims[1] != width) {
+    return InvalidArgument("FP8 grouped wgrad: a and b must be the column-wise copies [K, W] "
+                           "and [N, W] with W = ColumnwiseWidth(rows = ", rows, ", G = ",
+                           problem->groups, ") = ", width, ", got a ", ShapeString(a_dims),
+                           ", b ", ShapeString(b_dims));
+  }
+  problem->k = a_dims[0];
+  problem->n = b_dims[0];
+  if (out_dims.size() != 3 || out_dims[0] != problem->groups || out_dims[1] != problem->k ||
+      out_dims[2] != problem->n) {
+    return InvalidArgument("FP8 grouped wgrad: out must be [G, K, N] = [", problem->groups,
+                           ", ", problem->k, ", ", problem->n, "], got ", ShapeString(out_dims));
   }
   return ffi::Error::Success();
 }

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "jaxfuse/columnwise.h"
 #include "jaxfuse/ffi_common.h"
 #include "jaxfuse/fp8.h"
 #include "jaxfuse/numeric.h"
@@ -173,6 +174,54 @@ inline ffi::Error ParseQuantizeTransposed(const ffi::AnyBuffer& x, const ffi::An
   return ffi::Error::Success();
 }
 
+// --- The columnwise copy of row-grouped FP8 data (jaxfuse/columnwise.h) -------------
+// Most groups the CUDA kernel holds in shared memory (its clamped offsets, 4 bytes each,
+// within the 48 KB a launch gets without opting in).
+inline constexpr int64_t kColumnwiseMaxGroups = 4096;
+
+struct ColumnwiseProblem {
+  int64_t rows = 0, cols = 0, groups = 0, width = 0;
+};
+
+// data [m, k] 1-byte (FP8), offsets int32 [G + 1], out [k, ColumnwiseWidth(m, G)] of
+// data's dtype.
+inline ffi::Error ParseColumnwise(const ffi::AnyBuffer& data, const ffi::AnyBuffer& offsets,
+                                  const ffi::AnyBuffer& out, ColumnwiseProblem* problem) {
+  const auto dims = data.dimensions();
+  const auto o_dims = offsets.dimensions();
+  if (dims.size() != 2 || (data.element_type() != ffi::DataType::F8E4M3FN &&
+                           data.element_type() != ffi::DataType::F8E5M2)) {
+    return InvalidArgument("group_columnwise: data must be float8_e4m3fn or float8_e5m2 "
+                           "[M, K], got ", DataTypeName(data.element_type()), " ",
+                           ShapeString(dims));
+  }
+  if (o_dims.size() != 1 || o_dims[0] < 2 || offsets.element_type() != ffi::DataType::S32) {
+    return InvalidArgument("group_columnwise: group_offsets must be int32 [G + 1] with G >= 1, "
+                           "got ", DataTypeName(offsets.element_type()), ShapeString(o_dims));
+  }
+  problem->rows = dims[0];
+  problem->cols = dims[1];
+  problem->groups = o_dims[0] - 1;
+  if (problem->groups > kColumnwiseMaxGroups) {
+    return InvalidArgument("group_columnwise: at most ", kColumnwiseMaxGroups,
+                           " groups, got ", problem->groups);
+  }
+  if (problem->cols % kColumnwiseAlign != 0) {
+    return InvalidArgument("group_columnwise: K (data.shape[1]) must be a multiple of ",
+                           kColumnwiseAlign, ", got ", problem->cols);
+  }
+  problem->width = ColumnwiseWidth(problem->rows, problem->groups);
+  const auto out_dims = out.dimensions();
+  if (out.element_type() != data.element_type() || out_dims.size() != 2 ||
+      out_dims[0] != problem->cols || out_dims[1] != problem->width) {
+    return InvalidArgument("group_columnwise: out must be ", DataTypeName(data.element_type()),
+                           " [K, ColumnwiseWidth(M, G)] = [", problem->cols, ", ",
+                           problem->width, "], got ", DataTypeName(out.element_type()), " ",
+                           ShapeString(out_dims));
+  }
+  return ffi::Error::Success();
+}
+
 #if !defined(__CUDACC__)
 // --- CPU reference implementation (plain loops) ------------------------------------
 
@@ -288,6 +337,21 @@ inline void QuantizeTransposedCpu(const TransposedProblem& p, const ffi::AnyBuff
         data[in + c * p.rows + r] = code;
         if (p.untransposed) data_untransposed[in + r * p.cols + c] = code;
       }
+    }
+  }
+}
+// The columnwise copy on the host (CPU handler and tests): jaxfuse/columnwise.h's layout,
+// zeros in every column that holds no row.
+inline void ColumnwiseCpu(const ColumnwiseProblem& p, const uint8_t* data,
+                          const int32_t* offsets, uint8_t* out) {
+  std::fill(out, out + p.cols * p.width, uint8_t{0});
+  int64_t clamped = 0;  // c_g: clamp(offsets[g], 0, m), running max
+  for (int64_t g = 0; g < p.groups; ++g) {
+    clamped = std::max(clamped, ClampedOffset(offsets, g, p.rows));
+    const int64_t end = std::max(clamped, ClampedOffset(offsets, g + 1, p.rows));
+    const int64_t start = ColumnwiseStart(clamped, g);
+    for (int64_t r = clamped; r < end; ++r) {
+      for (int64_t i = 0; i < p.cols; ++i) out[i * p.width + start + (r - clamped)] = data[r * p.cols + i];
     }
   }
 }

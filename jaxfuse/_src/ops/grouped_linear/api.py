@@ -129,8 +129,9 @@ def grouped_linear_fp8_with_offsets(x, kernel, group_offsets, recipe,
   Forward: x in E4M3 with one scale per group of rows, the kernel in E4M3 with one scale
   per expert (quantized transposed, [G, N, K]), the FP8 grouped GEMM. Backward: dgrad in
   FP8 (the output gradient in the recipe's gradient format, E5M2 by default, per group;
-  the weight's FP8 values as [G, K, N], written by the forward's quantization pass); wgrad in
-  16-bit from the saved x (the grouped kernels have no FP8 wgrad).
+  the weight's FP8 values as [G, K, N], written by the forward's quantization pass); wgrad
+  in FP8 from the forward's FP8 x and the dgrad's FP8 output gradient (recipe.fp8_wgrad),
+  else in 16-bit from the saved x.
   """
   return _fp8_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=False)[0]
 
@@ -144,23 +145,43 @@ def _fp8_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=Tr
       kernel, recipe, "ffi", untransposed=for_backward)
   out = fp8_gemm(x_data, x_scale_inv, w_t_data, w_scale_inv, group_offsets, ffi.FORWARD,
                  x.dtype, recipe)
-  return out, (x, w_data[0] if w_data else None, w_scale_inv, group_offsets)
+  # The backward's wgrad input: the FP8 x (fp8_wgrad) or the 16-bit one.
+  x_saved = (x_data, x_scale_inv) if recipe.fp8_wgrad else x
+  return out, (x_saved, w_data[0] if w_data else None, w_scale_inv, group_offsets)
 
 
 def fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, dtype):
   """The FP8 dgrad: d_out quantized per group in the recipe's gradient format (E5M2 by
-  default) times the saved FP8 kernel [G, K, N] (the forward's values and scales)."""
+  default) times the saved FP8 kernel [G, K, N] (the forward's values and scales).
+
+  Returns (dx in `dtype`, (dy_data, dy_scale_inv)): the FP8 output gradient, which the FP8
+  wgrad reads too.
+  """
   dy_data, dy_scale_inv = reference.quantize_rows(d_out, recipe, group_offsets, "gradient",
                                                   "ffi")
-  return fp8_gemm(dy_data, dy_scale_inv, w_data, w_scale_inv, group_offsets, ffi.DGRAD,
-                  dtype, recipe)
+  d_x = fp8_gemm(dy_data, dy_scale_inv, w_data, w_scale_inv, group_offsets, ffi.DGRAD,
+                 dtype, recipe)
+  return d_x, (dy_data, dy_scale_inv)
+
+
+def fp8_wgrad(x_fp8, dy_fp8, group_offsets, dtype):
+  """The FP8 wgrad dw[g] = x_g^T @ dy_g from (data, scale_inv [G]) pairs: x in E4M3, dy in
+  E4M3 or E5M2, both quantized per group over `group_offsets` (the kernels transpose them
+  column-wise; promoted fp32 accumulation). Returns [G, K, N] in `dtype`."""
+  (x_data, x_scale_inv), (dy_data, dy_scale_inv) = x_fp8, dy_fp8
+  out = sharding.grouped_gemm(x_data, dy_data, group_offsets, form=ffi.WGRAD,
+                              a_scale_inv=x_scale_inv, b_scale_inv=dy_scale_inv)
+  return out.astype(dtype)
 
 
 def _fp8_backward(recipe, varying_axes, saved, d_out):
-  x, w_data, w_scale_inv, group_offsets = saved
-  d_out = d_out.astype(x.dtype)
-  d_x = fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, x.dtype)
-  d_kernel = sharding.grouped_gemm(x, d_out, group_offsets, form=ffi.WGRAD)
+  x_saved, w_data, w_scale_inv, group_offsets = saved
+  dtype = d_out.dtype  # the output's, which is x's
+  d_x, dy_fp8 = fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, dtype)
+  if recipe.fp8_wgrad:
+    d_kernel = fp8_wgrad(x_saved, dy_fp8, group_offsets, dtype)
+  else:
+    d_kernel = sharding.grouped_gemm(x_saved, d_out, group_offsets, form=ffi.WGRAD)
   return (compat.match_varying_axes(d_x, varying_axes[0]),
           compat.match_varying_axes(d_kernel, varying_axes[1]), None)
 
@@ -196,12 +217,13 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
       runs on the FP8 tensor cores with the per-group factors in its epilogue (result
       rounded to bfloat16, then cast to x's dtype). The forward GEMM accumulates in the
       tensor cores' FP8 accumulator unless ``recipe.forward_fast_accumulation`` is False
-      (then it promotes to fp32 every few k-blocks, ~20% slower on the H200). Backward: dgrad in FP8 (the output
-      gradient in E5M2, per group; the saved FP8 weight transposed back); wgrad in 16-bit
-      from the saved x and the 16-bit output gradient, because the grouped kernels have no
-      FP8 wgrad (TransformerEngine's Hopper recipe runs wgrad in FP8 too, from transposed
-      FP8 copies). K and N must be multiples of 16. Expected accuracy against the 16-bit
-      op: a few percent relative (Frobenius) error for unit-variance data.
+      (then it promotes to fp32 every few k-blocks, ~20% slower on the H200). Backward:
+      dgrad in FP8 (the output gradient in E5M2, per group; the saved FP8 weight);
+      wgrad in FP8 too (``recipe.fp8_wgrad``, the default: the forward's FP8 x and the
+      dgrad's FP8 output gradient, transposed column-wise, as in TransformerEngine's
+      Hopper recipe), else in 16-bit from the saved x. K and N must be multiples of 16.
+      Expected accuracy against the 16-bit op: a few percent relative (Frobenius) error
+      for unit-variance data.
     implementation: None, "ffi" or "xla".
 
   Returns:

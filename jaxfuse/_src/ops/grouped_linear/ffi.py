@@ -44,7 +44,8 @@ def grouped_gemm(a: jax.Array, b: jax.Array, group_offsets: jax.Array, *, form: 
   forward: a = x [m, k], b = w [G, k, n] -> [m, n]; dgrad: a = dy [m, n], b = w -> [m, k];
   wgrad: a = x [m, k], b = dy [m, n] -> [G, k, n]. group_offsets: int32 [G + 1] on the
   device. FP8 (a_scale_inv, b_scale_inv: float32 [G]) takes the forward weight as
-  [G, n, k] and returns bfloat16; fast_accumulation (FP8 forward with E4M3 activations
+  [G, n, k] and returns bfloat16; its wgrad takes x in E4M3 and dy in E4M3 or E5M2, row-wise
+  like the 16-bit form, and transposes both (see _fp8_wgrad); fast_accumulation (FP8 forward with E4M3 activations
   only, else the handler raises) keeps the tensor cores' FP8 accumulator instead of
   promoting to fp32 every few k-blocks.
   """
@@ -52,6 +53,8 @@ def grouped_gemm(a: jax.Array, b: jax.Array, group_offsets: jax.Array, *, form: 
   groups = group_offsets.shape[0] - 1
   fp8 = a_scale_inv is not None
   m = a.shape[0]
+  if fp8 and form == WGRAD:
+    return _fp8_wgrad(a, b, group_offsets, a_scale_inv, b_scale_inv)
   if form == FORWARD:
     k = a.shape[1]
     n = b.shape[1] if fp8 else b.shape[2]
@@ -76,6 +79,47 @@ def grouped_gemm(a: jax.Array, b: jax.Array, group_offsets: jax.Array, *, form: 
   def cuda(*args):
     workspace = jax.ShapeDtypeStruct((_workspace_bytes(form, a, b, m, k, n, groups,
                                                   fast_accumulation),), jnp.uint8)
+    out, _ = jax.ffi.ffi_call(target, (out_type, workspace),
+                              vmap_method="sequential")(*args, **attrs)
+    return out
+
+  out = jax.lax.platform_dependent(*operands, cpu=cpu, cuda=cuda)
+  return compat.vary_like(out, *operands)
+
+
+def _fp8_wgrad(x, dy, group_offsets, x_scale_inv, dy_scale_inv):
+  """dw [G, k, n] bfloat16 = per group x_scale_inv[g] * dy_scale_inv[g] * x_g^T @ dy_g.
+
+  SM90 FP8 tensor cores read both operands K-major, and the wgrad contracts the rows: the
+  column-wise copies of x and dy (each group's rows as 16-aligned columns, one transposing
+  kernel each) feed jaxfuse_grouped_gemm_fp8_wgrad. On CPU the same two steps run, so CI
+  covers the layout the GPU kernel reads.
+  """
+  from jaxfuse._src.ops.quantize import ffi as quantize_ffi  # pylint: disable=g-import-not-at-top
+  x_t = quantize_ffi.group_columnwise(x, group_offsets)
+  dy_t = quantize_ffi.group_columnwise(dy, group_offsets)
+  out = fp8_wgrad_columnwise(x_t, dy_t, group_offsets, x_scale_inv, dy_scale_inv,
+                             rows=x.shape[0])
+  return compat.vary_like(out, x, dy, group_offsets, x_scale_inv, dy_scale_inv)
+
+
+def fp8_wgrad_columnwise(x_t, dy_t, group_offsets, x_scale_inv, dy_scale_inv, *, rows: int):
+  """The FP8 wgrad kernel alone, on column-wise copies (quantize ffi.group_columnwise) of
+  `rows` grouped rows: x_t [k, W] E4M3, dy_t [n, W] E4M3 or E5M2 -> bfloat16 [G, k, n]."""
+  (k, _), (n, _) = x_t.shape, dy_t.shape
+  m = int(rows)
+  groups = group_offsets.shape[0] - 1
+  out_type = jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16)
+  operands = (x_t, dy_t, group_offsets, x_scale_inv, dy_scale_inv)
+  attrs = dict(rows=np.int64(m))
+  target = "jaxfuse_grouped_gemm_fp8_wgrad"
+
+  def cpu(*args):
+    return jax.ffi.ffi_call(target, out_type, vmap_method="sequential")(*args, **attrs)
+
+  def cuda(*args):
+    workspace = jax.ShapeDtypeStruct(
+        (_workspace_bytes(WGRAD, x_t, dy_t, m, k, n, groups, False),), jnp.uint8)
     out, _ = jax.ffi.ffi_call(target, (out_type, workspace),
                               vmap_method="sequential")(*args, **attrs)
     return out

@@ -98,7 +98,7 @@ def grouped_linear_fp8(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
 
   Gradients pass straight through the quantization (d(dequantized x)/dx = 1): the
   gradients are those of the product of the dequantized operands. The FFI backward
-  quantizes the output gradient instead (E5M2 dgrad) and keeps wgrad in 16-bit.
+  quantizes the output gradient instead (E5M2 dgrad and, with recipe.fp8_wgrad, FP8 wgrad).
   """
   m = x.shape[0]
   offsets = clamped_offsets(group_sizes, m)

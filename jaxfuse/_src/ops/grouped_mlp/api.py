@@ -19,8 +19,9 @@ activation is recomputed in the backward pass unless ``save_activation=True`` ke
 
 An FP8 recipe swaps three pieces (see ``_Fp8``): the GEMM inputs are quantized per group,
 the activation hand-off to FC2 is the fused ``scaled_activation_quantize`` and the backward
-activation is the fused ``scaled_dactivation_quantize`` feeding FC1's dgrad. Weight
-gradients stay in 16-bit.
+activation is the fused ``scaled_dactivation_quantize`` feeding FC1's dgrad and wgrad.
+Weight gradients run in FP8 from those same FP8 tensors (``recipe.fp8_wgrad``, the
+default) or in 16-bit.
 """
 
 from __future__ import annotations
@@ -134,13 +135,16 @@ class _Fp8:
               y = FP8 grouped GEMM(a_q, per-expert quantize(kernel2^T))
     backward: dy_q = quantize(dy, per group, E5M2);
               da = FP8 FC2 dgrad(dy_q, w2_q^T)      (the saved FP8 kernel2^T transposed back)
-              dh_q, dh, ds = scaled_dactivation_quantize(da, h, scales, return_dx=True)
+              dh_q, ds = scaled_dactivation_quantize(da, h, scales)
               dx = FP8 FC1 dgrad(dh_q, w1_q^T)
-              dk2 = 16-bit wgrad(act(h) * scales, dy), dk1 = 16-bit wgrad(x, dh)
+              dk2 = FP8 wgrad(a_q, dy_q), dk1 = FP8 wgrad(x_q, dh_q)
 
-  Weight gradients stay in 16-bit: the grouped kernels have no FP8 wgrad form (TE's Hopper
-  recipe runs wgrad in FP8 from transposed FP8 copies). The activation for FC2's wgrad is
-  recomputed in 16-bit (or saved, save_activation=True).
+  recipe.fp8_wgrad (the default) runs the weight gradients in FP8 as above, as
+  TransformerEngine's Hopper recipe does: the forward's x_q and a_q are saved instead of the
+  16-bit x (no activation recompute), and the wgrad kernels read column-wise copies of the
+  FP8 tensors. With fp8_wgrad=False they run in 16-bit: dk2 = wgrad(act(h) * scales, dy)
+  (the activation recomputed, or saved with save_activation=True) and dk1 = wgrad(x, dh),
+  dh from the same fused kernel (return_dx=True).
   """
 
   @staticmethod
@@ -170,25 +174,35 @@ class _Fp8:
                             gemm_ffi.FORWARD, x.dtype, recipe)
     if not for_backward:
       return y, None
-    saved_activation = _activation(h, scales, config) if config.save_activation else None
-    return y, (x, w1[0], w1_scale_inv, w2[0], w2_scale_inv, group_offsets, scales, h,
-               saved_activation)
+    if recipe.fp8_wgrad:  # the wgrads read the FP8 x and activation
+      x_saved, a_saved = (x_data, x_scale_inv), (a_q.data, a_q.scale_inv)
+    else:
+      x_saved = x
+      a_saved = _activation(h, scales, config) if config.save_activation else None
+    return y, (x_saved, w1[0], w1_scale_inv, w2[0], w2_scale_inv, group_offsets, scales, h,
+               a_saved)
 
   @staticmethod
   def backward(config, varying_axes, saved, dy):
     x, w1, w1_scale_inv, w2, w2_scale_inv, group_offsets, scales, h, a = saved
     recipe = config.recipe
-    dy = dy.astype(x.dtype)
-    da = linear_api.fp8_dgrad(dy, w2, w2_scale_inv, group_offsets, recipe, x.dtype)
-    if a is None:
-      a = _activation(h, scales, config)
-    d_kernel2 = _gemm(a, dy, group_offsets, gemm_ffi.WGRAD)
+    dtype = dy.dtype  # the output's, which is x's
+    da, dy_q = linear_api.fp8_dgrad(dy, w2, w2_scale_inv, group_offsets, recipe, dtype)
+    if recipe.fp8_wgrad:
+      d_kernel2 = linear_api.fp8_wgrad(a, dy_q, group_offsets, dtype)
+    else:
+      if a is None:
+        a = _activation(h, scales, config)
+      d_kernel2 = _gemm(a, dy, group_offsets, gemm_ffi.WGRAD)
     dh_q, dh, d_scales = quantize_api.scaled_dactivation_quantize(
-        da, h, scales, recipe=recipe, group_offsets=group_offsets, return_dx=True,
-        implementation="ffi", **config.act_kwargs)
+        da, h, scales, recipe=recipe, group_offsets=group_offsets,
+        return_dx=not recipe.fp8_wgrad, implementation="ffi", **config.act_kwargs)
     dx = linear_api.fp8_gemm(dh_q.data, dh_q.scale_inv, w1, w1_scale_inv, group_offsets,
-                             gemm_ffi.DGRAD, x.dtype, recipe)
-    d_kernel1 = _gemm(x, dh, group_offsets, gemm_ffi.WGRAD)
+                             gemm_ffi.DGRAD, dtype, recipe)
+    if recipe.fp8_wgrad:
+      d_kernel1 = linear_api.fp8_wgrad(x, (dh_q.data, dh_q.scale_inv), group_offsets, dtype)
+    else:
+      d_kernel1 = _gemm(x, dh, group_offsets, gemm_ffi.WGRAD)
     x_axes, k1_axes, k2_axes, _, s_axes = varying_axes
     return (compat.match_varying_axes(dx, x_axes),
             compat.match_varying_axes(d_kernel1, k1_axes),
@@ -269,13 +283,13 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
       ``jaxfuse.quantization.Float8CurrentScaling(per_group=True)``: both GEMMs and both
       dgrads run in FP8 (E4M3 inputs, E5M2 gradients, one scale per group of rows and per
       expert); the FC1 -> FC2 hand-off is the fused ``scaled_activation_quantize`` and the
-      backward activation the fused ``scaled_dactivation_quantize``. Weight gradients are
-      16-bit (the grouped kernels have no FP8 wgrad). H, kernel1.shape[2] and F must be
-      multiples of 16. The "xla" implementation is the FP8 reference (straight-through
+      backward activation the fused ``scaled_dactivation_quantize``. Weight gradients run
+      in FP8 from the same FP8 tensors (``recipe.fp8_wgrad``, the default) or in 16-bit.
+      H, kernel1.shape[2] and F must be multiples of 16. The "xla" implementation is the FP8 reference (straight-through
       gradients).
     save_activation: keep the activation as a residual instead of recomputing it from FC1's
       output in the backward pass (more memory, one activation kernel less). Gradients are
-      identical either way.
+      identical either way. (An FP8 recipe with fp8_wgrad saves the FP8 activation anyway.)
     implementation: None, "ffi" or "xla" (the ``ragged_dot`` + jnp composition).
 
   Returns:

@@ -105,3 +105,32 @@ def quantize_transposed(x, amax, *, fmt, untransposed=False):
   data, scale_inv, straight = jax.ffi.ffi_call("jaxfuse_quantize_transposed", out_types,
                                                vmap_method="sequential")(x, amax)
   return tuple(compat.vary_like(out, x, amax) for out in (data, scale_inv, straight))
+
+
+# Mirrors jaxfuse/columnwise.h: each group's first column is 16-aligned.
+COLUMNWISE_ALIGN = 16
+
+
+def columnwise_width(rows: int, groups: int) -> int:
+  """Columns of the column-wise copy of `rows` grouped rows (jaxfuse/columnwise.h)."""
+  align = COLUMNWISE_ALIGN
+  return -(-rows // align) * align + align * groups
+
+
+def columnwise_start(clamped_offset, group):
+  """First column of group `group` whose rows start at `clamped_offset` (ints or arrays)."""
+  align = COLUMNWISE_ALIGN
+  return (clamped_offset + align - 1) // align * align + align * group
+
+
+def group_columnwise(data, offsets):
+  """FP8 data [M, K] (rows grouped by offsets int32 [G + 1]) -> its column-wise copy
+  [K, columnwise_width(M, G)]: group g's rows as columns from columnwise_start(c_g, g),
+  zeros elsewhere (cuda/include/jaxfuse/columnwise.h). K must be a multiple of 16."""
+  ffi_registry.ensure_registered()
+  rows, cols = data.shape
+  groups = offsets.shape[0] - 1
+  out_type = jax.ShapeDtypeStruct((cols, columnwise_width(rows, groups)), data.dtype)
+  out = jax.ffi.ffi_call("jaxfuse_group_columnwise", out_type,
+                         vmap_method="sequential")(data, offsets)
+  return compat.vary_like(out, data, offsets)

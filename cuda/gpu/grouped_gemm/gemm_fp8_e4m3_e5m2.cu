@@ -1,0 +1,26 @@
+// FP8 wgrad (e4m3 x e5m2 -> bf16): dw[g] = x[rows_g]^T @ dy[rows_g] from the column-wise
+// copies (jaxfuse/columnwise.h), so both operands are K-major as SM90 FP8 wgmma needs:
+// M = k, N = n, K = rows_g; A(i, r) = xT[i * width + start_g + r] (RowMajor A, ld width);
+// B(j, r) = dyT[j * width + start_g + r] (ColumnMajor B = K-major, ld width); D = dw[g]
+// (ld n). TMA zero-fills a group's last k-block past its rows (per-group tensor maps), so the
+// alignment padding between groups is never read. Empty groups get no tiles and are zeroed
+// by the setup launch. Promoted fp32 accumulation (TransformerEngine's split accumulator for
+// the gradient GEMMs); tiles as gemm_fp8_e4m3_e4m3.cu, which serves the e4m3-gradient wgrad.
+#include "gemm_common.cuh"
+
+namespace jaxfuse::grouped_gemm::detail {
+
+JAXFUSE_GG_DEFINE_GEMM(Fp8E4m3E5m2Large, cutlass::float_e4m3_t, cutlass::layout::RowMajor,
+                       cutlass::float_e5m2_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
+                       128, 128, 128, 1, 2,
+                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
+JAXFUSE_GG_DEFINE_GEMM(Fp8E4m3E5m2Small, cutlass::float_e4m3_t, cutlass::layout::RowMajor,
+                       cutlass::float_e5m2_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
+                       64, 128, 128, 1, 1,
+                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                       cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
+
+JAXFUSE_GG_DEFINE_FAMILY_2(Fp8E4m3E5m2, Fp8E4m3E5m2Large, Fp8E4m3E5m2Small)
+
+}  // namespace jaxfuse::grouped_gemm::detail

@@ -19,7 +19,7 @@ Chunks are CHUNK calls long: a chunk's time includes its first call's latency on
 jitted JAX call's is several times torch's, see scripts/call_latency.py), which over 20
 calls of a millisecond-long GEMM weighs ~1%, over the default 5 calls up to ~10%.
 
-    python -m benchmarks.bench_grouped_linear [--quick] [--smoke]
+    python -m benchmarks.bench_grouped_linear [--quick] [--smoke] [--tag TAG]
 """
 
 from __future__ import annotations
@@ -179,6 +179,7 @@ def main():
   parser.add_argument("--smoke", action="store_true",
                       help="tiny sizes on whatever device exists (checks the script, e.g. on "
                            "CPU); writes no results")
+  parser.add_argument("--tag", default="", help="suffix of the results file name")
   args = parser.parse_args()
   global K, N
   cases = CASES
@@ -293,7 +294,7 @@ def main():
                             "kernel_jaxfuse_vs_torch"])
   if args.smoke:
     return
-  common.write_results("grouped_linear", rows, dtype="bfloat16", dense_xla_tflops=dense_tflops,
+  common.write_results("grouped_linear", rows, tag=args.tag, dtype="bfloat16", dense_xla_tflops=dense_tflops,
                        dense_kernel_names=dense_kernel_names,
                        baselines="jax.lax.ragged_dot (XLA) and torch._grouped_mm, same run",
                        method="jaxfuse bf16, jaxfuse FP8 and torch._grouped_mm timed in "

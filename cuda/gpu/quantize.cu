@@ -404,23 +404,32 @@ ColumnwiseKernel(const uint8_t* __restrict__ data, const int32_t* __restrict__ o
     *reinterpret_cast<uint4*>(tile + q * kColumnwiseTileK + slot * 16) = value;
   }
   __syncthreads();
+  // Store phase: each thread writes four output rows (k0 + i0 .. + 3) of one 16-column part.
+  // One 4-byte word of each of the part's 16 source rows holds those rows' bytes (16 shared
+  // loads instead of 64); byte permutes transpose them in registers. A warp's four quads x
+  // eight parts hit 32 different banks (the swizzle) and store 128 contiguous bytes per row.
+  static_assert(kColumnwiseTileK / 4 * kChunks == kColumnwiseThreads, "one quad per thread");
+  const int part = threadIdx.x % kChunks;
+  const int i0 = threadIdx.x / kChunks * 4;
+  if (col0 + part * 16 >= width) return;
+  const int word_at = ((i0 / 16) ^ part) * 16 + i0 % 16;  // swizzled position of byte i0
+  uint32_t source[16];
 #pragma unroll
-  for (int step = 0; step < kSteps; ++step) {
-    const int c = threadIdx.x + step * kColumnwiseThreads;
-    const int i = c / kChunks, part = c % kChunks;  // output row k0 + i, columns part * 16..
-    const int64_t kk = k0 + i;
-    if (kk >= cols || col0 + part * 16 >= width) continue;
-    const int byte = ((i / 16) ^ part) * 16 + i % 16;  // swizzled position of byte i
+  for (int j = 0; j < 16; ++j) {
+    source[j] = *reinterpret_cast<const uint32_t*>(tile + (part * 16 + j) * kColumnwiseTileK +
+                                                   word_at);
+  }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int64_t kk = k0 + i0 + r;
+    if (kk >= cols) break;
+    const unsigned pick = static_cast<unsigned>(r | ((r + 4) << 4));  // byte r of x, of y
     uint32_t words[4];
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const int q = part * 16 + w * 4 + b;
-        word |= static_cast<uint32_t>(tile[q * kColumnwiseTileK + byte]) << (8 * b);
-      }
-      words[w] = word;
+      const uint32_t low = __byte_perm(source[4 * w], source[4 * w + 1], pick);
+      const uint32_t high = __byte_perm(source[4 * w + 2], source[4 * w + 3], pick);
+      words[w] = __byte_perm(low, high, 0x5410);
     }
     *reinterpret_cast<uint4*>(out + kk * width + col0 + part * 16) =
         make_uint4(words[0], words[1], words[2], words[3]);

@@ -273,14 +273,15 @@ def _first_reason(*reasons):
   return next((r for r in reasons if r is not None), None)
 
 
-def _fp8_ok(recipe, k: int, n: int) -> str | None:
-  """None for a 16-bit GEMM (recipe None) or an FP8 grouped GEMM [*, k] x [k, n] the
-  kernels can run (Float8CurrentScaling(per_group=True), E4M3 forward, k and n multiples
-  of 16); otherwise grouped_linear's error message."""
+def _fp8_ok(recipe, k: int, n: int, groups: int) -> str | None:
+  """None for a 16-bit GEMM (recipe None) or an FP8 grouped GEMM [*, k] x [k, n] of
+  `groups` experts the kernels can run (Float8CurrentScaling(per_group=True), E4M3 forward,
+  k and n multiples of 16, at most 4096 groups with FP8 wgrads); otherwise grouped_linear's
+  error message."""
   if recipe is None:
     return None
   try:
-    grouped_linear_api.validate_fp8(recipe, k, n, "grouped_linear")
+    grouped_linear_api.validate_fp8(recipe, k, n, "grouped_linear", groups=groups)
   except ValueError as e:
     return str(e)
   return None
@@ -379,8 +380,8 @@ def _grouped_mlp_condition(ops, ctx):
     return str(e)
   return _first_reason(_float_input(ctx.x),
                        _grouped_ffi_ok(ctx, (hidden, fc1.features, ffn, fc2.features)),
-                       _fp8_ok(fc1.recipe, hidden, fc1.features),
-                       _fp8_ok(fc1.recipe, ffn, fc2.features),
+                       _fp8_ok(fc1.recipe, hidden, fc1.features, fc1.num_groups),
+                       _fp8_ok(fc1.recipe, ffn, fc2.features, fc2.num_groups),
                        _scales_ok(ctx, act))
 
 
@@ -458,7 +459,8 @@ def _fp8_activation_condition(act, linear, ctx) -> str | None:
     return reason
   if ctx.implementation == "ffi" and _dtype(ctx.x) not in _HALF:
     return f"the FP8 grouped GEMM kernels take bfloat16/float16 x, x is {_dtype(ctx.x)}"
-  return _first_reason(_fp8_ok(linear.recipe, width, linear.features), _scales_ok(ctx, act))
+  return _first_reason(_fp8_ok(linear.recipe, width, linear.features, linear.num_groups),
+                       _scales_ok(ctx, act))
 
 
 def _activation_quantize_grouped_linear_fp8_condition(ops, ctx):
@@ -677,7 +679,8 @@ def _grouped_linear_activation_condition(ops, ctx):
   except ValueError as e:
     return str(e)
   reason = _first_reason(_grouped_ffi_ok(ctx, (k, linear.features, width)),
-                         _fp8_ok(linear.recipe, k, linear.features), _scales_ok(ctx, act))
+                         _fp8_ok(linear.recipe, k, linear.features, linear.num_groups),
+                         _scales_ok(ctx, act))
   if reason is None and linear.recipe is not None and ctx.implementation == "ffi" and \
       _dtype(ctx.x) not in _HALF:
     reason = f"the FP8 grouped GEMM kernels take bfloat16/float16 x, x is {_dtype(ctx.x)}"

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxfuse
+from jaxfuse._src import ffi as ffi_registry
 from jaxfuse._src.ops.grouped_linear import ffi as gemm_ffi
 from jaxfuse._src.ops.grouped_linear import reference
 from jaxfuse._src.ops.quantize import ffi as quantize_ffi
@@ -333,6 +334,7 @@ def test_fp8_wgrad_matches_float64_numpy(backend, case, gradient_dtype):
 
 
 def test_fp8_wgrad_handler_errors():
+  ffi_registry.ensure_registered()  # raw ffi_calls below
   offsets = jnp.asarray([0, 8, 16], jnp.int32)
   ones = jnp.ones((2,), jnp.float32)
   width = quantize_ffi.columnwise_width(16, 2)
@@ -352,6 +354,23 @@ def test_fp8_wgrad_handler_errors():
   with pytest.raises(Exception, match="reads column-wise copies"):
     jax.block_until_ready(jax.ffi.ffi_call("jaxfuse_grouped_gemm_fp8", out)(
         a, a, offsets, ones, ones, form=np.int32(2), fast_accumulation=False))
+
+
+def test_fp8_wgrad_group_limit():
+  """The column-wise copies hold at most 4096 group starts: more groups name the limit and
+  the way out (16-bit weight gradients), which runs."""
+  groups = 4097
+  x, kernel = jnp.ones((32, 16), jnp.bfloat16), jnp.ones((groups, 16, 16), jnp.bfloat16)
+  sizes = jnp.zeros((groups,), jnp.int32).at[0].set(32)
+  with pytest.raises(ValueError, match="at most 4096 groups, got 4097; pass a recipe with "
+                                       "fp8_wgrad=False"):
+    jaxfuse.grouped_linear(x, kernel, sizes, recipe=RECIPE, implementation="ffi")
+  recipe = jaxfuse.quantization.Float8CurrentScaling(per_group=True, fp8_wgrad=False)
+  loss = lambda w: jnp.sum(jaxfuse.grouped_linear(x, w, sizes, recipe=recipe,
+                                                  implementation="ffi").astype(jnp.float32))
+  d_kernel = jax.jit(jax.grad(loss))(kernel)
+  np.testing.assert_allclose(np.asarray(d_kernel[0], np.float32), 32.0)
+  assert not np.asarray(d_kernel[1:], np.float32).any()
 
 
 def test_group_columnwise_errors():

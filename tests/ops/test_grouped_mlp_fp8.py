@@ -177,3 +177,16 @@ def test_errors(change, match, implementation):
                         jnp.ones(shapes_["k2"], dtype), jnp.ones((2,), jnp.int32),
                         jnp.ones((8,), jnp.float32), "swiglu",
                         recipe=change.get("recipe", RECIPE), implementation=implementation)
+
+
+def test_fp8_wgrad_group_limit():
+  """FP8 weight gradients take at most 4096 groups (grouped_linear's limit, checked up
+  front); the xla reference has no such limit."""
+  groups, dtype = 4097, jnp.bfloat16
+  args = (jnp.ones((8, 16), dtype), jnp.ones((groups, 16, 32), dtype),
+          jnp.ones((groups, 16, 16), dtype), jnp.zeros((groups,), jnp.int32),
+          jnp.ones((8,), jnp.float32))
+  with pytest.raises(ValueError, match="at most 4096 groups, got 4097"):
+    jaxfuse.grouped_mlp(*args, "swiglu", recipe=RECIPE, implementation="ffi")
+  jax.eval_shape(lambda *a: jaxfuse.grouped_mlp(*a, "swiglu", recipe=RECIPE,
+                                                implementation="xla"), *args)

@@ -44,7 +44,8 @@ def _validate(x, kernel, group_sizes, recipe, implementation: str) -> None:
   if groups < 1:
     raise ValueError("kernel must have at least one group (kernel.shape[0] >= 1)")
   if recipe is not None:
-    validate_fp8(recipe, k, n, "grouped_linear", ("K (x.shape[1])", "N (kernel.shape[2])"))
+    validate_fp8(recipe, k, n, "grouped_linear", ("K (x.shape[1])", "N (kernel.shape[2])"),
+                 groups if implementation == "ffi" else 1)
   if implementation == "ffi":
     if x_dtype not in _FFI_DTYPES:
       raise TypeError(f"grouped_linear's kernels take bfloat16 or float16 x, got {x_dtype}; "
@@ -93,7 +94,12 @@ grouped_linear_with_offsets.defvjp(_forward, _backward)
 FP8_ALIGNMENT = 16
 
 
-def validate_fp8(recipe, k: int, n: int, op: str, names=("K", "N")) -> None:
+# The column-wise copies the FP8 wgrad reads keep every group's start in shared memory
+# (cuda/include/jaxfuse/quantize.h, kColumnwiseMaxGroups).
+FP8_WGRAD_MAX_GROUPS = 4096
+
+
+def validate_fp8(recipe, k: int, n: int, op: str, names=("K", "N"), groups: int = 1) -> None:
   """The recipe and shape rules of the FP8 grouped GEMMs (shared with grouped_mlp)."""
   from jaxfuse.quantization import Float8CurrentScaling  # pylint: disable=g-import-not-at-top
   if not isinstance(recipe, Float8CurrentScaling) or not recipe.per_group:
@@ -106,6 +112,10 @@ def validate_fp8(recipe, k: int, n: int, op: str, names=("K", "N")) -> None:
     if size % FP8_ALIGNMENT:
       raise ValueError(f"FP8 {op} needs {name} to be a multiple of {FP8_ALIGNMENT} "
                        f"(16-byte aligned FP8 rows for TMA), got {size}")
+  if recipe.fp8_wgrad and groups > FP8_WGRAD_MAX_GROUPS:
+    raise ValueError(f"FP8 {op}'s FP8 weight gradients take at most {FP8_WGRAD_MAX_GROUPS} "
+                     f"groups, got {groups}; pass a recipe with fp8_wgrad=False (16-bit "
+                     "weight gradients)")
 
 
 def fp8_gemm(a_data, a_scale_inv, b_data, b_scale_inv, group_offsets, form, dtype, recipe):

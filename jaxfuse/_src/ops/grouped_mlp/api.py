@@ -104,7 +104,7 @@ def _validate(x, kernel1, kernel2, group_sizes, scales, activation, recipe,
   if scales_dtype not in (jnp.dtype(jnp.float32), x_dtype):
     raise TypeError(f"scales dtype must be float32 or x's dtype ({x_dtype}), got {scales_dtype}")
   if recipe is not None:
-    _Fp8.check(recipe, hidden, width, ffn)
+    _Fp8.check(recipe, hidden, width, ffn, groups if implementation == "ffi" else 1)
   if implementation == "ffi":
     if x_dtype not in _FFI_DTYPES:
       raise TypeError(f"grouped_mlp's kernels take bfloat16 or float16 x, got {x_dtype}; "
@@ -148,11 +148,11 @@ class _Fp8:
   """
 
   @staticmethod
-  def check(recipe, hidden: int, width: int, ffn: int) -> None:
+  def check(recipe, hidden: int, width: int, ffn: int, groups: int) -> None:
     linear_api.validate_fp8(recipe, hidden, width, "grouped_mlp",
-                            ("H (x.shape[1])", "kernel1.shape[2]"))
+                            ("H (x.shape[1])", "kernel1.shape[2]"), groups)
     linear_api.validate_fp8(recipe, ffn, hidden, "grouped_mlp",
-                            ("F (kernel2.shape[1])", "H (x.shape[1])"))
+                            ("F (kernel2.shape[1])", "H (x.shape[1])"), groups)
 
   @staticmethod
   def forward(x, kernel1, kernel2, group_offsets, scales, config, for_backward=True):

@@ -441,6 +441,11 @@ ffi::Error ColumnwiseCuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuff
   ColumnwiseProblem problem;
   if (auto error = ParseColumnwise(data, offsets, *out, &problem); error.failure()) return error;
   if (problem.cols == 0 || problem.width == 0) return ffi::Error::Success();
+  // The kernel loads 16-byte chunks of data's rows (the FP8 GEMMs need the same of K).
+  if (problem.cols % kColumnwiseAlign != 0) {
+    return InvalidArgument("group_columnwise: K (data.shape[1]) must be a multiple of ",
+                           kColumnwiseAlign, " on GPU, got ", problem.cols);
+  }
   if (!PointerAligned16(data.untyped_data()) || !PointerAligned16(out->untyped_data())) {
     return InvalidArgument("group_columnwise: data and out must be 16-byte aligned");
   }

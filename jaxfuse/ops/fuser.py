@@ -57,7 +57,8 @@ Registered fusions (``registered_fusions()``):
   of FC1 and the activation outside a GroupedMLP): the grouped GEMM (16-bit or FP8 per
   the GroupedLinear's recipe) and the activation kernel on one set of offsets; backward:
   the fused dact kernel (FP8: ``scaled_dactivation_quantize``, whose per-group E5M2 dh
-  feeds the FP8 dgrad directly, dh in 16-bit for wgrad), dgrad, wgrad. Refused when a
+  feeds the FP8 dgrad and, with ``recipe.fp8_wgrad``, the FP8 wgrad directly; else dh in
+  16-bit for wgrad), dgrad, wgrad. Refused when a
   GroupedLinear or Quantize follows the activation, so the activation's forward fusion
   with the next grouped GEMM (ScaledActivation[Quantize]GroupedLinear[FP8]) wins.
 
@@ -709,6 +710,8 @@ def _glact_forward(x, kernel, scales, offsets, act, recipe, varying_axes, for_ba
     h = grouped_linear_api.fp8_gemm(x_data, x_scale_inv, w_t, w_scale_inv, offsets,
                                     ffi.FORWARD, x.dtype, recipe)
     weights = (w[0], w_scale_inv) if for_backward else None
+    if recipe.fp8_wgrad:  # the FP8 wgrad reads the FP8 x, as grouped_linear's does
+      x = (x_data, x_scale_inv)
   a = activation_api.scaled_activation(h, scales, act.activation, implementation="ffi",
                                        **_act_kwargs(act))
   return a, (x, weights, scales, offsets, h)
@@ -724,16 +727,22 @@ def _glact_backward(act, recipe, varying_axes, saved, da):
         act.activation, act.limit, act.alpha, act.linear_offset, (x_axes, s_axes),
         (h, scales), da.astype(h.dtype))
     dx = grouped_linear_sharding.grouped_gemm(dh, weights[0], offsets, form=ffi.DGRAD)
+    d_kernel = grouped_linear_sharding.grouped_gemm(x, dh, offsets, form=ffi.WGRAD)
   else:
     # dact fused with the per-group E5M2 quantization of dh: the FP8 dgrad's input comes
-    # out of the activation backward kernel (TE's dact + quantize), dh in 16-bit for wgrad.
+    # out of the activation backward kernel (TE's dact + quantize). The wgrad reads that
+    # FP8 dh and the forward's FP8 x (recipe.fp8_wgrad), else dh and x in 16-bit.
     w, w_scale_inv = weights
+    dtype = h.dtype  # x's
     dh_q, dh, d_scales = quantize_api.scaled_dactivation_quantize(
         da, h, scales, activation=act.activation, recipe=recipe, group_offsets=offsets,
-        return_dx=True, implementation="ffi", **_act_kwargs(act))
+        return_dx=not recipe.fp8_wgrad, implementation="ffi", **_act_kwargs(act))
     dx = grouped_linear_api.fp8_gemm(dh_q.data, dh_q.scale_inv, w, w_scale_inv, offsets,
-                                     ffi.DGRAD, x.dtype, recipe)
-  d_kernel = grouped_linear_sharding.grouped_gemm(x, dh, offsets, form=ffi.WGRAD)
+                                     ffi.DGRAD, dtype, recipe)
+    if recipe.fp8_wgrad:
+      d_kernel = grouped_linear_api.fp8_wgrad(x, (dh_q.data, dh_q.scale_inv), offsets, dtype)
+    else:
+      d_kernel = grouped_linear_sharding.grouped_gemm(x, dh, offsets, form=ffi.WGRAD)
   return (*_match((dx, d_kernel, d_scales.astype(scales.dtype)), varying_axes), None)
 
 

@@ -373,14 +373,29 @@ def test_fp8_wgrad_group_limit():
   assert not np.asarray(d_kernel[1:], np.float32).any()
 
 
-def test_group_columnwise_errors():
-  offsets = jnp.asarray([0, 8, 16], jnp.int32)
-  with pytest.raises(Exception, match=r"K \(data.shape\[1\]\) must be a multiple of 16"):
-    jax.block_until_ready(quantize_ffi.group_columnwise(jnp.ones((16, 24), jnp.float8_e4m3fn),
-                                                        offsets))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_columnwise_errors(backend):
+  offsets, = on(backend, jnp.asarray([0, 8, 16], jnp.int32))
+  data, = on(backend, jnp.ones((16, 32), jnp.bfloat16))
   with pytest.raises(Exception, match="data must be float8_e4m3fn or float8_e5m2"):
-    jax.block_until_ready(quantize_ffi.group_columnwise(jnp.ones((16, 32), jnp.bfloat16),
-                                                        offsets))
+    jax.block_until_ready(quantize_ffi.group_columnwise(data, offsets))
+
+
+def test_group_columnwise_of_unaligned_k_on_cpu():
+  """Any K on the CPU (a tensor-parallel shard of N may hold 8 columns there); the GPU
+  kernel needs K % 16 == 0, as the FP8 GEMMs do (test below)."""
+  data = random_fp8(45, (20, 24), jnp.float8_e4m3fn)
+  sizes = [7, 0, 13]
+  out = quantize_ffi.group_columnwise(data, jaxfuse.group_offsets(jnp.asarray(sizes, jnp.int32)))
+  np.testing.assert_array_equal(np.asarray(out).view(np.uint8), numpy_columnwise(data, sizes))
+
+
+@pytest.mark.gpu
+def test_group_columnwise_rejects_unaligned_k_on_gpu():
+  data, offsets = on("gpu", jnp.ones((16, 24), jnp.float8_e4m3fn),
+                     jnp.asarray([0, 8, 16], jnp.int32))
+  with pytest.raises(Exception, match=r"K \(data.shape\[1\]\) must be a multiple of 16 on GPU"):
+    jax.block_until_ready(quantize_ffi.group_columnwise(data, offsets))
 
 
 def test_float16_x_gives_float16():

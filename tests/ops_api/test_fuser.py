@@ -718,7 +718,10 @@ def test_grouped_linear_activation_fp8_backward_quantizes_in_the_dact_kernel():
     grad = jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(
         seq.apply(p, x, **extras).astype(F32)), argnums=(0, 1)))(params, x)
     assert count(grad, "jaxfuse_grouped_gemm_fp8") == 2 * 2  # forward + dgrad
-    assert count(grad, "jaxfuse_grouped_gemm") == 2 * 1  # wgrad
+    # wgrad in FP8 (recipe.fp8_wgrad): the column-wise copies of the FP8 x and dy.
+    assert count(grad, "jaxfuse_grouped_gemm_fp8_wgrad") == 2 * 1
+    assert count(grad, "jaxfuse_group_columnwise") == 2
+    assert count(grad, "jaxfuse_grouped_gemm") == 0
     # Fused: dh quantized by the dact kernel; x by quantize, the kernel by the transposed
     # quantization (both layouts in one pass). Unfused: dh (the jnp activation's gradient)
     # by a separate quantize.

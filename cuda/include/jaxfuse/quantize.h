@@ -206,10 +206,6 @@ inline ffi::Error ParseColumnwise(const ffi::AnyBuffer& data, const ffi::AnyBuff
     return InvalidArgument("group_columnwise: at most ", kColumnwiseMaxGroups,
                            " groups, got ", problem->groups);
   }
-  if (problem->cols % kColumnwiseAlign != 0) {
-    return InvalidArgument("group_columnwise: K (data.shape[1]) must be a multiple of ",
-                           kColumnwiseAlign, ", got ", problem->cols);
-  }
   problem->width = ColumnwiseWidth(problem->rows, problem->groups);
   const auto out_dims = out.dimensions();
   if (out.element_type() != data.element_type() || out_dims.size() != 2 ||

@@ -294,7 +294,8 @@ def main():
                             "kernel_jaxfuse_vs_torch"])
   if args.smoke:
     return
-  common.write_results("grouped_linear", rows, tag=args.tag, dtype="bfloat16", dense_xla_tflops=dense_tflops,
+  common.write_results("grouped_linear", rows, tag=args.tag, dtype="bfloat16",
+                       dense_xla_tflops=dense_tflops,
                        dense_kernel_names=dense_kernel_names,
                        baselines="jax.lax.ragged_dot (XLA) and torch._grouped_mm, same run",
                        method="jaxfuse bf16, jaxfuse FP8 and torch._grouped_mm timed in "

@@ -231,7 +231,8 @@ ffi::Error GroupedGemmFp8WgradCpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::A
         const float* dy_j = b_values.data() + j * width + start;
         float accumulator = 0.0f;
         for (int64_t c = 0; c < count; ++c) accumulator += x_i[c] * dy_j[c];
-        dw[(g * p.k + i) * p.n + j] = FromFloat<bfloat16_bits>(count > 0 ? alpha * accumulator : 0.0f);
+        dw[(g * p.k + i) * p.n + j] =
+            FromFloat<bfloat16_bits>(count > 0 ? alpha * accumulator : 0.0f);
       }
     }
   }

@@ -5,7 +5,6 @@
 // compatible, and a CUDA-graph replay after the sizes change on the device is correct.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <mutex>
 #include <unordered_map>
 
@@ -91,8 +90,8 @@ ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
   if (!gg::IsSupported(problem)) {
     return InvalidArgument("grouped GEMM form ", form, " not supported for these dtypes/shapes "
                            "(k, n must be multiples of 8 for 16-bit and 16 for FP8 inputs; "
-                           "the FP8 wgrad takes an e4m3 x and an e4m3 or e5m2 dy): m=", shape.m, " k=", shape.k,
-                           " n=", shape.n, " G=", shape.groups);
+                           "the FP8 wgrad takes an e4m3 x and an e4m3 or e5m2 dy): m=",
+                           shape.m, " k=", shape.k, " n=", shape.n, " G=", shape.groups);
   }
   const int sm_count = SmCount(device);
   const size_t needed = gg::WorkspaceBytes(problem, sm_count);

@@ -39,9 +39,9 @@ Registered fusions (``registered_fusions()``):
   re-quantization), the kernel quantized per expert as ``grouped_linear(recipe=...)`` does;
   offsets computed once for the whole step. Backward: FP8 dgrad (dy in E5M2 per group),
   FP8 wgrad from the saved FP8 activation and that FP8 dy (``recipe.fp8_wgrad``; else a
-  16-bit wgrad from the FP8 activation dequantized), then the fused dact kernel (straight-through the quantization, as the unfused ops). Needs
-  the activation width and the output width to be multiples of 16 and, with "ffi", a
-  bfloat16/float16 x. The unfused ops agree to FP8 accuracy: re-quantizing the Quantize
+  16-bit wgrad from the FP8 activation dequantized), then the fused dact kernel
+  (straight-through the quantization, as the unfused ops). Needs the activation width and
+  the output width to be multiples of 16 and, with "ffi", a bfloat16/float16 x. The unfused ops agree to FP8 accuracy: re-quantizing the Quantize
   op's output with the same per-group current scaling is idempotent; the fused kernel
   quantizes the fp32 activation where the unfused ops quantize its 16-bit rounding.
 * ``LinearScale`` [Linear, ConstantScale] -> ``jaxfuse.ops.linear_scale`` (alpha in the

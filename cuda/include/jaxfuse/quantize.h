@@ -9,6 +9,7 @@
 #include "jaxfuse/columnwise.h"
 #include "jaxfuse/ffi_common.h"
 #include "jaxfuse/fp8.h"
+#include "jaxfuse/grouped_linear.h"
 #include "jaxfuse/numeric.h"
 #include "jaxfuse/platform.h"
 #include "jaxfuse/scaled_activation.h"
@@ -341,13 +342,12 @@ inline void QuantizeTransposedCpu(const TransposedProblem& p, const ffi::AnyBuff
 inline void ColumnwiseCpu(const ColumnwiseProblem& p, const uint8_t* data,
                           const int32_t* offsets, uint8_t* out) {
   std::fill(out, out + p.cols * p.width, uint8_t{0});
-  int64_t clamped = 0;  // c_g: clamp(offsets[g], 0, m), running max
+  // c_g exactly as the grouped GEMM (and its wgrad reading this copy) clamps them.
+  const std::vector<int64_t> clamped = ClampOffsets(offsets, p.groups, p.rows);
   for (int64_t g = 0; g < p.groups; ++g) {
-    clamped = std::max(clamped, ClampedOffset(offsets, g, p.rows));
-    const int64_t end = std::max(clamped, ClampedOffset(offsets, g + 1, p.rows));
-    const int64_t start = ColumnwiseStart(clamped, g);
-    for (int64_t r = clamped; r < end; ++r) {
-      for (int64_t i = 0; i < p.cols; ++i) out[i * p.width + start + (r - clamped)] = data[r * p.cols + i];
+    uint8_t* group_out = out + ColumnwiseStart(clamped[g], g) - clamped[g];
+    for (int64_t r = clamped[g]; r < clamped[g + 1]; ++r) {
+      for (int64_t i = 0; i < p.cols; ++i) group_out[i * p.width + r] = data[r * p.cols + i];
     }
   }
 }

@@ -44,10 +44,10 @@ def grouped_gemm(a: jax.Array, b: jax.Array, group_offsets: jax.Array, *, form: 
   forward: a = x [m, k], b = w [G, k, n] -> [m, n]; dgrad: a = dy [m, n], b = w -> [m, k];
   wgrad: a = x [m, k], b = dy [m, n] -> [G, k, n]. group_offsets: int32 [G + 1] on the
   device. FP8 (a_scale_inv, b_scale_inv: float32 [G]) takes the forward weight as
-  [G, n, k] and returns bfloat16; its wgrad takes x in E4M3 and dy in E4M3 or E5M2, row-wise
-  like the 16-bit form, and transposes both (see _fp8_wgrad); fast_accumulation (FP8 forward with E4M3 activations
-  only, else the handler raises) keeps the tensor cores' FP8 accumulator instead of
-  promoting to fp32 every few k-blocks.
+  [G, n, k] and returns bfloat16; its wgrad takes x in E4M3 and dy in E4M3 or E5M2,
+  row-wise like the 16-bit form, and transposes both (see _fp8_wgrad); fast_accumulation
+  (FP8 forward with E4M3 activations only, else the handler raises) keeps the tensor cores'
+  FP8 accumulator instead of promoting to fp32 every few k-blocks.
   """
   ffi_registry.ensure_registered()
   groups = group_offsets.shape[0] - 1
@@ -72,13 +72,19 @@ def grouped_gemm(a: jax.Array, b: jax.Array, group_offsets: jax.Array, *, form: 
   attrs = dict(form=np.int32(form))
   if fp8:
     attrs["fast_accumulation"] = bool(fast_accumulation)
+  workspace_bytes = _workspace_bytes(form, a, b, m, k, n, groups, fast_accumulation)
+  return _call(target, out_type, operands, attrs, workspace_bytes)
+
+
+def _call(target, out_type, operands, attrs, workspace_bytes):
+  """One grouped GEMM handler on whichever backend runs: the CUDA handler also returns its
+  scratch (`workspace_bytes`, host arithmetic), which is dropped; the CPU handler has none."""
 
   def cpu(*args):
     return jax.ffi.ffi_call(target, out_type, vmap_method="sequential")(*args, **attrs)
 
   def cuda(*args):
-    workspace = jax.ShapeDtypeStruct((_workspace_bytes(form, a, b, m, k, n, groups,
-                                                  fast_accumulation),), jnp.uint8)
+    workspace = jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8)
     out, _ = jax.ffi.ffi_call(target, (out_type, workspace),
                               vmap_method="sequential")(*args, **attrs)
     return out
@@ -98,9 +104,8 @@ def _fp8_wgrad(x, dy, group_offsets, x_scale_inv, dy_scale_inv):
   from jaxfuse._src.ops.quantize import ffi as quantize_ffi  # pylint: disable=g-import-not-at-top
   x_t = quantize_ffi.group_columnwise(x, group_offsets)
   dy_t = quantize_ffi.group_columnwise(dy, group_offsets)
-  out = fp8_wgrad_columnwise(x_t, dy_t, group_offsets, x_scale_inv, dy_scale_inv,
-                             rows=x.shape[0])
-  return compat.vary_like(out, x, dy, group_offsets, x_scale_inv, dy_scale_inv)
+  return fp8_wgrad_columnwise(x_t, dy_t, group_offsets, x_scale_inv, dy_scale_inv,
+                              rows=x.shape[0])
 
 
 def fp8_wgrad_columnwise(x_t, dy_t, group_offsets, x_scale_inv, dy_scale_inv, *, rows: int):
@@ -111,18 +116,6 @@ def fp8_wgrad_columnwise(x_t, dy_t, group_offsets, x_scale_inv, dy_scale_inv, *,
   groups = group_offsets.shape[0] - 1
   out_type = jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16)
   operands = (x_t, dy_t, group_offsets, x_scale_inv, dy_scale_inv)
-  attrs = dict(rows=np.int64(m))
-  target = "jaxfuse_grouped_gemm_fp8_wgrad"
-
-  def cpu(*args):
-    return jax.ffi.ffi_call(target, out_type, vmap_method="sequential")(*args, **attrs)
-
-  def cuda(*args):
-    workspace = jax.ShapeDtypeStruct(
-        (_workspace_bytes(WGRAD, x_t, dy_t, m, k, n, groups, False),), jnp.uint8)
-    out, _ = jax.ffi.ffi_call(target, (out_type, workspace),
-                              vmap_method="sequential")(*args, **attrs)
-    return out
-
-  out = jax.lax.platform_dependent(*operands, cpu=cpu, cuda=cuda)
-  return compat.vary_like(out, *operands)
+  workspace_bytes = _workspace_bytes(WGRAD, x_t, dy_t, m, k, n, groups, False)
+  return _call("jaxfuse_grouped_gemm_fp8_wgrad", out_type, operands,
+               dict(rows=np.int64(m)), workspace_bytes)

@@ -285,8 +285,8 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
       expert); the FC1 -> FC2 hand-off is the fused ``scaled_activation_quantize`` and the
       backward activation the fused ``scaled_dactivation_quantize``. Weight gradients run
       in FP8 from the same FP8 tensors (``recipe.fp8_wgrad``, the default) or in 16-bit.
-      H, kernel1.shape[2] and F must be multiples of 16. The "xla" implementation is the FP8 reference (straight-through
-      gradients).
+      H, kernel1.shape[2] and F must be multiples of 16. The "xla" implementation is the
+      FP8 reference (straight-through gradients).
     save_activation: keep the activation as a residual instead of recomputing it from FC1's
       output in the backward pass (more memory, one activation kernel less). Gradients are
       identical either way. (An FP8 recipe with fp8_wgrad saves the FP8 activation anyway.)

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "internal.cuh"
+#include "jaxfuse/columnwise.h"
 #include "jaxfuse/grouped_gemm.h"
 
 namespace gg = jaxfuse::grouped_gemm;
@@ -333,6 +334,13 @@ void Time(const char* label, gg::Form form, int G, int64_t rows_per_group, int64
   if (form == gg::Form::kForward) { a_count = m * k; b_count = G * k * n; out_count = m * n; }
   else if (form == gg::Form::kDgrad) { a_count = m * n; b_count = G * k * n; out_count = m * k; }
   else { a_count = m * k; b_count = m * n; out_count = G * k * n; }
+  // FP8 wgrad reads column-wise copies: a = x^T [k, W], b = dy^T [n, W].
+  const bool columnwise = fp8 && form == gg::Form::kWgrad;
+  if (columnwise) {
+    const int64_t width = jaxfuse::ColumnwiseWidth(m, G);
+    a_count = k * width;
+    b_count = n * width;
+  }
   DeviceBuffer a(a_count * sizeof(TA)), b(b_count * sizeof(TB)), out(out_count * sizeof(TO));
   Fill<TA>(a.as<TA>(), a_count, 5, 1.f);
   Fill<TB>(b.as<TB>(), b_count, 6, 1.f);
@@ -350,6 +358,7 @@ void Time(const char* label, gg::Form form, int G, int64_t rows_per_group, int64
   p.a_scale_inv = fp8 ? scales.as<float>() : nullptr;
   p.b_scale_inv = fp8 ? scales.as<float>() : nullptr;
   p.tile_config = config;
+  p.columnwise = columnwise;
   gg::TileConfig resolved = config == gg::TileConfig::kAuto ? gg::ChooseTileConfig(p, g_sm_count) : config;
   size_t ws_bytes = gg::WorkspaceBytes(p, g_sm_count);
   DeviceBuffer ws(ws_bytes);
@@ -413,7 +422,7 @@ void Run16BitCases(const std::vector<Case>& cases, bool graph_first) {
 }
 
 int main(int argc, char** argv) {
-  bool perf = true, check = true, sweep = false, uniform_sweep = false;
+  bool perf = true, check = true, sweep = false, uniform_sweep = false, fp8_mainloops = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-perf") == 0) perf = false;
     if (std::strcmp(argv[i], "--perf-only") == 0) check = false;
@@ -422,6 +431,9 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--sweep-scheduler") == 0) sweep = true;
     // Times kLarge, kUniform and kAdaptive (bf16 forward/dgrad) only.
     if (std::strcmp(argv[i], "--uniform") == 0) uniform_sweep = true;
+    // Checks and times the promoted FP8 families' candidate mainloops (stock, pipelined,
+    // wide, and fast accumulation as a timing reference) on the large config.
+    if (std::strcmp(argv[i], "--fp8-mainloops") == 0) fp8_mainloops = true;
   }
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
@@ -468,6 +480,46 @@ int main(int argc, char** argv) {
         for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kUniform,
                                    gg::TileConfig::kAdaptive})
           Time<bf16, bf16, bf16>("bf16", form, s.G, s.rows, 2048, 4096, cfg);
+    perf = check = false;
+  }
+
+  if (fp8_mainloops) {
+    using bf16 = __nv_bfloat16;
+    using e4m3 = __nv_fp8_e4m3;
+    using e5m2 = __nv_fp8_e5m2;
+    gg::detail::TuningOptions& options = gg::detail::ActiveTuningOptions();
+    const gg::detail::TuningOptions saved = options;
+    struct Mainloop { char code; const char* name; };
+    const Mainloop mainloops[] = {{'s', "stock"}, {'p', "pipelined"}, {'w', "wide"}, {'f', "fast"}};
+    // Correctness of the promoted candidates (fast accumulation is a timing reference only):
+    // k-tile counts 1 to 9, a partial last k-tile, an empty group, sum < m, hostile offsets.
+    std::vector<Case> cases;
+    cases.push_back({"G=3 empty group, sum<m (m=2000,k=1040,n=400)", 2000, 1040, 400, OffsetsFromSizes({700, 0, 1100})});
+    cases.push_back({"G=3 sum>m (m=1000,k=256,n=384)", 1000, 256, 384, OffsetsFromSizes({700, 600, 500})});
+    cases.push_back({"G=1 (m=777,k=64,n=512)", 777, 64, 512, OffsetsFromSizes({777})});
+    cases.push_back({"G=4 non-monotone/negative offsets (m=600,k=128,n=128)", 600, 128, 128, {0, 100, 50, 400, -3}});
+    cases.push_back({"G=8 (m=4096,k=2048,n=256)", 4096, 2048, 256, OffsetsFromSizes({512, 512, 1024, 0, 256, 768, 512, 384})});
+    for (const Mainloop& ml : mainloops) {
+      if (ml.code == 'f') continue;
+      options.fp8_mainloop = ml.code;
+      std::printf("== FP8 %s mainloop, kLarge\n", ml.name);
+      for (const Case& c : cases) {
+        RunCase<e4m3, e4m3, bf16>(c, gg::Form::kForward, gg::TileConfig::kLarge, false);
+        RunCase<e5m2, e4m3, bf16>(c, gg::Form::kDgrad, gg::TileConfig::kLarge, false);
+      }
+      RunCase<e4m3, e4m3, bf16>(cases[0], gg::Form::kForward, gg::TileConfig::kLarge, true);
+    }
+    struct Shape { int G; int64_t rows; };
+    for (const Shape s : {Shape{8, 8192}, Shape{64, 512}, Shape{128, 512}})
+      for (const Mainloop& ml : mainloops) {
+        options.fp8_mainloop = ml.code;
+        char label[32];
+        std::snprintf(label, sizeof(label), "fp8 %s", ml.name);
+        Time<e4m3, e4m3, bf16>(label, gg::Form::kForward, s.G, s.rows, 2048, 4096, gg::TileConfig::kLarge);
+        Time<e5m2, e4m3, bf16>(label, gg::Form::kDgrad, s.G, s.rows, 2048, 4096, gg::TileConfig::kLarge);
+        Time<e4m3, e5m2, bf16>(label, gg::Form::kWgrad, s.G, s.rows, 2048, 4096, gg::TileConfig::kLarge);
+      }
+    options = saved;
     perf = check = false;
   }
 

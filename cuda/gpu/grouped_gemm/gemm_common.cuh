@@ -3,6 +3,7 @@
 // kernels (compiles cost ~80 s and ~4 GB for the first kernel of a file).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 
 #include "cutlass/cutlass.h"
@@ -15,6 +16,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 
+#include "fp8_pipelined_promotion.cuh"
 #include "internal.cuh"
 
 #if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
@@ -31,6 +33,17 @@ using GroupShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 //   family files for what they mean), ED: output element type (C is void: no source read),
 //   TM/TN/TK: CTA tile, CM/CN: cluster, KS/ES: mainloop / epilogue schedules.
 #define JAXFUSE_GG_DEFINE_GEMM(NAME, EA, LA, EB, LB, ED, TM, TN, TK, CM, CN, KS, ES)          \
+  JAXFUSE_GG_DEFINE_GEMM_WITH_MAINLOOP(NAME, StockMainloop, EA, LA, EB, LB, ED, TM, TN, TK, CM,  \
+                                       CN, KS, ES)
+
+// The builder's mainloop as it is; the alternative is PipelinedPromotionMainloop
+// (fp8_pipelined_promotion.cuh), which replaces the promoted FP8 mainloop's mma().
+template <class BuilderMainloop>
+using StockMainloop = BuilderMainloop;
+
+// JAXFUSE_GG_DEFINE_GEMM with the builder's collective mainloop wrapped in WRAP<...>.
+#define JAXFUSE_GG_DEFINE_GEMM_WITH_MAINLOOP(NAME, WRAP, EA, LA, EB, LB, ED, TM, TN, TK, CM, CN, \
+                                             KS, ES)                                       \
   namespace NAME##_types {                                                                 \
   using TileShape = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<TK>>;              \
   using ClusterShape = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;                \
@@ -42,12 +55,12 @@ using GroupShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,                 \
       cutlass::layout::RowMajor*, kAlignD, ED, cutlass::layout::RowMajor*, kAlignD, ES,    \
       cutlass::epilogue::fusion::LinearCombination<ED, float, void, float>>::CollectiveOp; \
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<        \
+  using CollectiveMainloop = WRAP<typename cutlass::gemm::collective::CollectiveBuilder<   \
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, EA, LA*, kAlignA, EB, LB*,      \
       kAlignB, float, TileShape, ClusterShape,                                             \
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(                  \
           sizeof(typename CollectiveEpilogue::SharedStorage))>,                            \
-      KS>::CollectiveOp;                                                                   \
+      KS>::CollectiveOp>;                                                                  \
   using Kernel = cutlass::gemm::kernel::GemmUniversal<GroupShape, CollectiveMainloop,      \
                                                       CollectiveEpilogue>;                 \
   }                                                                                        \
@@ -219,4 +232,65 @@ cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream)
     using Kernel = typename ONLY::GemmKernel;                                              \
     return static_cast<int>(cute::size<0>(typename Kernel::TileShape{}) *                  \
                             cute::size<0>(typename Kernel::ClusterShape{}));               \
+  }
+
+namespace jaxfuse::grouped_gemm::detail {
+
+// A promoted FP8 family whose large config has candidate mainloops, chosen at run time by
+// ActiveTuningOptions().fp8_mainloop (JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP): 's' the stock
+// CUTLASS mainloop (128x128), 'p' PipelinedPromotionMainloop (128x128), 'w' the stock
+// mainloop at 128x192, 'f' fast accumulation at 128x128 (less precise: a timing reference
+// for what promotion costs, never a default).
+template <class Stock, class Pipelined, class Wide, class Fast, class Small>
+struct Fp8PromotedFamily {
+  static size_t Workspace(TileConfig config, int num_groups, int sm_count) {
+    if (config == TileConfig::kSmall) return CutlassWorkspaceBytes<Small>(num_groups, sm_count);
+    size_t bytes = CutlassWorkspaceBytes<Stock>(num_groups, sm_count);
+    bytes = std::max(bytes, CutlassWorkspaceBytes<Pipelined>(num_groups, sm_count));
+    bytes = std::max(bytes, CutlassWorkspaceBytes<Wide>(num_groups, sm_count));
+    return std::max(bytes, CutlassWorkspaceBytes<Fast>(num_groups, sm_count));
+  }
+  static cudaError_t Run(TileConfig config, const GemmArrays& arrays, int sm_count,
+                         cudaStream_t stream) {
+    if (config == TileConfig::kSmall) return RunGemm<Small>(arrays, sm_count, stream);
+    switch (ActiveTuningOptions().fp8_mainloop) {
+      case 'p': return RunGemm<Pipelined>(arrays, sm_count, stream);
+      case 'w': return RunGemm<Wide>(arrays, sm_count, stream);
+      case 'f': return RunGemm<Fast>(arrays, sm_count, stream);
+      default: return RunGemm<Stock>(arrays, sm_count, stream);
+    }
+  }
+};
+
+}  // namespace jaxfuse::grouped_gemm::detail
+
+// Defines the candidate kernels NAME{Stock,Pipelined,Wide,Fast} and NAME_WorkspaceBytes /
+// NAME_Run for a promoted FP8 family (EA x EB -> bf16, A RowMajor, B ColumnMajor: both
+// K-major) whose small config is SMALL.
+#define JAXFUSE_GG_DEFINE_FP8_PROMOTED_FAMILY(NAME, EA, EB, SMALL)                              \
+  JAXFUSE_GG_DEFINE_GEMM(NAME##Stock, EA, cutlass::layout::RowMajor, EB,                       \
+                         cutlass::layout::ColumnMajor, cutlass::bfloat16_t, 128, 128, 128, 1, 2, \
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,          \
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)            \
+  JAXFUSE_GG_DEFINE_GEMM_WITH_MAINLOOP(                                                        \
+      NAME##Pipelined, PipelinedPromotionMainloop, EA, cutlass::layout::RowMajor, EB,          \
+      cutlass::layout::ColumnMajor, cutlass::bfloat16_t, 128, 128, 128, 1, 2,                  \
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,                              \
+      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
+  JAXFUSE_GG_DEFINE_GEMM(NAME##Wide, EA, cutlass::layout::RowMajor, EB,                        \
+                         cutlass::layout::ColumnMajor, cutlass::bfloat16_t, 128, 192, 128, 1, 1, \
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,          \
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)            \
+  JAXFUSE_GG_DEFINE_GEMM(NAME##Fast, EA, cutlass::layout::RowMajor, EB,                        \
+                         cutlass::layout::ColumnMajor, cutlass::bfloat16_t, 128, 128, 128, 1, 2, \
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum, \
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)            \
+  size_t NAME##_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {              \
+    return Fp8PromotedFamily<NAME##Stock, NAME##Pipelined, NAME##Wide, NAME##Fast,             \
+                             SMALL>::Workspace(config, num_groups, sm_count);                  \
+  }                                                                                            \
+  cudaError_t NAME##_Run(TileConfig config, const GemmArrays& arrays, int sm_count,            \
+                         cudaStream_t stream) {                                                \
+    return Fp8PromotedFamily<NAME##Stock, NAME##Pipelined, NAME##Wide, NAME##Fast,             \
+                             SMALL>::Run(config, arrays, sm_count, stream);                    \
   }

@@ -10,17 +10,12 @@
 
 namespace jaxfuse::grouped_gemm::detail {
 
-JAXFUSE_GG_DEFINE_GEMM(Fp8E4m3E5m2Large, cutlass::float_e4m3_t, cutlass::layout::RowMajor,
-                       cutlass::float_e5m2_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
-                       128, 128, 128, 1, 2,
-                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
 JAXFUSE_GG_DEFINE_GEMM(Fp8E4m3E5m2Small, cutlass::float_e4m3_t, cutlass::layout::RowMajor,
                        cutlass::float_e5m2_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
                        64, 128, 128, 1, 1,
                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                        cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
 
-JAXFUSE_GG_DEFINE_FAMILY_2(Fp8E4m3E5m2, Fp8E4m3E5m2Large, Fp8E4m3E5m2Small)
+JAXFUSE_GG_DEFINE_FP8_PROMOTED_FAMILY(Fp8E4m3E5m2, cutlass::float_e4m3_t, cutlass::float_e5m2_t, Fp8E4m3E5m2Small)
 
 }  // namespace jaxfuse::grouped_gemm::detail

@@ -13,17 +13,12 @@
 
 namespace jaxfuse::grouped_gemm::detail {
 
-JAXFUSE_GG_DEFINE_GEMM(Fp8E5m2E4m3Large, cutlass::float_e5m2_t, cutlass::layout::RowMajor,
-                       cutlass::float_e4m3_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
-                       128, 128, 128, 1, 2,
-                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
 JAXFUSE_GG_DEFINE_GEMM(Fp8E5m2E4m3Small, cutlass::float_e5m2_t, cutlass::layout::RowMajor,
                        cutlass::float_e4m3_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
                        64, 128, 128, 1, 1,
                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                        cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
 
-JAXFUSE_GG_DEFINE_FAMILY_2(Fp8E5m2E4m3, Fp8E5m2E4m3Large, Fp8E5m2E4m3Small)
+JAXFUSE_GG_DEFINE_FP8_PROMOTED_FAMILY(Fp8E5m2E4m3, cutlass::float_e5m2_t, cutlass::float_e4m3_t, Fp8E5m2E4m3Small)
 
 }  // namespace jaxfuse::grouped_gemm::detail

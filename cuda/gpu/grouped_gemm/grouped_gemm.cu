@@ -486,6 +486,13 @@ TuningOptions& ActiveTuningOptions() {
       if (value == "uniform") o.tile = TileConfig::kUniform;
       if (value == "adaptive") o.tile = TileConfig::kAdaptive;
     }
+    if (const char* mainloop = std::getenv("JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP")) {
+      const std::string value(mainloop);
+      if (value == "stock") o.fp8_mainloop = 's';
+      if (value == "pipelined") o.fp8_mainloop = 'p';
+      if (value == "wide") o.fp8_mainloop = 'w';
+      if (value == "fast") o.fp8_mainloop = 'f';
+    }
     return o;
   }();
   return options;

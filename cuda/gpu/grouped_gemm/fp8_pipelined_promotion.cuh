@@ -1,0 +1,130 @@
+// FP8 mainloop with promoted fp32 accumulation whose promotions overlap the tensor cores.
+//
+// CUTLASS's promoted FP8 mainloop (MainloopSm90ArrayTmaGmmaWarpSpecializedFP8, through
+// GmmaFP8Accumulation) issues a k-tile's wgmma into a partial accumulator, waits for *all*
+// of them to finish (warpgroup_wait<0>) and adds the partial into the fp32 accumulator
+// before it issues the next k-tile: every k-tile ends in a bubble on the tensor cores that
+// only the other consumer warp group can fill. The mainloop below keeps two partial
+// accumulators and alternates between them: while k-tile t runs into one, the FADDs promote
+// k-tile t-1 out of the other. Three register sets instead of two: at the cooperative
+// 128x128 tile each consumer warp group holds 64x128 outputs, 3 x 64 fp32 registers per
+// thread, inside the 232 that the kernel gives a consumer thread.
+//
+// Numerics are the stock mainloop's at its default promotion interval (one k-tile of 128 =
+// 4 wgmma k-blocks of 32): each k-tile is accumulated in the tensor cores from zero and
+// added to the fp32 accumulator in the same order. `mma_promotion_interval` is ignored.
+//
+// Everything else (TMA loads, pipeline, tensormap updates for the pointer array, mma_tail)
+// is the base collective's: the derived type only replaces mma(). Like the base, it leaves
+// the last k-tile's shared-memory stage for mma_tail to release.
+#pragma once
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+
+namespace jaxfuse::grouped_gemm::detail {
+
+template <class Base>
+struct PipelinedPromotionMainloop : Base {
+  using typename Base::MainloopPipeline;
+  using typename Base::Params;
+  using typename Base::PipelineState;
+  using typename Base::SmemLayoutA;
+  using typename Base::SmemLayoutB;
+  using typename Base::TensorStorage;
+  using typename Base::TiledMma;
+
+  // Issues one k-tile (every k-block of shared-memory stage `stage`) into `partial`,
+  // starting from zero, as one committed wgmma batch.
+  template <class FragmentA, class FragmentB, class Partial>
+  CUTLASS_DEVICE static void IssueKTile(TiledMma& tiled_mma, FragmentA const& tCrA,
+                                        FragmentB const& tCrB, Partial& partial, int stage) {
+    tiled_mma.accumulate_ = cute::GMMA::ScaleOut::Zero;
+    cute::warpgroup_fence_operand(partial);
+    cute::warpgroup_arrive();
+    CUTLASS_PRAGMA_UNROLL
+    for (int k_block = 0; k_block < cute::size<2>(tCrA); ++k_block) {
+      cute::gemm(tiled_mma, tCrA(cute::_, cute::_, k_block, stage),
+                 tCrB(cute::_, cute::_, k_block, stage), partial);
+      tiled_mma.accumulate_ = cute::GMMA::ScaleOut::One;
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_fence_operand(partial);
+  }
+
+  // accum += partial, once the wgmma batch that wrote `partial` has completed.
+  template <class Accumulator, class Partial>
+  CUTLASS_DEVICE static void Promote(Accumulator& accum, Partial& partial) {
+    cute::warpgroup_fence_operand(partial);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < cute::size(accum); ++i) accum(i) += partial(i);
+    cute::warpgroup_fence_operand(partial);
+  }
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read,
+                          FrgTensorC& accum, int k_tile_count, int thread_idx,
+                          TensorStorage& shared_tensors, Params const& /*mainloop_params*/) {
+    using namespace cute;
+    static_assert(is_rmem<FrgTensorC>::value, "C tensor must be rmem resident.");
+    constexpr int kThreadsPerWarpGroup = cutlass::NumThreadsPerWarpGroup;
+    constexpr int kMmaWarpGroups = size(TiledMma{}) / kThreadsPerWarpGroup;
+
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+    Layout warp_group_thread_layout =
+        make_layout(Int<kMmaWarpGroups>{}, Int<kThreadsPerWarpGroup>{});
+    const int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / kThreadsPerWarpGroup, 0);
+    TiledMma tiled_mma;
+    auto thread_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
+    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA,M,K,PIPE)
+    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA,N,K,PIPE)
+
+    Tensor partial0 = make_fragment_like(accum);
+    Tensor partial1 = make_fragment_like(accum);
+    clear(accum);
+    // Empty groups get no tiles (the setup kernel zeroes their outputs), so a tile always
+    // has k-tiles; the guard keeps a zero count from issuing a wait on nothing.
+    if (k_tile_count <= 0) return;
+
+    PipelineState smem_pipe_release = smem_pipe_read;
+    auto next_stage = [&]() {
+      auto token = pipeline.consumer_try_wait(smem_pipe_read);
+      pipeline.consumer_wait(smem_pipe_read, token);
+      const int stage = smem_pipe_read.index();
+      ++smem_pipe_read;
+      return stage;
+    };
+    auto release_stage = [&]() {
+      pipeline.consumer_release(smem_pipe_release);
+      ++smem_pipe_release;
+    };
+
+    // k-tiles alternate between partial0 (even) and partial1 (odd); the register arrays
+    // cannot be chosen by a run-time index, hence the loop unrolled by two.
+    IssueKTile(tiled_mma, tCrA, tCrB, partial0, next_stage());
+    int remaining = k_tile_count - 1;
+    CUTLASS_PRAGMA_NO_UNROLL
+    while (remaining > 0) {
+      IssueKTile(tiled_mma, tCrA, tCrB, partial1, next_stage());
+      --remaining;
+      warpgroup_wait<1>();  // the previous k-tile (partial0) is done; this one runs on
+      release_stage();
+      Promote(accum, partial0);
+      if (remaining == 0) {
+        warpgroup_wait<0>();
+        Promote(accum, partial1);
+        return;  // the last stage is mma_tail's to release
+      }
+      IssueKTile(tiled_mma, tCrA, tCrB, partial0, next_stage());
+      --remaining;
+      warpgroup_wait<1>();
+      release_stage();
+      Promote(accum, partial1);
+    }
+    warpgroup_wait<0>();
+    Promote(accum, partial0);
+  }
+};
+
+}  // namespace jaxfuse::grouped_gemm::detail

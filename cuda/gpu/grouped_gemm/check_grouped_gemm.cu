@@ -431,8 +431,8 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--sweep-scheduler") == 0) sweep = true;
     // Times kLarge, kUniform and kAdaptive (bf16 forward/dgrad) only.
     if (std::strcmp(argv[i], "--uniform") == 0) uniform_sweep = true;
-    // Checks and times the promoted FP8 families' candidate mainloops (stock, pipelined,
-    // wide, and fast accumulation as a timing reference) on the large config.
+    // Checks and times the promoted FP8 families' two mainloops (pipelined promotion, stock
+    // CUTLASS) on both configs.
     if (std::strcmp(argv[i], "--fp8-mainloops") == 0) fp8_mainloops = true;
   }
   int device = 0;
@@ -490,34 +490,37 @@ int main(int argc, char** argv) {
     gg::detail::TuningOptions& options = gg::detail::ActiveTuningOptions();
     const gg::detail::TuningOptions saved = options;
     struct Mainloop { char code; const char* name; };
-    const Mainloop mainloops[] = {{'s', "stock"}, {'p', "pipelined"}, {'w', "wide"}, {'f', "fast"}};
-    // Correctness of the promoted candidates (fast accumulation is a timing reference only):
-    // k-tile counts 1 to 9, a partial last k-tile, an empty group, sum < m, hostile offsets.
+    const Mainloop mainloops[] = {{'s', "stock"}, {'p', "pipelined"}};
+    // k-tile counts 1 to 16, a partial last k-tile, an empty group, sum < m, hostile offsets.
     std::vector<Case> cases;
     cases.push_back({"G=3 empty group, sum<m (m=2000,k=1040,n=400)", 2000, 1040, 400, OffsetsFromSizes({700, 0, 1100})});
     cases.push_back({"G=3 sum>m (m=1000,k=256,n=384)", 1000, 256, 384, OffsetsFromSizes({700, 600, 500})});
     cases.push_back({"G=1 (m=777,k=64,n=512)", 777, 64, 512, OffsetsFromSizes({777})});
     cases.push_back({"G=4 non-monotone/negative offsets (m=600,k=128,n=128)", 600, 128, 128, {0, 100, 50, 400, -3}});
+    cases.push_back({"G=2 (m=640,k=2048,n=160)", 640, 2048, 160, OffsetsFromSizes({333, 300})});
     cases.push_back({"G=8 (m=4096,k=2048,n=256)", 4096, 2048, 256, OffsetsFromSizes({512, 512, 1024, 0, 256, 768, 512, 384})});
-    for (const Mainloop& ml : mainloops) {
-      if (ml.code == 'f') continue;
-      options.fp8_mainloop = ml.code;
-      std::printf("== FP8 %s mainloop, kLarge\n", ml.name);
-      for (const Case& c : cases) {
-        RunCase<e4m3, e4m3, bf16>(c, gg::Form::kForward, gg::TileConfig::kLarge, false);
-        RunCase<e5m2, e4m3, bf16>(c, gg::Form::kDgrad, gg::TileConfig::kLarge, false);
+    const gg::TileConfig configs[] = {gg::TileConfig::kLarge, gg::TileConfig::kSmall};
+    for (const Mainloop& ml : mainloops)
+      for (gg::TileConfig cfg : configs) {
+        options.fp8_mainloop = ml.code;
+        std::printf("== FP8 %s mainloop, %s\n", ml.name, ConfigName(cfg));
+        for (const Case& c : cases) {
+          RunCase<e4m3, e4m3, bf16>(c, gg::Form::kForward, cfg, false);
+          RunCase<e5m2, e4m3, bf16>(c, gg::Form::kDgrad, cfg, false);
+        }
+        RunCase<e4m3, e4m3, bf16>(cases[0], gg::Form::kForward, cfg, true);
       }
-      RunCase<e4m3, e4m3, bf16>(cases[0], gg::Form::kForward, gg::TileConfig::kLarge, true);
-    }
-    struct Shape { int G; int64_t rows; };
-    for (const Shape s : {Shape{8, 8192}, Shape{64, 512}, Shape{128, 512}})
+    struct Shape { int G; int64_t rows; gg::TileConfig config; };
+    for (const Shape s : {Shape{8, 8192, gg::TileConfig::kLarge}, Shape{64, 512, gg::TileConfig::kLarge},
+                          Shape{128, 512, gg::TileConfig::kLarge}, Shape{8, 256, gg::TileConfig::kSmall},
+                          Shape{8, 1024, gg::TileConfig::kSmall}})
       for (const Mainloop& ml : mainloops) {
         options.fp8_mainloop = ml.code;
         char label[32];
         std::snprintf(label, sizeof(label), "fp8 %s", ml.name);
-        Time<e4m3, e4m3, bf16>(label, gg::Form::kForward, s.G, s.rows, 2048, 4096, gg::TileConfig::kLarge);
-        Time<e5m2, e4m3, bf16>(label, gg::Form::kDgrad, s.G, s.rows, 2048, 4096, gg::TileConfig::kLarge);
-        Time<e4m3, e5m2, bf16>(label, gg::Form::kWgrad, s.G, s.rows, 2048, 4096, gg::TileConfig::kLarge);
+        Time<e4m3, e4m3, bf16>(label, gg::Form::kForward, s.G, s.rows, 2048, 4096, s.config);
+        Time<e5m2, e4m3, bf16>(label, gg::Form::kDgrad, s.G, s.rows, 2048, 4096, s.config);
+        Time<e4m3, e5m2, bf16>(label, gg::Form::kWgrad, s.G, s.rows, 2048, 4096, s.config);
       }
     options = saved;
     perf = check = false;

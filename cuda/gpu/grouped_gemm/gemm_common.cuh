@@ -236,61 +236,65 @@ cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream)
 
 namespace jaxfuse::grouped_gemm::detail {
 
-// A promoted FP8 family whose large config has candidate mainloops, chosen at run time by
-// ActiveTuningOptions().fp8_mainloop (JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP): 's' the stock
-// CUTLASS mainloop (128x128), 'p' PipelinedPromotionMainloop (128x128), 'w' the stock
-// mainloop at 128x192, 'f' fast accumulation at 128x128 (less precise: a timing reference
-// for what promotion costs, never a default).
-template <class Stock, class Pipelined, class Wide, class Fast, class Small>
+// A promoted FP8 family: each config (large, small) has the PipelinedPromotionMainloop
+// kernel (the default) and the stock CUTLASS one, chosen at run time by
+// ActiveTuningOptions().fp8_mainloop (JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP=stock|pipelined),
+// so that one build can A/B them. Same tiles and numerics; only the overlap differs.
+template <class Large, class LargeStock, class Small, class SmallStock>
 struct Fp8PromotedFamily {
+  static bool Stock() { return ActiveTuningOptions().fp8_mainloop == 's'; }
   static size_t Workspace(TileConfig config, int num_groups, int sm_count) {
-    if (config == TileConfig::kSmall) return CutlassWorkspaceBytes<Small>(num_groups, sm_count);
-    size_t bytes = CutlassWorkspaceBytes<Stock>(num_groups, sm_count);
-    bytes = std::max(bytes, CutlassWorkspaceBytes<Pipelined>(num_groups, sm_count));
-    bytes = std::max(bytes, CutlassWorkspaceBytes<Wide>(num_groups, sm_count));
-    return std::max(bytes, CutlassWorkspaceBytes<Fast>(num_groups, sm_count));
+    if (config == TileConfig::kSmall) {
+      return std::max(CutlassWorkspaceBytes<Small>(num_groups, sm_count),
+                      CutlassWorkspaceBytes<SmallStock>(num_groups, sm_count));
+    }
+    return std::max(CutlassWorkspaceBytes<Large>(num_groups, sm_count),
+                    CutlassWorkspaceBytes<LargeStock>(num_groups, sm_count));
   }
   static cudaError_t Run(TileConfig config, const GemmArrays& arrays, int sm_count,
                          cudaStream_t stream) {
-    if (config == TileConfig::kSmall) return RunGemm<Small>(arrays, sm_count, stream);
-    switch (ActiveTuningOptions().fp8_mainloop) {
-      case 'p': return RunGemm<Pipelined>(arrays, sm_count, stream);
-      case 'w': return RunGemm<Wide>(arrays, sm_count, stream);
-      case 'f': return RunGemm<Fast>(arrays, sm_count, stream);
-      default: return RunGemm<Stock>(arrays, sm_count, stream);
+    if (config == TileConfig::kSmall) {
+      return Stock() ? RunGemm<SmallStock>(arrays, sm_count, stream)
+                     : RunGemm<Small>(arrays, sm_count, stream);
     }
+    return Stock() ? RunGemm<LargeStock>(arrays, sm_count, stream)
+                   : RunGemm<Large>(arrays, sm_count, stream);
   }
 };
 
 }  // namespace jaxfuse::grouped_gemm::detail
 
-// Defines the candidate kernels NAME{Stock,Pipelined,Wide,Fast} and NAME_WorkspaceBytes /
-// NAME_Run for a promoted FP8 family (EA x EB -> bf16, A RowMajor, B ColumnMajor: both
-// K-major) whose small config is SMALL.
-#define JAXFUSE_GG_DEFINE_FP8_PROMOTED_FAMILY(NAME, EA, EB, SMALL)                              \
-  JAXFUSE_GG_DEFINE_GEMM(NAME##Stock, EA, cutlass::layout::RowMajor, EB,                       \
+// Defines a promoted FP8 family (EA x EB -> bf16; A RowMajor, B ColumnMajor: both K-major):
+// the kernels NAME{Large,LargeStock,Small,SmallStock} and NAME_WorkspaceBytes / NAME_Run.
+//   large: cooperative 128x128x128, cluster 1x2 (each consumer warp group owns 64x128
+//          outputs: three 64-register fp32 sets per thread with the pipelined mainloop);
+//   small: ping-pong 64x128x128, cluster 1x1 (a warp group owns a 64x128 tile).
+// 128x256 cooperative and 128x128 ping-pong spill even with the stock mainloop's two sets.
+#define JAXFUSE_GG_DEFINE_FP8_PROMOTED_FAMILY(NAME, EA, EB)                                     \
+  JAXFUSE_GG_DEFINE_GEMM_WITH_MAINLOOP(                                                        \
+      NAME##Large, PipelinedPromotionMainloop, EA, cutlass::layout::RowMajor, EB,              \
+      cutlass::layout::ColumnMajor, cutlass::bfloat16_t, 128, 128, 128, 1, 2,                  \
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,                              \
+      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
+  JAXFUSE_GG_DEFINE_GEMM(NAME##LargeStock, EA, cutlass::layout::RowMajor, EB,                  \
                          cutlass::layout::ColumnMajor, cutlass::bfloat16_t, 128, 128, 128, 1, 2, \
                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,          \
                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)            \
   JAXFUSE_GG_DEFINE_GEMM_WITH_MAINLOOP(                                                        \
-      NAME##Pipelined, PipelinedPromotionMainloop, EA, cutlass::layout::RowMajor, EB,          \
-      cutlass::layout::ColumnMajor, cutlass::bfloat16_t, 128, 128, 128, 1, 2,                  \
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,                              \
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
-  JAXFUSE_GG_DEFINE_GEMM(NAME##Wide, EA, cutlass::layout::RowMajor, EB,                        \
-                         cutlass::layout::ColumnMajor, cutlass::bfloat16_t, 128, 192, 128, 1, 1, \
-                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,          \
-                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)            \
-  JAXFUSE_GG_DEFINE_GEMM(NAME##Fast, EA, cutlass::layout::RowMajor, EB,                        \
-                         cutlass::layout::ColumnMajor, cutlass::bfloat16_t, 128, 128, 128, 1, 2, \
-                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum, \
-                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)            \
+      NAME##Small, PipelinedPromotionMainloop, EA, cutlass::layout::RowMajor, EB,              \
+      cutlass::layout::ColumnMajor, cutlass::bfloat16_t, 64, 128, 128, 1, 1,                   \
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,                                 \
+      cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)                                   \
+  JAXFUSE_GG_DEFINE_GEMM(NAME##SmallStock, EA, cutlass::layout::RowMajor, EB,                  \
+                         cutlass::layout::ColumnMajor, cutlass::bfloat16_t, 64, 128, 128, 1, 1, \
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,             \
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)               \
   size_t NAME##_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {              \
-    return Fp8PromotedFamily<NAME##Stock, NAME##Pipelined, NAME##Wide, NAME##Fast,             \
-                             SMALL>::Workspace(config, num_groups, sm_count);                  \
+    return Fp8PromotedFamily<NAME##Large, NAME##LargeStock, NAME##Small,                       \
+                             NAME##SmallStock>::Workspace(config, num_groups, sm_count);       \
   }                                                                                            \
   cudaError_t NAME##_Run(TileConfig config, const GemmArrays& arrays, int sm_count,            \
                          cudaStream_t stream) {                                                \
-    return Fp8PromotedFamily<NAME##Stock, NAME##Pipelined, NAME##Wide, NAME##Fast,             \
-                             SMALL>::Run(config, arrays, sm_count, stream);                    \
+    return Fp8PromotedFamily<NAME##Large, NAME##LargeStock, NAME##Small,                       \
+                             NAME##SmallStock>::Run(config, arrays, sm_count, stream);         \
   }

@@ -5,17 +5,12 @@
 // (ld n). TMA zero-fills a group's last k-block past its rows (per-group tensor maps), so the
 // alignment padding between groups is never read. Empty groups get no tiles and are zeroed
 // by the setup launch. Promoted fp32 accumulation (TransformerEngine's split accumulator for
-// the gradient GEMMs); tiles as gemm_fp8_e4m3_e4m3.cu, which serves the e4m3-gradient wgrad.
+// the gradient GEMMs); tiles and mainloops as gemm_fp8_e4m3_e4m3.cu (JAXFUSE_GG_DEFINE_FP8_
+// PROMOTED_FAMILY), which also serves the e4m3-gradient wgrad.
 #include "gemm_common.cuh"
 
 namespace jaxfuse::grouped_gemm::detail {
 
-JAXFUSE_GG_DEFINE_GEMM(Fp8E4m3E5m2Small, cutlass::float_e4m3_t, cutlass::layout::RowMajor,
-                       cutlass::float_e5m2_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
-                       64, 128, 128, 1, 1,
-                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                       cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
-
-JAXFUSE_GG_DEFINE_FP8_PROMOTED_FAMILY(Fp8E4m3E5m2, cutlass::float_e4m3_t, cutlass::float_e5m2_t, Fp8E4m3E5m2Small)
+JAXFUSE_GG_DEFINE_FP8_PROMOTED_FAMILY(Fp8E4m3E5m2, cutlass::float_e4m3_t, cutlass::float_e5m2_t)
 
 }  // namespace jaxfuse::grouped_gemm::detail

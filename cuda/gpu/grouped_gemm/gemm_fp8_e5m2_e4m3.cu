@@ -5,20 +5,13 @@
 //          (ColumnMajor B = K-major, ld k); D = y rows (ld n).
 // dgrad:   M = rows_g, N = k, K = n; A = dy rows (ld n); B(j, kk) = w[g][j * n + kk] (ld n);
 //          D = dx rows (ld k).
-// Tiles: the promoted (non-FastAccum) FP8 mainloop keeps two fp32 accumulators per thread, so
-// each consumer warp group owns at most 64x128 outputs (128x256 cooperative and 128x128
-// ping-pong spilled ~900 bytes): large = cooperative 128x128x128 cluster 1x2, small = ping-pong
-// 64x128x128 cluster 1x1.
+// Tiles and mainloops: JAXFUSE_GG_DEFINE_FP8_PROMOTED_FAMILY (gemm_common.cuh): large =
+// cooperative 128x128x128 cluster 1x2, small = ping-pong 64x128x128 cluster 1x1, each with
+// the pipelined promotion (fp8_pipelined_promotion.cuh) and the stock mainloop for A/B.
 #include "gemm_common.cuh"
 
 namespace jaxfuse::grouped_gemm::detail {
 
-JAXFUSE_GG_DEFINE_GEMM(Fp8E5m2E4m3Small, cutlass::float_e5m2_t, cutlass::layout::RowMajor,
-                       cutlass::float_e4m3_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
-                       64, 128, 128, 1, 1,
-                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                       cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
-
-JAXFUSE_GG_DEFINE_FP8_PROMOTED_FAMILY(Fp8E5m2E4m3, cutlass::float_e5m2_t, cutlass::float_e4m3_t, Fp8E5m2E4m3Small)
+JAXFUSE_GG_DEFINE_FP8_PROMOTED_FAMILY(Fp8E5m2E4m3, cutlass::float_e5m2_t, cutlass::float_e4m3_t)
 
 }  // namespace jaxfuse::grouped_gemm::detail

@@ -490,8 +490,6 @@ TuningOptions& ActiveTuningOptions() {
       const std::string value(mainloop);
       if (value == "stock") o.fp8_mainloop = 's';
       if (value == "pipelined") o.fp8_mainloop = 'p';
-      if (value == "wide") o.fp8_mainloop = 'w';
-      if (value == "fast") o.fp8_mainloop = 'f';
     }
     return o;
   }();

@@ -39,13 +39,14 @@ struct GemmArrays {
 //   JAXFUSE_GROUPED_GEMM_RASTER (M|N), JAXFUSE_GROUPED_GEMM_SWIZZLE.
 // - The tile configuration of problems that leave it at kAuto (kAuto: the heuristic):
 //   JAXFUSE_GROUPED_GEMM_TILE (large | small | uniform | adaptive).
-// - The mainloop of the promoted FP8 families' large config (gemm_common.cuh,
-//   Fp8PromotedFamily): JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP (stock | pipelined | wide | fast).
+// - The mainloop of the promoted FP8 families (gemm_common.cuh, Fp8PromotedFamily): 'p' the
+//   pipelined promotion (the default), 's' CUTLASS's stock mainloop:
+//   JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP (pipelined | stock).
 struct TuningOptions {
   char raster = 0;
   int swizzle = 1;
   TileConfig tile = TileConfig::kAuto;
-  char fp8_mainloop = 's';
+  char fp8_mainloop = 'p';
 };
 TuningOptions& ActiveTuningOptions();
 

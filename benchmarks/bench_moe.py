@@ -1,6 +1,8 @@
 """Full MoE layer (router + permute + grouped MLP + unpermute), forward + backward, bf16:
 jaxfuse.moe vs the same layer built from the references (argsort / scatter permutation,
-jax.lax.ragged_dot experts, jnp SwiGLU, gather unpermute), in one process on one GPU.
+jax.lax.ragged_dot experts, jnp SwiGLU, gather unpermute), in one process on one GPU, and
+jaxfuse.moe with recipe=Float8CurrentScaling(per_group=True) (jaxfuse_fp8_*: the experts'
+GEMMs in FP8, quantization included; same bf16 parameters and inputs).
 
 Cases: Mixtral-like (8 experts, top-2, H=4096, F=14336) and DeepSeek-like (64 experts,
 top-6, H=2048, F=1408), 16384 tokens each. TFLOP/s count the experts' GEMMs over the T*k
@@ -38,15 +40,20 @@ def inputs(tokens, hidden, ffn, experts, seed=0):
   return x, router, k1, k2, dy
 
 
-def step(implementation, top_k):
+FP8_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
+
+
+def step(implementation, top_k, recipe=None):
   def forward_backward(x, router, k1, k2, dy):
     (out, aux), vjp = jax.vjp(lambda x, r, k1, k2: jaxfuse.moe(
-        x, r, k1, k2, top_k=top_k, implementation=implementation), x, router, k1, k2)
+        x, r, k1, k2, top_k=top_k, recipe=recipe, implementation=implementation),
+                              x, router, k1, k2)
     return out, vjp((dy, jnp.ones_like(aux)))
 
   def forward(x, router, k1, k2, dy):
     del dy
-    return jaxfuse.moe(x, router, k1, k2, top_k=top_k, implementation=implementation)
+    return jaxfuse.moe(x, router, k1, k2, top_k=top_k, recipe=recipe,
+                       implementation=implementation)
 
   return {"fwd": jax.jit(forward), "fwd+bwd": jax.jit(forward_backward)}
 
@@ -61,8 +68,10 @@ def main():
   for name, (tokens, hidden, ffn, experts, top_k) in CASES.items():
     arguments = inputs(tokens, hidden, ffn, experts)
     times = {}
-    for impl, label, n in (("ffi", "jaxfuse", calls), ("xla", "reference", baseline_calls)):
-      for pass_name, fn in step(impl, top_k).items():
+    for impl, label, n, recipe in (("ffi", "jaxfuse", calls, None),
+                                   ("ffi", "jaxfuse_fp8", calls, FP8_RECIPE),
+                                   ("xla", "reference", baseline_calls, None)):
+      for pass_name, fn in step(impl, top_k, recipe).items():
         try:
           times[(label, pass_name)] = common.time_fn(fn, [arguments] * (n + 3))["median_ms"]
         except Exception as error:  # e.g. the dense ragged_dot expansion running out of memory
@@ -73,17 +82,19 @@ def main():
                             backward=pass_name == "fwd+bwd")
       row = {"case": name, "tokens": tokens, "hidden": hidden, "ffn": ffn, "experts": experts,
              "top_k": top_k, "pass": pass_name, "flops": flops}
-      for label in ("jaxfuse", "reference"):
+      for label in ("jaxfuse", "jaxfuse_fp8", "reference"):
         ms = times[(label, pass_name)]
         row[f"{label}_ms"] = ms
         row[f"{label}_tflops"] = flops / (ms * 1e-3) / 1e12 if ms else None
       row["speedup"] = (row["reference_ms"] / row["jaxfuse_ms"]
                         if row["reference_ms"] and row["jaxfuse_ms"] else None)
+      row["fp8_speedup"] = (row["jaxfuse_ms"] / row["jaxfuse_fp8_ms"]
+                            if row["jaxfuse_fp8_ms"] and row["jaxfuse_ms"] else None)
       rows.append(row)
       print(row, flush=True)
     del arguments
-  common.print_table(rows, ["case", "pass", "jaxfuse_ms", "jaxfuse_tflops", "reference_ms",
-                            "reference_tflops", "speedup"])
+  common.print_table(rows, ["case", "pass", "jaxfuse_ms", "jaxfuse_tflops", "jaxfuse_fp8_ms",
+                            "fp8_speedup", "reference_ms", "reference_tflops", "speedup"])
   common.write_results("moe", rows, dtype="bfloat16", activation="swiglu",
                        baseline="jaxfuse.moe(implementation='xla'): argsort/scatter "
                                 "permutation, jax.lax.ragged_dot experts, jnp SwiGLU, same run")

@@ -101,7 +101,8 @@ PYEOF
     sanitize)
       # Edge-case GPU tests (hostile or empty group sizes, zero rows, NaN/Inf, many groups)
       # of every kernel family under memcheck. SANITIZE_K narrows or widens the selection;
-      # -k also matches markers, so tests marked `sanitize` always run.
+      # -k also matches markers, so tests marked `sanitize` always run. SANITIZE_FILES
+      # narrows the test files (default: every tests/ops/test_*.py).
       sel=${SANITIZE_K:-"(sanitize or hostile or empty_groups or rows_past or zero_rows or nan or many_groups or many_rows or multi_uses or permute or unpermute) and not xla"}
       log "compute-sanitizer memcheck: -m gpu -k '$sel', one process per test file"
       # XLA's default allocator sub-allocates one big pool, inside which memcheck sees no
@@ -110,7 +111,7 @@ PYEOF
       # sanitized process has segfaulted mid-run (97f44ec0 after 14 tests, d11141b after 59),
       # which must cost one file's verdict, not all of them, and name the test it was in.
       deadline=$(( $(date +%s) + ${SANITIZE_TIMEOUT:-300} ))
-      for file in tests/ops/test_*.py; do
+      for file in ${SANITIZE_FILES:-tests/ops/test_*.py}; do
         name=$(basename "$file" .py)
         left=$(( deadline - $(date +%s) ))
         [ $left -gt 20 ] || { log "sanitizer: out of time before $name"; status=1; break; }

@@ -338,10 +338,10 @@ def test_fp8_wgrad_matches_float64_numpy(backend, case, gradient_dtype):
 def test_fp8_large_tile_gemms_match_float64_numpy(form):
   """The promoted FP8 GEMMs at a size where the heuristic picks the large (cooperative
   128x128) config, whose mainloop overlaps each k-tile's promotion with the next k-tile's
-  wgmma (grouped_gemm/fp8_pipelined_promotion.cuh): 9 k-tiles with a partial last one
-  (k = n = 1040), odd group sizes, an empty group. The other tests' shapes run the small
-  config."""
-  m, k, n = 4096, 1040, 1040
+  wgmma (grouped_gemm/fp8_pipelined_promotion.cuh): 9 and 10 k-tiles with a partial last
+  one (k = 1040, n = 1168; k != n, so a swapped operand layout cannot pass), odd group
+  sizes, an empty group. The other tests' shapes run the small config."""
+  m, k, n = 4096, 1040, 1168
   sizes = [1500, 0, 1803, 700]  # 93 rows past the groups
   groups = len(sizes)
   rng = np.random.default_rng(45)
@@ -357,12 +357,12 @@ def test_fp8_large_tile_gemms_match_float64_numpy(form):
         *a[:3], form=gemm_ffi.WGRAD, a_scale_inv=a[3], b_scale_inv=a[4]))(*args)
     exact, abs_sum = numpy_fp8_wgrad(x, a_scale, dy, b_scale, sizes)
   else:
-    # forward: x e4m3 [m, k] times w^T [G, n, k]; dgrad: dy e5m2 [m, n] times w [G, k, n].
+    # forward: x e4m3 [m, k] times w^T [G, n, k]; dgrad: dy e5m2 [m, n] times w [G, k, n]:
+    # both out[r, c] = sum_i a[r, i] * b[g, c, i], with cols = n or k, inner = k or n.
     cols, inner = (n, k) if form == "forward" else (k, n)
     a = random_fp8(48, (m, inner), jnp.float8_e4m3fn if form == "forward"
                    else jnp.float8_e5m2)
-    b = random_fp8(49, (groups, cols, inner) if form == "forward" else (groups, inner, cols),
-                   jnp.float8_e4m3fn)
+    b = random_fp8(49, (groups, cols, inner), jnp.float8_e4m3fn)
     args = on("gpu", a, b, offsets, a_scale, b_scale)
     gemm_form = gemm_ffi.FORWARD if form == "forward" else gemm_ffi.DGRAD
     out = jax.jit(lambda *t: gemm_ffi.grouped_gemm(
@@ -370,7 +370,7 @@ def test_fp8_large_tile_gemms_match_float64_numpy(form):
     a64, b64 = helpers.as_f64(a), helpers.as_f64(b)
     exact, abs_sum = np.zeros((m, cols)), np.zeros((m, cols))
     for g, (start, end) in enumerate(bounds):
-      w_g = b64[g] if form == "forward" else b64[g].T  # [cols, inner]
+      w_g = b64[g]  # [cols, inner]
       alpha = float(a_scale[g]) * float(b_scale[g])
       exact[start:end] = a64[start:end] @ w_g.T * alpha
       abs_sum[start:end] = np.abs(a64[start:end]) @ np.abs(w_g).T * alpha

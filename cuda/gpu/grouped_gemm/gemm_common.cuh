@@ -264,6 +264,18 @@ struct Fp8PromotedFamily {
 
 }  // namespace jaxfuse::grouped_gemm::detail
 
+// One promoted FP8 config (EA x EB -> bf16, both operands K-major; CTA tile TM x TN x 128)
+// twice: NAME with the pipelined promotion, NAME##Stock with CUTLASS's mainloop.
+#define JAXFUSE_GG_DEFINE_FP8_PROMOTED_GEMMS(NAME, EA, EB, TM, TN, CM, CN, KS, ES)              \
+  JAXFUSE_GG_DEFINE_GEMM_WITH_MAINLOOP(NAME, PipelinedPromotionMainloop, EA,                   \
+                                       cutlass::layout::RowMajor, EB,                          \
+                                       cutlass::layout::ColumnMajor, cutlass::bfloat16_t, TM,  \
+                                       TN, 128, CM, CN, KS, ES)                                \
+  JAXFUSE_GG_DEFINE_GEMM_WITH_MAINLOOP(NAME##Stock, StockMainloop, EA,                         \
+                                       cutlass::layout::RowMajor, EB,                          \
+                                       cutlass::layout::ColumnMajor, cutlass::bfloat16_t, TM,  \
+                                       TN, 128, CM, CN, KS, ES)
+
 // Defines a promoted FP8 family (EA x EB -> bf16; A RowMajor, B ColumnMajor: both K-major):
 // the kernels NAME{Large,LargeStock,Small,SmallStock} and NAME_WorkspaceBytes / NAME_Run.
 //   large: cooperative 128x128x128, cluster 1x2 (each consumer warp group owns 64x128
@@ -271,24 +283,12 @@ struct Fp8PromotedFamily {
 //   small: ping-pong 64x128x128, cluster 1x1 (a warp group owns a 64x128 tile).
 // 128x256 cooperative and 128x128 ping-pong spill even with the stock mainloop's two sets.
 #define JAXFUSE_GG_DEFINE_FP8_PROMOTED_FAMILY(NAME, EA, EB)                                     \
-  JAXFUSE_GG_DEFINE_GEMM_WITH_MAINLOOP(                                                        \
-      NAME##Large, PipelinedPromotionMainloop, EA, cutlass::layout::RowMajor, EB,              \
-      cutlass::layout::ColumnMajor, cutlass::bfloat16_t, 128, 128, 128, 1, 2,                  \
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,                              \
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
-  JAXFUSE_GG_DEFINE_GEMM(NAME##LargeStock, EA, cutlass::layout::RowMajor, EB,                  \
-                         cutlass::layout::ColumnMajor, cutlass::bfloat16_t, 128, 128, 128, 1, 2, \
-                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,          \
-                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)            \
-  JAXFUSE_GG_DEFINE_GEMM_WITH_MAINLOOP(                                                        \
-      NAME##Small, PipelinedPromotionMainloop, EA, cutlass::layout::RowMajor, EB,              \
-      cutlass::layout::ColumnMajor, cutlass::bfloat16_t, 64, 128, 128, 1, 1,                   \
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,                                 \
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)                                   \
-  JAXFUSE_GG_DEFINE_GEMM(NAME##SmallStock, EA, cutlass::layout::RowMajor, EB,                  \
-                         cutlass::layout::ColumnMajor, cutlass::bfloat16_t, 64, 128, 128, 1, 1, \
-                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,             \
-                         cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)               \
+  JAXFUSE_GG_DEFINE_FP8_PROMOTED_GEMMS(NAME##Large, EA, EB, 128, 128, 1, 2,                    \
+                                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative, \
+                                       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative) \
+  JAXFUSE_GG_DEFINE_FP8_PROMOTED_GEMMS(NAME##Small, EA, EB, 64, 128, 1, 1,                     \
+                                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong, \
+                                       cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)   \
   size_t NAME##_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {              \
     return Fp8PromotedFamily<NAME##Large, NAME##LargeStock, NAME##Small,                       \
                              NAME##SmallStock>::Workspace(config, num_groups, sm_count);       \

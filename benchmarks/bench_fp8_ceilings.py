@@ -30,6 +30,11 @@ from jaxfuse._src import ffi
 from jaxfuse._src.ops.grouped_linear import ffi as grouped_ffi
 
 
+def _row(kernel: str, shape: str, fast: bool, ms: float, flops: float) -> dict:
+  return {"kernel": kernel, "shape": shape, "fast_accum": fast, "ms": ms,
+          "tflops": flops / ms * 1e-9}
+
+
 def _torch_rows(calls: int) -> list[dict]:
   import torch  # pylint: disable=g-import-not-at-top  (torch is optional: baselines only)
   rows = []
@@ -42,9 +47,8 @@ def _torch_rows(calls: int) -> list[dict]:
       def call(a=a, b=b, fast=fast):
         return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
                                 use_fast_accum=fast)
-      ms = common.time_torch_ms(call, calls)
-      rows.append({"kernel": "torch._scaled_mm (cuBLASLt)", "shape": f"{m}x{k}x{n}",
-                   "fast_accum": fast, "ms": ms, "tflops": 2 * m * k * n / ms * 1e-9})
+      rows.append(_row("torch._scaled_mm (cuBLASLt)", f"{m}x{k}x{n}", fast,
+                       common.time_torch_ms(call, calls), 2 * m * k * n))
   groups, rows_per_group, k, n = 8, 8192, 2048, 4096
   m = groups * rows_per_group
   if hasattr(torch, "_scaled_grouped_mm"):
@@ -63,8 +67,8 @@ def _torch_rows(calls: int) -> list[dict]:
         rows.append({"kernel": "torch._scaled_grouped_mm", "shape": f"{groups}x{rows_per_group}",
                      "fast_accum": fast, "error": str(error)[:200]})
         continue
-      rows.append({"kernel": "torch._scaled_grouped_mm", "shape": f"{groups}x{rows_per_group}",
-                   "fast_accum": fast, "ms": ms, "tflops": 2 * m * k * n / ms * 1e-9})
+      rows.append(_row("torch._scaled_grouped_mm", f"{groups}x{rows_per_group}", fast, ms,
+                       2 * m * k * n))
   return rows
 
 
@@ -84,16 +88,14 @@ def _jaxfuse_rows(calls: int) -> list[dict]:
     fwd = jax.jit(lambda x, w_t, o, fast=fast: grouped_ffi.grouped_gemm(
         x, w_t, o, form=grouped_ffi.FORWARD, a_scale_inv=ones, b_scale_inv=ones,
         fast_accumulation=fast))
-    stats = common.time_fn(fwd, [(x, w_t, offsets)] * calls)
-    rows.append({"kernel": "jaxfuse grouped fwd", "shape": f"{groups}x{rows_per_group}",
-                 "fast_accum": fast, "ms": stats["median_ms"],
-                 "tflops": 2 * m * k * n / stats["median_ms"] * 1e-9})
+    ms = common.time_fn(fwd, [(x, w_t, offsets)] * calls)["median_ms"]
+    rows.append(_row("jaxfuse grouped fwd", f"{groups}x{rows_per_group}", fast, ms,
+                     2 * m * k * n))
   dgrad = jax.jit(lambda dy, w, o: grouped_ffi.grouped_gemm(
       dy, w, o, form=grouped_ffi.DGRAD, a_scale_inv=ones, b_scale_inv=ones))
-  stats = common.time_fn(dgrad, [(dy, w, offsets)] * calls)
-  rows.append({"kernel": "jaxfuse grouped dgrad (e5m2 x e4m3)", "shape": f"{groups}x{rows_per_group}",
-               "fast_accum": False, "ms": stats["median_ms"],
-               "tflops": 2 * m * k * n / stats["median_ms"] * 1e-9})
+  ms = common.time_fn(dgrad, [(dy, w, offsets)] * calls)["median_ms"]
+  rows.append(_row("jaxfuse grouped dgrad (e5m2 x e4m3)", f"{groups}x{rows_per_group}", False,
+                   ms, 2 * m * k * n))
   return rows
 
 

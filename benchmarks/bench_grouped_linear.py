@@ -1,4 +1,5 @@
-"""Grouped GEMM (MoE expert layer): jaxfuse vs jax.lax.ragged_dot vs torch._grouped_mm.
+"""Grouped GEMM (MoE expert layer): jaxfuse vs jax.lax.ragged_dot vs torch._grouped_mm vs
+tokamax.
 
 Forward (x_g @ W_g), dgrad (dy_g @ W_g^T) and wgrad (x_g^T @ dy_g) TFLOP/s, bf16, on the
 issue's cases, plus a dense bf16 GEMM of the same total size through XLA as the ceiling
@@ -13,7 +14,11 @@ included, against the bf16 op (precision "bf16", same rows). FP8 wgrad: "fp8" ta
 row-wise E4M3 x and E5M2 dy, so it includes their two column-wise copies
 (jaxfuse_group_columnwise); "fp8 columnwise" is the wgrad kernel alone on ready copies.
 
-jaxfuse bf16, jaxfuse FP8 and torch._grouped_mm run in alternating chunks with the same
+tokamax (benchmarks/tokamax_baseline.py: tokamax.ragged_dot with its Pallas Mosaic GPU
+kernels, the backward through its own VJP) runs in the same alternating chunks when it can be
+imported; tokamax_max_rel_error is its result against jaxfuse's on the same operands.
+
+jaxfuse bf16, jaxfuse FP8, torch._grouped_mm and tokamax run in alternating chunks with the same
 host-clock timing (common.time_alternating), so GPU clock drift cannot favour one of them.
 Chunks are CHUNK calls long: a chunk's time includes its first call's latency once (a
 jitted JAX call's is several times torch's, see scripts/call_latency.py), which over 20
@@ -32,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
+from benchmarks import tokamax_baseline
 from jaxfuse._src.ops.grouped_linear import api as grouped_api
 from jaxfuse._src.ops.grouped_linear import ffi as grouped_ffi
 from jaxfuse._src.ops.quantize import ffi as quantize_ffi
@@ -113,6 +119,25 @@ def ragged_dot_steps(x, w, dy, sizes):
           "wgrad": (jax.jit(wgrad), (x, w, sizes, dy))}
 
 
+def tokamax_variants(tokamax, x, w, dy, sizes, gemms):
+  """({form: time_alternating variant}, {form: max relative error against jaxfuse}) of
+  tokamax's grouped GEMMs; a form that fails to compile or run is reported and left out."""
+  if tokamax is None:
+    return {}, {}
+  variants, errors = {}, {}
+  for form, fn in tokamax_baseline.gemm_fns(tokamax).items():
+    fn_args = (x, w, sizes) if form == "fwd" else (x, w, sizes, dy)
+    try:
+      result = jax.block_until_ready(fn(*fn_args))
+    except Exception as error:  # pylint: disable=broad-except  (a baseline must not stop the run)
+      print(f"tokamax {form} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+      continue
+    jaxfuse_fn, jaxfuse_args = gemms[form]
+    errors[form] = tokamax_baseline.max_relative_error(result, jaxfuse_fn(*jaxfuse_args))
+    variants[form] = (fn, fn_args, common.keep_args)
+  return variants, errors
+
+
 def time_jax(fn, args, calls):
   return common.time_fn(fn, [args] * (calls + 3))["median_ms"]  # 3 warm-up calls
 
@@ -188,6 +213,9 @@ def main():
     cases = {name: [max(0, size // 256) for size in sizes][:16] for name, sizes in CASES.items()}
   calls = 5 if args.quick or args.smoke else 20
   rounds = max(2, calls // common.CHUNK)  # alternating chunks per variant
+  tokamax, tokamax_missing = tokamax_baseline.load()
+  if tokamax is None:
+    print(f"tokamax baseline unavailable: {tokamax_missing}", flush=True)
   rows = []
   dense_kernel_names = {}  # case -> XLA's dense GEMM kernels (what the ceiling runs)
   # A dense bf16 GEMM of 65536 x 2048 x 4096 through XLA, timed alone first (the per-case
@@ -214,6 +242,7 @@ def main():
     gemms = jaxfuse_steps(x, w, dy, offsets)
     fp8 = fp8_steps(x, w, dy, offsets)
     torch_gemms = torch_variants(sizes, K, N)
+    tokamax_gemms, tokamax_errors = tokamax_variants(tokamax, x, w, dy, sizes_array, gemms)
     # jaxfuse bf16, jaxfuse FP8 (fwd, dgrad) and torch._grouped_mm in alternating chunks.
     times, kernel_ms = {}, {}
     dense = (jax.jit(jnp.matmul), (x, w[0]), common.keep_args)
@@ -226,6 +255,8 @@ def main():
           variants[precision] = (*fp8[precision, form], common.keep_args)
       if form in torch_gemms:
         variants["torch"] = torch_gemms[form]
+      if form in tokamax_gemms:
+        variants["tokamax"] = tokamax_gemms[form]
       times[form] = alternate(variants, rounds)
       # Device time of the bf16 kernels alone, jaxfuse against torch and the dense GEMM,
       # in alternating chunks of their own (the FP8 variants would share jaxfuse's names).
@@ -237,7 +268,7 @@ def main():
       if form == "fwd" and names.get("dense"):
         dense_kernel_names[name] = names["dense"][:3]
         print(f"dense GEMM kernels ({name}): {names['dense'][:3]}", flush=True)
-    del torch_gemms
+    del torch_gemms, tokamax_gemms
     # The whole op (quantization included), FP8 against bf16, alternating.
     for form in ("op fwd", "op fwd+bwd"):
       times[form] = alternate({"bf16": (*fp8["bf16", form], common.keep_args),
@@ -258,6 +289,11 @@ def main():
              "precision": "bf16", "jaxfuse_ms": jaxfuse_ms, "jaxfuse_tflops": tflops(jaxfuse_ms),
              "ragged_dot_ms": ragged[form], "ragged_dot_tflops": tflops(ragged[form]),
              "torch_ms": torch_ms, "torch_tflops": tflops(torch_ms), "gpu": gpu.summary}
+      tokamax_ms = times[form].get("tokamax")
+      row.update({"tokamax_ms": tokamax_ms, "tokamax_tflops": tflops(tokamax_ms),
+                  "tokamax_max_rel_error": tokamax_errors.get(form),
+                  "jaxfuse_vs_tokamax": tokamax_ms / jaxfuse_ms
+                                        if tokamax_ms and jaxfuse_ms else None})
       # The dense GEMM alternated with the forward, in the same chunks.
       case_dense_ms = times["fwd"].get("dense")
       row["dense_tflops"] = tflops(case_dense_ms)
@@ -288,7 +324,7 @@ def main():
         rows.append(row)
         print(row, flush=True)
   common.print_table(rows, ["case", "form", "precision", "jaxfuse_tflops", "fp8_speedup",
-                            "torch_tflops",
+                            "torch_tflops", "tokamax_tflops",
                             "ragged_dot_tflops", "dense_tflops", "jaxfuse_vs_dense",
                             "jaxfuse_vs_torch", "kernel_jaxfuse_vs_dense",
                             "kernel_jaxfuse_vs_torch"])
@@ -297,10 +333,13 @@ def main():
   common.write_results("grouped_linear", rows, tag=args.tag, dtype="bfloat16",
                        dense_xla_tflops=dense_tflops,
                        dense_kernel_names=dense_kernel_names,
-                       baselines="jax.lax.ragged_dot (XLA) and torch._grouped_mm, same run",
-                       method="jaxfuse bf16, jaxfuse FP8 and torch._grouped_mm timed in "
+                       baselines="jax.lax.ragged_dot (XLA), torch._grouped_mm and "
+                                 "tokamax.ragged_dot (Pallas Mosaic GPU), same run",
+                       tokamax=(tokamax_baseline.version(tokamax) if tokamax is not None
+                                else f"unavailable: {tokamax_missing}"),
+                       method="jaxfuse bf16, jaxfuse FP8, torch._grouped_mm and tokamax timed in "
                               "alternating chunks (common.time_alternating), host clock "
-                              "around each chunk for all three; ragged_dot alone. "
+                              "around each chunk for all of them; ragged_dot alone. "
                               "*_kernel_ms: device time of each variant's kernels (CUPTI via "
                               "torch.profiler) in alternating chunks of jaxfuse bf16, the "
                               "dense GEMM (forward) and torch, common.kernel_times_alternating")

@@ -1,6 +1,11 @@
 """Grouped MLP (MoE experts, SwiGLU, 8 experts, bf16), forward and forward + backward:
 jaxfuse.grouped_mlp vs a jax.lax.ragged_dot + jnp composition vs a torch._grouped_mm
-composition, in one process on one GPU.
+composition vs a tokamax composition, in one process on one GPU.
+
+tokamax_*: tokamax.ragged_dot's Pallas Mosaic GPU kernels for FC1 and FC2 (its own VJP for
+the backward) around the jnp SwiGLU (benchmarks/tokamax_baseline.py), in the same
+alternating chunks as jaxfuse when tokamax can be imported; tokamax_max_rel_error is its
+output against jaxfuse's bf16 output on the same inputs.
 
 jaxfuse_fp8_* columns: the same op with recipe=Float8CurrentScaling(per_group=True)
 (quantization kernels included; every GEMM in FP8, the wgrads from column-wise copies);
@@ -30,6 +35,7 @@ import numpy as np  # noqa: E402
 
 import jaxfuse  # noqa: E402
 from benchmarks import common  # noqa: E402
+from benchmarks import tokamax_baseline  # noqa: E402
 from jaxfuse._src.ops.grouped_mlp import api as mlp_api  # noqa: E402
 
 EXPERTS = 8
@@ -63,7 +69,7 @@ def jax_inputs(tokens, hidden, ffn, seed):
 
 FP8_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
 FP8_WGRAD16_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True, fp8_wgrad=False)
-JAX_IMPLS = ("jaxfuse", "jaxfuse_fp8", "jaxfuse_fp8_wgrad16", "ragged_dot")
+JAX_IMPLS = ("jaxfuse", "jaxfuse_fp8", "jaxfuse_fp8_wgrad16", "tokamax", "ragged_dot")
 
 
 def jax_fns(implementation, recipe=None):
@@ -93,13 +99,30 @@ def calls_per_sync(tokens, hidden, ffn) -> int:
   return common.calls_per_sync(estimated_ms, most=200)
 
 
-def time_jax(tokens, hidden, ffn, calls, baseline_calls):
+def tokamax_variants(tokamax, bf16_fns, arg_sets):
+  """({pass: time_alternating variant}, max relative error of the forward against jaxfuse's
+  bf16 output) of the tokamax composition, or ({}, None) when it is unavailable or fails."""
+  if tokamax is None:
+    return {}, None
+  fns = tokamax_baseline.mlp_fns(tokamax)
+  try:
+    out = jax.block_until_ready(fns["fwd"](*arg_sets[0]))
+    jax.block_until_ready(fns["fwd+bwd"](*arg_sets[0]))
+  except Exception as error:  # pylint: disable=broad-except  (a baseline must not stop the run)
+    print(f"tokamax grouped MLP failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+    return {}, None
+  error = tokamax_baseline.max_relative_error(out, bf16_fns["fwd"](*arg_sets[0]))
+  return {name: common.rotating(fn, arg_sets) for name, fn in fns.items()}, error
+
+
+def time_jax(tokens, hidden, ffn, calls, baseline_calls, tokamax=None):
   """{impl: {pass: ms}} for jaxfuse (bf16 and FP8) and the ragged_dot composition.
 
   jaxfuse_fp8: recipe=Float8CurrentScaling(per_group=True), the quantization kernels
   included (every GEMM in FP8); jaxfuse_fp8_wgrad16: with 16-bit wgrads; FLOPs counted as
   for bf16.
-  jaxfuse runs `calls` rounds of alternating chunks of calls_per_sync calls."""
+  jaxfuse runs `calls` rounds of alternating chunks of calls_per_sync calls; the tokamax
+  composition (when `tokamax` is the module) runs in the same chunks."""
   working_set = 2 * (tokens * hidden * 2 + EXPERTS * hidden * ffn * 3)
   rotations = 3 if working_set < 2 * L2_BYTES else 1
   sizes = jnp.asarray(group_sizes(tokens))
@@ -114,12 +137,14 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls):
   common.warm_up_device(bf16_fns["fwd+bwd"], *arg_sets[0], seconds=2.0)
   chunk = calls_per_sync(tokens, hidden, ffn)
   out["calls_per_sync"] = chunk
+  tokamax_steps, out["tokamax_max_rel_error"] = tokamax_variants(tokamax, bf16_fns, arg_sets)
   for pass_name in bf16_fns:
-    stats = common.time_alternating(
-        {"jaxfuse": common.rotating(bf16_fns[pass_name], arg_sets),
-         "jaxfuse_fp8": common.rotating(fp8_fns[pass_name], arg_sets),
-         "jaxfuse_fp8_wgrad16": common.rotating(fp8_wgrad16_fns[pass_name], arg_sets)},
-        rounds=max(2, calls // common.CHUNK), chunk=chunk)
+    variants = {"jaxfuse": common.rotating(bf16_fns[pass_name], arg_sets),
+                "jaxfuse_fp8": common.rotating(fp8_fns[pass_name], arg_sets),
+                "jaxfuse_fp8_wgrad16": common.rotating(fp8_wgrad16_fns[pass_name], arg_sets)}
+    if pass_name in tokamax_steps:
+      variants["tokamax"] = tokamax_steps[pass_name]
+    stats = common.time_alternating(variants, rounds=max(2, calls // common.CHUNK), chunk=chunk)
     for name, timing in stats.items():
       out[name][pass_name] = timing["median_ms"]
   for pass_name, fn in jax_fns("xla").items():  # ~15x slower: drift does not matter here
@@ -246,9 +271,10 @@ def rows_for(section, name, tokens, hidden, ffn, jax_times, torch_times):
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12 if ms else None
     row = {"section": section, "case": name, "tokens": tokens, "hidden": hidden, "ffn": ffn,
            "experts": EXPERTS, "pass": pass_name, "flops": flops,
-           "jaxfuse_calls_per_sync": jax_times.get("calls_per_sync")}
+           "jaxfuse_calls_per_sync": jax_times.get("calls_per_sync"),
+           "tokamax_max_rel_error": jax_times.get("tokamax_max_rel_error")}
     for impl in JAX_IMPLS:
-      row[f"{impl}_ms"] = jax_times[impl][pass_name]
+      row[f"{impl}_ms"] = jax_times[impl].get(pass_name)
       row[f"{impl}_tflops"] = tflops(row[f"{impl}_ms"])
     t = torch_times or {}
     row["torch_ms"] = t.get(pass_name)
@@ -263,6 +289,8 @@ def rows_for(section, name, tokens, hidden, ffn, jax_times, torch_times):
                                if row["torch_ms"] and row["jaxfuse_ms"] else None)
     row["jaxfuse_vs_ragged_dot"] = (row["ragged_dot_ms"] / row["jaxfuse_ms"]
                                     if row["ragged_dot_ms"] and row["jaxfuse_ms"] else None)
+    row["jaxfuse_vs_tokamax"] = (row["tokamax_ms"] / row["jaxfuse_ms"]
+                                 if row["tokamax_ms"] and row["jaxfuse_ms"] else None)
     row["fp8_speedup"] = (row["jaxfuse_ms"] / row["jaxfuse_fp8_ms"]
                           if row["jaxfuse_ms"] and row["jaxfuse_fp8_ms"] else None)
     rows.append(row)
@@ -278,10 +306,13 @@ def main():
   args = parser.parse_args()
   calls = 5 if args.quick else 40
   baseline_calls = 3 if args.quick else 10  # ragged_dot is G times the work
+  tokamax, tokamax_missing = tokamax_baseline.load()
+  if tokamax is None:
+    print(f"tokamax baseline unavailable: {tokamax_missing}", flush=True)
   rows = []
   for name, (tokens, hidden, ffn) in CASES.items():
     with common.GpuMonitor() as gpu:  # clocks and power: sustained GEMMs hit the power cap
-      jax_times = time_jax(tokens, hidden, ffn, calls, baseline_calls)
+      jax_times = time_jax(tokens, hidden, ffn, calls, baseline_calls, tokamax)
       torch_times = time_torch(tokens, hidden, ffn, calls, graphs=tokens <= 4096)
     case_rows = rows_for("case", name, tokens, hidden, ffn, jax_times, torch_times)
     rows += [dict(row, gpu=gpu.summary) for row in case_rows]
@@ -292,23 +323,27 @@ def main():
       case_rows = [r for r in rows if r["case"] == "T=65536 H=2048 F=2048"]
       rows += [dict(r, section="sweep") for r in case_rows]
       continue
-    jax_times = time_jax(tokens, SWEEP_HIDDEN, SWEEP_FFN, calls, baseline_calls)
+    jax_times = time_jax(tokens, SWEEP_HIDDEN, SWEEP_FFN, calls, baseline_calls, tokamax)
     torch_times = time_torch(tokens, SWEEP_HIDDEN, SWEEP_FFN, calls, graphs=False)
     rows += rows_for("sweep", f"sweep T={tokens}", tokens, SWEEP_HIDDEN, SWEEP_FFN, jax_times,
                      torch_times)
   common.print_table(rows, ["case", "pass", "jaxfuse_ms", "jaxfuse_tflops",
                             "jaxfuse_fp8_tflops", "jaxfuse_fp8_wgrad16_tflops",
                             "fp8_speedup", "torch_tflops",
-                            "torch_graph_tflops", "ragged_dot_tflops", "jaxfuse_vs_torch",
+                            "torch_graph_tflops", "tokamax_tflops", "ragged_dot_tflops",
+                            "jaxfuse_vs_torch", "jaxfuse_vs_tokamax",
                             "jaxfuse_vs_ragged_dot"])
   common.write_results("grouped_mlp", rows, tag=args.tag, dtype="bfloat16",
                        fp8_recipe="Float8CurrentScaling(per_group=True) (jaxfuse_fp8_*); "
                                   "fp8_wgrad=False (jaxfuse_fp8_wgrad16_*)",
                        activation="swiglu",
                        experts=EXPERTS,
-                       baselines="jax.lax.ragged_dot + jnp SwiGLU (XLA) and torch._grouped_mm "
+                       baselines="jax.lax.ragged_dot + jnp SwiGLU (XLA), torch._grouped_mm "
                                  "+ eager SwiGLU (autograd when available; CUDA graph for the "
-                                 "small case), same run")
+                                 "small case) and tokamax.ragged_dot (Pallas Mosaic GPU) + jnp "
+                                 "SwiGLU, same run",
+                       tokamax=(tokamax_baseline.version(tokamax) if tokamax is not None
+                                else f"unavailable: {tokamax_missing}"))
 
 
 if __name__ == "__main__":

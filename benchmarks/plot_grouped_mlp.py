@@ -23,6 +23,8 @@ SERIES = (  # (row key, label, style)
     ("jaxfuse_fp8_tflops", "jaxfuse.grouped_mlp, FP8 per-group",
      dict(color="tab:olive", marker="D", ls="--")),
     ("torch_tflops", "torch._grouped_mm + eager SwiGLU", dict(color="tab:red", marker="s")),
+    ("tokamax_tflops", "tokamax.ragged_dot (Mosaic GPU) + jnp SwiGLU",
+     dict(color="tab:purple", marker="v")),
     ("ragged_dot_tflops", "jax.lax.ragged_dot + jnp SwiGLU", dict(color="tab:blue", marker="^")),
 )
 

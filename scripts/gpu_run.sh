@@ -39,6 +39,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# Optional benchmark baselines (scripts/fetch_bench_wheels.sh: tokamax and what it imports)
+# go into a directory of their own: benchmarks append it to sys.path (JAXFUSE_BENCH_SITE),
+# so the tests and the image's own packages never see them.
+if compgen -G ".whl/bench/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site_bench .whl/bench/*.whl && export JAXFUSE_BENCH_SITE=/tmp/site_bench
+fi
 export JAXFUSE_COMMIT=${JAXFUSE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 log "commit $JAXFUSE_COMMIT; $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null)"
 

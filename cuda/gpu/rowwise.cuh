@@ -601,50 +601,40 @@ __device__ __forceinline__ void EndRow(const SinkArgs<T>& s, int64_t row, const 
 }
 
 // Launch bounds of 512 threads, the most ThreadsFor() returns: every instantiation stays
-// at or under 64 registers with it, without spills (nvcc 13.0, e9c2e614). kSteps units per
-// thread per step (all computed, so all loads issued, before the sink sees them), with the
-// next step's units prefetched (SinkArgs::prefetch). For the storing and quantizing sinks
-// one unit per step is the default: two or four measured slower on the H200 at T=65536,
-// 2F=8192 (4b955f61: SwiGLU backward 0.855 -> 1.068 -> 1.302 ms, 1x128 quantized 0.683 ->
-// 0.715 -> 0.863 ms): the extra registers cost more occupancy than the loads in flight
-// gain. The amax pass, which stores nothing, takes kSteps from AmaxSteps().
-template <class P, SinkKind kKind, typename T, int kSteps = 1>
+// at or under 64 registers with it, without spills (nvcc 13.0, e9c2e614). One unit per
+// thread per step, with the next step's unit prefetched (SinkArgs::prefetch): two or four
+// units per step (all loads issued first) measured slower on the H200 at T=65536, 2F=8192
+// (4b955f61: SwiGLU backward 0.855 -> 1.068 -> 1.302 ms, 1x128 quantized 0.683 -> 0.715
+// -> 0.863 ms): the extra registers cost more occupancy than the loads in flight gain.
+template <class P, SinkKind kKind, typename T>
 __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
   const int64_t units = p.Units();
   const int lanes = s.block / kUnit;  // block scaling: lanes per block (power of two)
   const float fp8_max = Fp8Max(s.format);
-  const int64_t stride = static_cast<int64_t>(blockDim.x) * kSteps;  // units per step
   WriteGroupScaleInv<kKind>(s, fp8_max);
   for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
     RowState state = BeginRow<kKind>(s, row, fp8_max);
     const float scale = p.RowScale(row);
-    for (int64_t base = 0; base < units; base += stride) {
-      float v[kSteps][P::kChunks][8];
+    for (int64_t base = 0; base < units; base += blockDim.x) {
+      const int64_t u = base + threadIdx.x;
+      const bool active = u < units;
+      // The next step's inputs travel while this step computes: the quantizing sinks keep
+      // a warp busy long enough between its loads that one unit in flight per thread
+      // leaves DRAM idle (Nsight Compute: half the stall cycles wait on L1TEX).
+      if (s.prefetch != 0 && u + blockDim.x < units) p.Prefetch(row, u + blockDim.x, s.prefetch);
+      float v[P::kChunks][8];
+      if (active) {
+        p.Compute(row, u, scale, v, state.side);
+      } else {
 #pragma unroll
-      for (int j = 0; j < kSteps; ++j) {
-        const int64_t u = base + j * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-        // The next step's inputs travel while this step computes: the quantizing sinks
-        // keep a warp busy long enough between its loads that one unit in flight per
-        // thread leaves DRAM idle (Nsight Compute: half the stall cycles wait on L1TEX).
-        if (s.prefetch != 0 && u + stride < units) p.Prefetch(row, u + stride, s.prefetch);
-        if (u < units) {
-          p.Compute(row, u, scale, v[j], state.side);
-        } else {
+        for (int c = 0; c < P::kChunks; ++c)
 #pragma unroll
-          for (int c = 0; c < P::kChunks; ++c)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) v[j][c][i] = 0.0f;
-        }
+          for (int i = 0; i < 8; ++i) v[c][i] = 0.0f;
       }
 #pragma unroll
-      for (int j = 0; j < kSteps; ++j) {
-        const int64_t u = base + j * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-        const bool active = u < units;
-#pragma unroll
-        for (int c = 0; c < P::kChunks; ++c) {
-          SinkUnit<kKind>(s, row, p.Col(c, u), active ? p.Valid(c, u) : 0, v[j][c], lanes,
-                          fp8_max, state);
-        }
+      for (int c = 0; c < P::kChunks; ++c) {
+        SinkUnit<kKind>(s, row, p.Col(c, u), active ? p.Valid(c, u) : 0, v[c], lanes, fp8_max,
+                        state);
       }
     }
     EndRow<P, kKind>(s, row, state);
@@ -807,16 +797,13 @@ inline int ThreadsFor(int64_t rows, int64_t units) {
   return static_cast<int>(threads);
 }
 
-// One block per row by default. A resident wave of blocks walking rows with a stride (the
-// amax carried over a group's rows, the next row prefetched) measured slower on the H200
-// (e0c2eacd, same run, T=65536, 2F=8192): SwiGLU forward 0.438 against 0.381 ms, 1x128
-// quantized 0.426 against 0.366, per-group current scaling 0.657 against 0.625; also on the
-// grouped MLP's 2048-wide rows (76690146: the activation gradient's amax pass 0.403 against
-// 0.367 ms). rows_per_block > 1 launches ceil(rows / rows_per_block) blocks instead (a
-// benchmark knob: fewer, longer-lived blocks for narrow rows).
-inline int GridFor(int64_t rows, int rows_per_block = 1) {
-  const int64_t blocks = rows_per_block > 1 ? (rows + rows_per_block - 1) / rows_per_block : rows;
-  return static_cast<int>(blocks < (1 << 20) ? (blocks > 0 ? blocks : 1) : (1 << 20));
+// One block per row. A resident wave of blocks walking rows with a stride (the amax carried
+// over a group's rows, the next row prefetched) measured slower on the H200 (e0c2eacd, same
+// run, T=65536, 2F=8192): SwiGLU forward 0.438 against 0.381 ms, 1x128 quantized 0.426
+// against 0.366, per-group current scaling 0.657 against 0.625; also on the grouped MLP's
+// 2048-wide rows (76690146: the activation gradient's amax pass 0.403 against 0.367 ms).
+inline int GridFor(int64_t rows) {
+  return static_cast<int>(rows < (1 << 20) ? (rows > 0 ? rows : 1) : (1 << 20));
 }
 
 // Reads a positive integer knob from the environment (fallback when unset or invalid).
@@ -826,25 +813,6 @@ inline int EnvInt(const char* name, int fallback) {
     if (parsed > 0) return parsed;
   }
   return fallback;
-}
-
-// JAXFUSE_ROWWISE_ROWS_PER_BLOCK (every RowKernel launch) and
-// JAXFUSE_ROWWISE_AMAX_ROWS_PER_BLOCK (the current-scaling amax pass; it takes precedence):
-// rows per block for GridFor, 1 (one block per row) when unset. Read once.
-inline int RowsPerBlock(bool amax_pass) {
-  static const int all_rows = EnvInt("JAXFUSE_ROWWISE_ROWS_PER_BLOCK", 1);
-  static const int amax_rows = EnvInt("JAXFUSE_ROWWISE_AMAX_ROWS_PER_BLOCK", 0);
-  return amax_pass && amax_rows > 0 ? amax_rows : all_rows;
-}
-
-// JAXFUSE_ROWWISE_AMAX_STEPS (1, 2 or 4): units per thread per step of the amax pass
-// (RowKernel's kSteps). Read once.
-inline int AmaxSteps() {
-  static const int steps = [] {
-    const int value = EnvInt("JAXFUSE_ROWWISE_AMAX_STEPS", 1);
-    return value == 2 || value == 4 ? value : 1;
-  }();
-  return steps;
 }
 
 // When and how the staged kernel runs (benchmark knobs, read once). JAXFUSE_ROWWISE_STAGED
@@ -937,17 +905,7 @@ void LaunchRowKernel(const P& p, const SinkArgs<T>& s, int64_t units, cudaStream
   }
   SinkArgs<T> args = s;
   args.prefetch = RowPrefetchLevel();
-  constexpr bool kAmaxPass = kKind == SinkKind::kAmax;
-  const int grid = GridFor(s.rows, RowsPerBlock(kAmaxPass));
-  const int threads = ThreadsFor(s.rows, units);
-  if constexpr (kAmaxPass) {
-    switch (AmaxSteps()) {
-      case 4: RowKernel<P, kKind, T, 4><<<grid, threads, 0, stream>>>(p, args); return;
-      case 2: RowKernel<P, kKind, T, 2><<<grid, threads, 0, stream>>>(p, args); return;
-      default: break;
-    }
-  }
-  RowKernel<P, kKind, T><<<grid, threads, 0, stream>>>(p, args);
+  RowKernel<P, kKind, T><<<GridFor(s.rows), ThreadsFor(s.rows, units), 0, stream>>>(p, args);
 }
 
 inline bool PointerAligned16(const void* p) {

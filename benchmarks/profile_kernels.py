@@ -8,7 +8,7 @@ dispatched back to back as the benchmarks do, the span per step from the first k
 start to the last one's end and the idle device time between kernels (the largest gaps by
 kernel pair): span >> summed kernels means the device waits, on launches or handler work.
 
-    python -m benchmarks.profile_kernels [--cases NAME ...] [--tag TAG]
+    python -m benchmarks.profile_kernels [--cases NAME ...] [--grep REGEX] [--tag TAG]
 
 Run it again with XLA_FLAGS (e.g. "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL
 --xla_gpu_graph_min_graph_size=1") and a --tag to see what CUDA graphs change.
@@ -269,6 +269,9 @@ def main():
   global STEPS
   parser = argparse.ArgumentParser()
   parser.add_argument("--cases", nargs="*", default=list(CASES), help="names in CASES")
+  parser.add_argument("--grep", default=None,
+                      help="a regular expression: only the CASES whose names it matches "
+                           "(no spaces needed, e.g. 'fp8.T=65536', for gpu_run.sh entries)")
   parser.add_argument("--tag", default="", help="suffix of the results file name")
   parser.add_argument("--quick", action="store_true", help="accepted for gpu_run.sh; no-op")
   parser.add_argument("--steps", type=int, default=STEPS,
@@ -278,6 +281,10 @@ def main():
   args = parser.parse_args()
   STEPS = args.steps
   names = args.cases
+  if args.grep is not None:
+    names = [name for name in names if re.search(args.grep, name)]
+    if not names:
+      parser.error(f"--grep {args.grep!r} matches no case")
   results = []
   for name in names:
     step, step_args, *carry = CASES[name]()

@@ -10,9 +10,11 @@ FP8 rows (precision "fp8"): the FP8 grouped GEMM on pre-quantized E4M3 operands 
 x [m, K] x w^T [G, N, K], fast accumulation as the recipe's default; "fp8 promoted" the same
 forward with fp32 promotion; dgrad: E5M2 dy x E4M3 w [G, K, N]), and "op fwd" / "op fwd+bwd":
 jaxfuse.grouped_linear with recipe=Float8CurrentScaling(per_group=True), quantization
-included, against the bf16 op (precision "bf16", same rows). FP8 wgrad: "fp8" takes the
-row-wise E4M3 x and E5M2 dy, so it includes their two column-wise copies
-(jaxfuse_group_columnwise); "fp8 columnwise" is the wgrad kernel alone on ready copies.
+included, against the bf16 op (precision "bf16", same rows); "fp8 quantized kernel" the
+op's forward on weights quantized once (jaxfuse.quantize_experts, as for inference). FP8
+wgrad: "fp8" takes the row-wise E4M3 x and E5M2 dy, so it includes their two column-wise
+copies (jaxfuse_group_columnwise); "fp8 columnwise" is the wgrad kernel alone on ready
+copies.
 
 tokamax (benchmarks/tokamax_baseline.py: tokamax.ragged_dot with its Pallas Mosaic GPU
 kernels, the backward through its own VJP) runs in the same alternating chunks when it can be
@@ -56,6 +58,7 @@ CASES = {
 }
 FORMS = ("fwd", "dgrad", "wgrad")
 FP8_PRECISIONS = ("fp8", "fp8 promoted", "fp8 columnwise")
+OP_FP8_PRECISIONS = ("fp8", "fp8 quantized kernel")  # the whole op: grouped_linear
 CHUNK = 20  # calls per alternating chunk (see the module docstring)
 
 
@@ -94,6 +97,11 @@ def fp8_steps(x, w, dy, offsets):
 
   fp8_fwd, fp8_fwd_bwd = op(recipe)
   bf16_fwd, bf16_fwd_bwd = op(None)
+  # Weights quantized once (jaxfuse.quantize_experts, e.g. for inference): the op's forward
+  # without the weight's amax and quantizing passes.
+  w_quantized = jaxfuse.quantize_experts(w, recipe)
+  quantized_kernel_fwd = jax.jit(lambda x, q, s: jaxfuse.grouped_linear(
+      x, q, s, implementation="ffi"))
   return {
       ("fp8", "fwd"): (gemm(grouped_ffi.FORWARD, recipe.forward_fast_accumulation),
                        (x_q, w_t_q, offsets, x_s, w_s)),
@@ -102,6 +110,7 @@ def fp8_steps(x, w, dy, offsets):
       ("fp8", "wgrad"): (gemm(grouped_ffi.WGRAD), (x_q, dy_q, offsets, x_s, dy_s)),
       ("fp8 columnwise", "wgrad"): (wgrad_columnwise, (x_t, dy_t, offsets, x_s, dy_s)),
       ("fp8", "op fwd"): (fp8_fwd, (x, w, sizes)),
+      ("fp8 quantized kernel", "op fwd"): (quantized_kernel_fwd, (x, w_quantized, sizes)),
       ("fp8", "op fwd+bwd"): (fp8_fwd_bwd, (x, w, sizes, dy)),
       ("bf16", "op fwd"): (bf16_fwd, (x, w, sizes)),
       ("bf16", "op fwd+bwd"): (bf16_fwd_bwd, (x, w, sizes, dy)),
@@ -271,8 +280,9 @@ def main():
     del torch_gemms, tokamax_gemms
     # The whole op (quantization included), FP8 against bf16, alternating.
     for form in ("op fwd", "op fwd+bwd"):
-      times[form] = alternate({"bf16": (*fp8["bf16", form], common.keep_args),
-                               "fp8": (*fp8["fp8", form], common.keep_args)}, rounds)
+      times[form] = alternate({precision: (*fp8[precision, form], common.keep_args)
+                               for precision in ("bf16",) + OP_FP8_PRECISIONS
+                               if (precision, form) in fp8}, rounds)
     ragged = {}
     for form, (fn, fn_args) in ragged_dot_steps(x, w, dy, sizes_array).items():
       try:  # XLA's ragged_dot wgrad of 128 groups wants ~96 GB of temporaries per call
@@ -316,7 +326,8 @@ def main():
     for form in FORMS + ("op fwd", "op fwd+bwd"):
       bf16_ms = times[form].get("jaxfuse" if form in FORMS else "bf16")
       passes = 3 if form == "op fwd+bwd" else 1
-      fp8_rows = [(p, times[form][p]) for p in FP8_PRECISIONS if p in times[form]]
+      precisions = FP8_PRECISIONS if form in FORMS else OP_FP8_PRECISIONS
+      fp8_rows = [(p, times[form][p]) for p in precisions if p in times[form]]
       for precision, ms in fp8_rows + ([("bf16", bf16_ms)] if form not in FORMS else []):
         row = {"case": name, "groups": g, "rows": m, "K": K, "N": N, "form": form,
                "precision": precision, "jaxfuse_ms": ms, "jaxfuse_tflops": tflops(ms, passes),

@@ -9,7 +9,9 @@ output against jaxfuse's bf16 output on the same inputs.
 
 jaxfuse_fp8_* columns: the same op with recipe=Float8CurrentScaling(per_group=True)
 (quantization kernels included; every GEMM in FP8, the wgrads from column-wise copies);
-jaxfuse_fp8_wgrad16_*: the same recipe with fp8_wgrad=False (16-bit wgrads). Both timed in
+jaxfuse_fp8_wgrad16_*: the same recipe with fp8_wgrad=False (16-bit wgrads);
+jaxfuse_fp8_quantized_kernels_* (forward only, as for inference): the FP8 op on weights
+quantized once by jaxfuse.quantize_experts. All timed in
 alternating chunks with the bf16 op (common.time_alternating), after 2 s of warm-up; a
 chunk holds ~10 ms of calls (5 to 200, calls_per_sync), so that one sync's latency is not
 charged to a few short steps.
@@ -69,7 +71,8 @@ def jax_inputs(tokens, hidden, ffn, seed):
 
 FP8_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
 FP8_WGRAD16_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True, fp8_wgrad=False)
-JAX_IMPLS = ("jaxfuse", "jaxfuse_fp8", "jaxfuse_fp8_wgrad16", "tokamax", "ragged_dot")
+JAX_IMPLS = ("jaxfuse", "jaxfuse_fp8", "jaxfuse_fp8_wgrad16", "jaxfuse_fp8_quantized_kernels",
+             "tokamax", "ragged_dot")
 
 
 def jax_fns(implementation, recipe=None):
@@ -138,12 +141,19 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls, tokamax=None):
   chunk = calls_per_sync(tokens, hidden, ffn)
   out["calls_per_sync"] = chunk
   tokamax_steps, out["tokamax_max_rel_error"] = tokamax_variants(tokamax, bf16_fns, arg_sets)
+  # Inference: the weights quantized once, outside the timed calls.
+  quantized_sets = [(x, jaxfuse.quantize_experts(k1, FP8_RECIPE),
+                     jaxfuse.quantize_experts(k2, FP8_RECIPE), s, sizes_, dy)
+                    for x, k1, k2, s, sizes_, dy in arg_sets]
+  quantized_fwd = jax_fns("ffi", FP8_RECIPE)["fwd"]
   for pass_name in bf16_fns:
     variants = {"jaxfuse": common.rotating(bf16_fns[pass_name], arg_sets),
                 "jaxfuse_fp8": common.rotating(fp8_fns[pass_name], arg_sets),
                 "jaxfuse_fp8_wgrad16": common.rotating(fp8_wgrad16_fns[pass_name], arg_sets)}
     if pass_name in tokamax_steps:
       variants["tokamax"] = tokamax_steps[pass_name]
+    if pass_name == "fwd":
+      variants["jaxfuse_fp8_quantized_kernels"] = common.rotating(quantized_fwd, quantized_sets)
     stats = common.time_alternating(variants, rounds=max(2, calls // common.CHUNK), chunk=chunk)
     for name, timing in stats.items():
       out[name][pass_name] = timing["median_ms"]
@@ -154,7 +164,7 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls, tokamax=None):
     except Exception as error:  # an out-of-memory baseline must not stop the run
       print(f"ragged_dot {pass_name} failed: {type(error).__name__}: {str(error)[:200]}")
       out["ragged_dot"][pass_name] = None
-  del sets, arg_sets
+  del sets, arg_sets, quantized_sets
   return out
 
 
@@ -329,6 +339,7 @@ def main():
                      torch_times)
   common.print_table(rows, ["case", "pass", "jaxfuse_ms", "jaxfuse_tflops",
                             "jaxfuse_fp8_tflops", "jaxfuse_fp8_wgrad16_tflops",
+                            "jaxfuse_fp8_quantized_kernels_tflops",
                             "fp8_speedup", "torch_tflops",
                             "torch_graph_tflops", "tokamax_tflops", "ragged_dot_tflops",
                             "jaxfuse_vs_torch", "jaxfuse_vs_tokamax",

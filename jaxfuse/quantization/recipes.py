@@ -96,10 +96,13 @@ class QuantizedArray:
   """FP8 data with its inverse scales: ``value ~= data.astype(f32) * scale_inv[...]``.
 
   Dynamic fields (pytree leaves):
-    data: FP8 (float8_e4m3fn or float8_e5m2) with the shape of the original array.
+    data: FP8 (float8_e4m3fn or float8_e5m2) with the shape of the original array
+      (transposed per expert for "per_expert").
     scale_inv: the dequantization multipliers, by scaling_mode:
       "per_tensor": float32 [1]; "per_group": float32 [G] (rows of group g are
       group_offsets[g]:group_offsets[g+1]; rows past group_offsets[G] hold zeros);
+      "per_expert" (``jaxfuse.quantize_experts``): float32 [G] for data [G, N, K], expert
+      g's kernel [K, N] transposed (the K-major layout of the FP8 grouped GEMMs);
       "block_1d": float32 [..., ceil(K / block)]; "block_2d": float32
       [..., ceil(R / block), ceil(K / block)] for data [..., R, K]; "mxfp8": uint8
       [..., ceil(K / block)] biased exponents (2^(e - 127)).

@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxfuse._src import checks
 from jaxfuse._src import compat
@@ -17,32 +18,89 @@ from jaxfuse._src import implementation as implementation_lib
 from jaxfuse._src.ops.grouped_linear import ffi
 from jaxfuse._src.ops.grouped_linear import reference
 from jaxfuse._src.ops.grouped_linear import sharding
+from jaxfuse.quantization import recipes
 
 # TMA (the Hopper copy engine the CUTLASS kernels use) needs 16-byte aligned rows.
 _FFI_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _ALIGNMENT_ELEMENTS = 8
 
 
+def is_quantized_kernel(kernel) -> bool:
+  """Whether `kernel` is an FP8 expert weight from ``quantize_experts``."""
+  return isinstance(kernel, recipes.QuantizedArray)
+
+
+def kernel_facts(name: str, kernel) -> tuple[np.dtype, tuple[int, int, int]]:
+  """(dtype, [G, K, N] shape) of a grouped GEMM kernel: a 16-bit/fp32 array, or a
+  QuantizedArray from ``quantize_experts`` (its original dtype and logical shape).
+
+  Raises TypeError for other QuantizedArrays (a kernel must be quantized per expert, in
+  E4M3, laid out [G, N, K]) and for non-float arrays; ValueError for a rank other than 3.
+  """
+  if not is_quantized_kernel(kernel):
+    dtype = checks.check_float_array(name, kernel)
+    checks.check_rank(name, kernel, 3, "[G, K, N]")
+    return dtype, tuple(kernel.shape)
+  if kernel.scaling_mode != "per_expert":
+    raise TypeError(f"a quantized {name} must come from jaxfuse.quantize_experts (scaling_mode "
+                    f"'per_expert'), got scaling_mode {kernel.scaling_mode!r}")
+  if kernel.data.dtype != jnp.dtype(jnp.float8_e4m3fn) or kernel.data.ndim != 3:
+    raise TypeError(f"a quantized {name} holds float8_e4m3fn data [G, N, K], got "
+                    f"{kernel.data.dtype} {tuple(kernel.data.shape)}")
+  groups, n, k = kernel.data.shape
+  if tuple(kernel.scale_inv.shape) != (groups,):
+    raise ValueError(f"a quantized {name} needs scale_inv float32 [{groups}] (one per expert), "
+                     f"got {tuple(kernel.scale_inv.shape)}")
+  return jnp.dtype(kernel.dtype), (groups, k, n)
+
+
+def recipe_for_kernels(recipe, *kernels):
+  """The FP8 recipe of a call whose kernels may be pre-quantized: `recipe`, or with
+  recipe=None the recipe the quantized kernels were made with (all of them the same)."""
+  quantized = [kernel for kernel in kernels if is_quantized_kernel(kernel)]
+  if not quantized:
+    return recipe
+  if recipe is None:
+    recipe = quantized[0].recipe
+  for kernel in quantized:
+    if kernel.recipe != recipe:
+      raise ValueError(f"a quantized kernel made with {kernel.recipe!r} cannot run with "
+                       f"recipe={recipe!r}; quantize it with the call's recipe")
+  return recipe
+
+
+def expert_weights(kernel, recipe, untransposed: bool):
+  """(data [G, N, K], scale_inv [G], and with `untransposed` data [G, K, N]): the FP8
+  weights the grouped GEMMs read, quantized now from a 16-bit kernel or, for a
+  ``quantize_experts`` result, as they are (its gradient is stopped: a constant)."""
+  if not is_quantized_kernel(kernel):
+    return reference.quantize_experts_t(kernel, recipe, "ffi", untransposed=untransposed)
+  data, scale_inv = (jax.lax.stop_gradient(a) for a in (kernel.data, kernel.scale_inv))
+  return (data, scale_inv, jnp.swapaxes(data, 1, 2)) if untransposed else (data, scale_inv)
+
+
 def _validate(x, kernel, group_sizes, recipe, implementation: str) -> None:
   x_dtype = checks.check_float_array("x", x)
-  kernel_dtype = checks.check_float_array("kernel", kernel)
+  kernel_dtype, kernel_shape = kernel_facts("kernel", kernel)
   checks.check_rank("x", x, 2, "[M, K]")
-  checks.check_rank("kernel", kernel, 3, "[G, K, N]")
   checks.check_rank("group_sizes", group_sizes, 1, "[G]")
   sizes_dtype = checks.dtype_of("group_sizes", group_sizes)
   if sizes_dtype != jnp.dtype(jnp.int32):
     raise TypeError(f"group_sizes must be int32 [G], got {sizes_dtype}")
   if kernel_dtype != x_dtype:
     raise TypeError(f"kernel dtype {kernel_dtype} must equal x dtype {x_dtype}")
-  groups, k, n = kernel.shape
+  groups, k, n = kernel_shape
   if x.shape[1] != k:
     raise ValueError(f"x's last dimension ({x.shape[1]}) must equal kernel.shape[1] ({k}); "
-                     f"x is {x.shape}, kernel is {kernel.shape}")
+                     f"x is {x.shape}, kernel is {kernel_shape}")
   if group_sizes.shape[0] != groups:
     raise ValueError(f"group_sizes must have shape ({groups},) (kernel.shape[0] groups), "
                      f"got {group_sizes.shape}")
   if groups < 1:
     raise ValueError("kernel must have at least one group (kernel.shape[0] >= 1)")
+  if is_quantized_kernel(kernel) and recipe is None:
+    raise ValueError("a quantized kernel (jaxfuse.quantize_experts) runs the FP8 GEMMs: pass "
+                     "its recipe, or recipe=None to use the one it was made with")
   if recipe is not None:
     validate_fp8(recipe, k, n, "grouped_linear", ("K (x.shape[1])", "N (kernel.shape[2])"),
                  groups if implementation == "ffi" else 1)
@@ -141,7 +199,8 @@ def grouped_linear_fp8_with_offsets(x, kernel, group_offsets, recipe,
   FP8 (the output gradient in the recipe's gradient format, E5M2 by default, per group;
   the weight's FP8 values as [G, K, N], written by the forward's quantization pass); wgrad
   in FP8 from the forward's FP8 x and the dgrad's FP8 output gradient (recipe.fp8_wgrad),
-  else in 16-bit from the saved x.
+  else in 16-bit from the saved x. A `kernel` from ``quantize_experts`` is used as it is
+  and gets no gradient (its cotangent is None: a constant, like any quantize result).
   """
   return _fp8_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=False)[0]
 
@@ -150,13 +209,15 @@ def _fp8_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=Tr
   del varying_axes
   x_data, x_scale_inv = reference.quantize_rows(x, recipe, group_offsets, "forward", "ffi")
   # The weight's FP8 values in both layouts from one pass when the backward needs them:
-  # [G, N, K] for the forward, [G, K, N] saved for dgrad.
-  w_t_data, w_scale_inv, *w_data = reference.quantize_experts_t(
-      kernel, recipe, "ffi", untransposed=for_backward)
+  # [G, N, K] for the forward, [G, K, N] saved for dgrad (a pre-quantized kernel's as given).
+  w_t_data, w_scale_inv, *w_data = expert_weights(kernel, recipe, untransposed=for_backward)
   out = fp8_gemm(x_data, x_scale_inv, w_t_data, w_scale_inv, group_offsets, ffi.FORWARD,
                  x.dtype, recipe)
-  # The backward's wgrad input: the FP8 x (fp8_wgrad) or the 16-bit one.
+  # The backward's wgrad input: the FP8 x (fp8_wgrad) or the 16-bit one; none for a
+  # pre-quantized kernel, which gets no gradient.
   x_saved = (x_data, x_scale_inv) if recipe.fp8_wgrad else x
+  if is_quantized_kernel(kernel):
+    x_saved = None
   return out, (x_saved, w_data[0] if w_data else None, w_scale_inv, group_offsets)
 
 
@@ -188,6 +249,8 @@ def _fp8_backward(recipe, varying_axes, saved, d_out):
   x_saved, w_data, w_scale_inv, group_offsets = saved
   dtype = d_out.dtype  # the output's, which is x's
   d_x, dy_fp8 = fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, dtype)
+  if x_saved is None:  # a pre-quantized kernel: a constant, no weight gradient
+    return compat.match_varying_axes(d_x, varying_axes[0]), None, None
   if recipe.fp8_wgrad:
     d_kernel = fp8_wgrad(x_saved, dy_fp8, group_offsets, dtype)
   else:
@@ -215,12 +278,16 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
 
   Args:
     x: [M, K] bfloat16 or float16 (float32 with implementation="xla"), rows sorted by group.
-    kernel: [G, K, N], x's dtype (``ragged_dot``'s right-hand side layout).
+    kernel: [G, K, N], x's dtype (``ragged_dot``'s right-hand side layout); or, with an
+      FP8 recipe, its FP8 copy from ``jaxfuse.quantize_experts`` (quantized once, e.g. for
+      inference or over the micro-batches of one step: the call then skips the weight's
+      amax and quantization passes; the result is the same as from the 16-bit kernel
+      quantized with the same recipe). A quantized kernel gets no gradient.
     group_sizes: int32 [G], on the device. Negative sizes count as zero; sizes summing past
       M are cut at M; rows past the total come out as zeros. Under ``jax.jit`` with x
       sharded by tokens they still describe the rows of the whole x (each device derives
       the offsets of its own row block; see grouped_linear/sharding.py).
-    recipe: None (16-bit GEMMs) or
+    recipe: None (16-bit GEMMs; with a quantized kernel, the recipe it was made with) or
       ``jaxfuse.quantization.Float8CurrentScaling(per_group=True)``: x is quantized to E4M3
       with one current scale per group of rows, the kernel with one scale per expert
       (transposed to [G, N, K], the layout the FP8 kernels take), and the grouped GEMM
@@ -245,19 +312,62 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
   Raises:
     TypeError: non-float or mixed dtypes, group_sizes not int32, 32-bit x on the FFI path.
     ValueError: mismatched shapes; K or N not a multiple of 8 on the FFI path (16 with an
-      FP8 recipe); an FP8 recipe other than Float8CurrentScaling(per_group=True).
+      FP8 recipe); an FP8 recipe other than Float8CurrentScaling(per_group=True); a
+      quantized kernel made with another recipe than the call's.
   """
   implementation = implementation_lib.resolve(implementation)
+  recipe = recipe_for_kernels(recipe, kernel)
   _validate(x, kernel, group_sizes, recipe, implementation)
   if implementation == "xla":
     if recipe is not None:
       return reference.grouped_linear_fp8(x, kernel, group_sizes, recipe)
     return reference.grouped_linear(x, kernel, group_sizes)
   offsets = group_offsets(group_sizes)
-  varying_axes = tuple(compat.varying_axes(a) for a in (x, kernel, offsets))
+  kernel_leaf = kernel.data if is_quantized_kernel(kernel) else kernel
+  varying_axes = tuple(compat.varying_axes(a) for a in (x, kernel_leaf, offsets))
   if recipe is not None:
     return grouped_linear_fp8_with_offsets(x, kernel, offsets, recipe, varying_axes)
   return grouped_linear_with_offsets(x, kernel, offsets, varying_axes)
+
+
+def quantize_experts(kernel: jax.Array, recipe, *,
+                     implementation: str | None = None) -> recipes.QuantizedArray:
+  """FP8 expert weights for ``grouped_linear`` / ``grouped_mlp``, quantized once.
+
+  The FP8 recipes quantize a 16-bit kernel on every call: an amax pass per expert and a
+  quantizing pass that writes it transposed (the K-major layout the FP8 tensor cores
+  take). For weights that do not change between calls (inference, the micro-batches of
+  one optimizer step) quantize them once here and pass the result as the kernel: the same
+  FP8 values, without the two passes over the weights.
+
+  Args:
+    kernel: [G, K, N] float32/bfloat16/float16, ``grouped_linear``'s kernel layout.
+    recipe: ``jaxfuse.quantization.Float8CurrentScaling`` with E4M3 forward tensors (the
+      call that takes the result must use the same recipe).
+    implementation: None, "ffi" or "xla" (same values).
+
+  Returns:
+    QuantizedArray with scaling_mode "per_expert": data float8_e4m3fn [G, N, K] (expert
+    g's kernel transposed), scale_inv float32 [G] (1 / (448 / amax of expert g); 1 for an
+    all-zero expert), dtype kernel.dtype. ``jaxfuse.dequantize`` gives back [G, K, N].
+    Not differentiable (the gradient is stopped, as for every quantize result).
+
+  Raises:
+    TypeError: kernel not a float array, or a recipe that is not Float8CurrentScaling.
+    ValueError: kernel not of rank 3, or the recipe's forward format is not E4M3.
+  """
+  if not isinstance(recipe, recipes.Float8CurrentScaling):
+    raise TypeError("quantize_experts takes recipe=Float8CurrentScaling(...) (one scale per "
+                    f"expert, the FP8 grouped GEMMs' weight scaling), got {recipe!r}")
+  if recipe.forward_format != "e4m3":
+    raise ValueError(f"the FP8 grouped GEMMs take E4M3 weights: recipe.forward_format must be "
+                     f"'e4m3', got {recipe.forward_format!r}")
+  dtype = checks.check_float_array("kernel", kernel)
+  checks.check_rank("kernel", kernel, 3, "[G, K, N]")
+  impl = implementation_lib.resolve(implementation)
+  data, scale_inv = reference.quantize_experts_t(jax.lax.stop_gradient(kernel), recipe, impl)
+  return recipes.QuantizedArray(data=data, scale_inv=scale_inv, recipe=recipe,
+                                scaling_mode="per_expert", dtype=dtype, role="forward")
 
 
 def flops(m: int, k: int, n: int) -> int:

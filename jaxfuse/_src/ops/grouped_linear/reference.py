@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfuse.quantization import recipes
+
 
 def clamped_offsets(group_sizes: jax.Array, rows: int) -> jax.Array:
   """int32 [G + 1]: where each group's rows start, negative sizes as zero, cut at `rows`."""
@@ -99,18 +101,26 @@ def grouped_linear_fp8(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
   Gradients pass straight through the quantization (d(dequantized x)/dx = 1): the
   gradients are those of the product of the dequantized operands. The FFI backward
   quantizes the output gradient instead (E5M2 dgrad and, with recipe.fp8_wgrad, FP8 wgrad).
+  `kernel` may be a ``quantize_experts`` QuantizedArray: its FP8 values are used as they
+  are, and it gets no gradient.
   """
   m = x.shape[0]
   offsets = clamped_offsets(group_sizes, m)
   sizes = jnp.diff(offsets)
   x_data, x_scale_inv = quantize_rows(x, recipe, offsets, "forward", "xla")
-  w_t_data, w_scale_inv = quantize_experts_t(kernel, recipe, "xla")
+  quantized_kernel = isinstance(kernel, recipes.QuantizedArray)  # from quantize_experts
+  if quantized_kernel:
+    w_t_data, w_scale_inv = (jax.lax.stop_gradient(a) for a in (kernel.data, kernel.scale_inv))
+  else:
+    w_t_data, w_scale_inv = quantize_experts_t(kernel, recipe, "xla")
   w_data = jnp.swapaxes(w_t_data, 1, 2).astype(jnp.float32)
   exact, row_group = fp8_products(x_data, x_scale_inv, w_t_data, w_scale_inv, offsets)
-  # The straight-through path, whose gradient the result carries.
+  # The straight-through path, whose gradient the result carries (none for a quantized
+  # kernel: a constant).
   x_scale_row = jnp.concatenate([x_scale_inv, jnp.ones((1,), jnp.float32)])[row_group]
   x_st = _straight_through(x, x_data.astype(jnp.float32) * x_scale_row[:, None])
-  w_st = _straight_through(kernel, w_data * w_scale_inv[:, None, None])
+  w_dequantized = w_data * w_scale_inv[:, None, None]
+  w_st = w_dequantized if quantized_kernel else _straight_through(kernel, w_dequantized)
   through = jax.lax.ragged_dot(x_st, w_st, sizes, precision=jax.lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
   out = through + jax.lax.stop_gradient(exact - through)

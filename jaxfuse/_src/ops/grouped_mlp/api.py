@@ -57,6 +57,8 @@ class Config(NamedTuple):
   linear_offset: float
   save_activation: bool
   recipe: object = None
+  # Which of (kernel1, kernel2) are quantize_experts results: used as given, no gradient.
+  quantized_kernels: tuple = (False, False)
 
   @property
   def act_kwargs(self) -> dict:
@@ -69,32 +71,34 @@ def _validate(x, kernel1, kernel2, group_sizes, scales, activation, recipe,
   if activation not in act_reference.ACTIVATIONS:
     raise ValueError(f"activation must be one of {act_reference.ACTIVATIONS}, got {activation!r}")
   x_dtype = checks.check_float_array("x", x)
+  shapes = {}
   for name, value in (("kernel1", kernel1), ("kernel2", kernel2)):
-    dtype = checks.check_float_array(name, value)
+    dtype, shapes[name] = linear_api.kernel_facts(name, value)
     if dtype != x_dtype:
       raise TypeError(f"{name} dtype {dtype} must equal x dtype {x_dtype}")
+    if linear_api.is_quantized_kernel(value) and recipe is None:
+      raise ValueError(f"a quantized {name} (jaxfuse.quantize_experts) runs the FP8 GEMMs: "
+                       "pass its recipe, or recipe=None to use the one it was made with")
   scales_dtype = checks.check_float_array("scales", scales)
   checks.check_rank("x", x, 2, "[M, H]")
-  checks.check_rank("kernel1", kernel1, 3, "[G, H, 2F] (GLU) or [G, H, F] (srelu)")
-  checks.check_rank("kernel2", kernel2, 3, "[G, F, H]")
   checks.check_rank("scales", scales, 1, "[M]")
   offsets_api.check_group_sizes(group_sizes)
   m, hidden = x.shape
-  groups, k1_in, width = kernel1.shape
+  groups, k1_in, width = shapes["kernel1"]
   glu = activation in act_reference.GLU
   if groups < 1:
     raise ValueError("kernel1 must have at least one group (kernel1.shape[0] >= 1)")
   if k1_in != hidden:
     raise ValueError(f"kernel1.shape[1] ({k1_in}) must equal x's last dimension ({hidden}); "
-                     f"x is {x.shape}, kernel1 is {kernel1.shape}")
+                     f"x is {x.shape}, kernel1 is {shapes['kernel1']}")
   if glu and width % 2:
     raise ValueError(f"kernel1.shape[2] must be even (2F: gate then linear half) for "
                      f"{activation}, got {width}")
   ffn = width // 2 if glu else width
-  if tuple(kernel2.shape) != (groups, ffn, hidden):
+  if shapes["kernel2"] != (groups, ffn, hidden):
     raise ValueError(f"kernel2 must have shape {(groups, ffn, hidden)} ([G, F, H] with F = "
                      f"{'kernel1.shape[2] // 2' if glu else 'kernel1.shape[2]'}), got "
-                     f"{tuple(kernel2.shape)}")
+                     f"{shapes['kernel2']}")
   if tuple(group_sizes.shape) != (groups,):
     raise ValueError(f"group_sizes must have shape ({groups},) (kernel1.shape[0] groups), "
                      f"got {tuple(group_sizes.shape)}")
@@ -161,15 +165,15 @@ class _Fp8:
                                                          "ffi")
     # Each weight's FP8 values in both layouts from one pass when a backward follows:
     # [G, N, K] for the forward, [G, K, N] saved for the backward's dgrad.
-    w1_t, w1_scale_inv, *w1 = linear_reference.quantize_experts_t(
-        kernel1, recipe, "ffi", untransposed=for_backward)
+    w1_t, w1_scale_inv, *w1 = linear_api.expert_weights(kernel1, recipe,
+                                                        untransposed=for_backward)
     h = linear_api.fp8_gemm(x_data, x_scale_inv, w1_t, w1_scale_inv, group_offsets,
                             gemm_ffi.FORWARD, x.dtype, recipe)
     a_q = quantize_api.scaled_activation_quantize(
         h, scales, recipe=recipe, group_offsets=group_offsets, implementation="ffi",
         **config.act_kwargs)
-    w2_t, w2_scale_inv, *w2 = linear_reference.quantize_experts_t(
-        kernel2, recipe, "ffi", untransposed=for_backward)
+    w2_t, w2_scale_inv, *w2 = linear_api.expert_weights(kernel2, recipe,
+                                                        untransposed=for_backward)
     y = linear_api.fp8_gemm(a_q.data, a_q.scale_inv, w2_t, w2_scale_inv, group_offsets,
                             gemm_ffi.FORWARD, x.dtype, recipe)
     if not for_backward:
@@ -179,6 +183,10 @@ class _Fp8:
     else:
       x_saved = x
       a_saved = _activation(h, scales, config) if config.save_activation else None
+    # A quantized kernel gets no gradient: its wgrad's input need not be kept.
+    frozen1, frozen2 = config.quantized_kernels
+    x_saved = None if frozen1 else x_saved
+    a_saved = None if frozen2 else a_saved
     return y, (x_saved, w1[0], w1_scale_inv, w2[0], w2_scale_inv, group_offsets, scales, h,
                a_saved)
 
@@ -187,8 +195,11 @@ class _Fp8:
     x, w1, w1_scale_inv, w2, w2_scale_inv, group_offsets, scales, h, a = saved
     recipe = config.recipe
     dtype = dy.dtype  # the output's, which is x's
+    frozen1, frozen2 = config.quantized_kernels  # no weight gradient for these
     da, dy_q = linear_api.fp8_dgrad(dy, w2, w2_scale_inv, group_offsets, recipe, dtype)
-    if recipe.fp8_wgrad:
+    if frozen2:
+      d_kernel2 = None
+    elif recipe.fp8_wgrad:
       d_kernel2 = linear_api.fp8_wgrad(a, dy_q, group_offsets, dtype)
     else:
       if a is None:
@@ -199,14 +210,16 @@ class _Fp8:
         return_dx=not recipe.fp8_wgrad, implementation="ffi", **config.act_kwargs)
     dx = linear_api.fp8_gemm(dh_q.data, dh_q.scale_inv, w1, w1_scale_inv, group_offsets,
                              gemm_ffi.DGRAD, dtype, recipe)
-    if recipe.fp8_wgrad:
+    if frozen1:
+      d_kernel1 = None
+    elif recipe.fp8_wgrad:
       d_kernel1 = linear_api.fp8_wgrad(x, (dh_q.data, dh_q.scale_inv), group_offsets, dtype)
     else:
       d_kernel1 = _gemm(x, dh, group_offsets, gemm_ffi.WGRAD)
     x_axes, k1_axes, k2_axes, _, s_axes = varying_axes
-    return (compat.match_varying_axes(dx, x_axes),
-            compat.match_varying_axes(d_kernel1, k1_axes),
-            compat.match_varying_axes(d_kernel2, k2_axes), None,
+    match = lambda d, axes: None if d is None else compat.match_varying_axes(d, axes)  # noqa: E731
+    return (compat.match_varying_axes(dx, x_axes), match(d_kernel1, k1_axes),
+            match(d_kernel2, k2_axes), None,
             compat.match_varying_axes(d_scales.astype(scales.dtype), s_axes))
 
 
@@ -272,7 +285,9 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
     x: [M, H] bfloat16 or float16 (float32 too with implementation="xla").
     kernel1: [G, H, 2F] for "swiglu" / "clamped_swiglu" (gate columns first), [G, H, F]
       for "srelu"; x's dtype.
-    kernel2: [G, F, H], x's dtype.
+    kernel2: [G, F, H], x's dtype. With an FP8 recipe either kernel may instead be its
+      FP8 copy from ``jaxfuse.quantize_experts`` (quantized once: for inference, or for the
+      micro-batches of one step), which skips its quantization passes; it gets no gradient.
     group_sizes: int32 [G] on the device (negative sizes count as zero; rows past the sum
       come out as zeros).
     scales: [M] float32 or x's dtype: per-row activation scale (an MoE layer passes the
@@ -295,10 +310,12 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
   Returns:
     [M, H] in x's dtype.
 
-  Differentiable in x, kernel1, kernel2 and scales; one custom_vjp whose backward pass
-  reuses the forward pass's offsets (computed once with ``jaxfuse.group_offsets``).
+  Differentiable in x, kernel1, kernel2 (unless quantized) and scales; one custom_vjp whose
+  backward pass reuses the forward pass's offsets (computed once with
+  ``jaxfuse.group_offsets``).
   """
   implementation = implementation_lib.resolve(implementation)
+  recipe = linear_api.recipe_for_kernels(recipe, kernel1, kernel2)
   _validate(x, kernel1, kernel2, group_sizes, scales, activation, recipe, implementation)
   limit = checks.static_float("limit", limit)
   alpha = checks.static_float("alpha", alpha)
@@ -309,10 +326,13 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
                                        limit, alpha, linear_offset, recipe)
     return reference.grouped_mlp(x, kernel1, kernel2, group_sizes, scales, activation, limit,
                                  alpha, linear_offset)
-  config = Config(activation, limit, alpha, linear_offset, bool(save_activation), recipe)
+  quantized = tuple(linear_api.is_quantized_kernel(k) for k in (kernel1, kernel2))
+  config = Config(activation, limit, alpha, linear_offset, bool(save_activation), recipe,
+                  quantized)
   offsets = offsets_api.group_offsets(group_sizes, implementation="ffi")
+  leaf = lambda k: k.data if linear_api.is_quantized_kernel(k) else k  # noqa: E731
   varying_axes = tuple(compat.varying_axes(a)
-                       for a in (x, kernel1, kernel2, offsets, scales))
+                       for a in (x, leaf(kernel1), leaf(kernel2), offsets, scales))
   return grouped_mlp_with_offsets(x, kernel1, kernel2, offsets, scales, config, varying_axes)
 
 

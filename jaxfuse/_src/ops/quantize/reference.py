@@ -130,6 +130,8 @@ def dequantize(q) -> jax.Array:
   elif mode in ("block_1d", "mxfp8"):
     scale_inv = e8m0_to_float(q.scale_inv) if mode == "mxfp8" else q.scale_inv
     out = data * jnp.repeat(scale_inv, block, axis=-1)[..., :data.shape[-1]]
+  elif mode == "per_expert":  # quantize_experts: data [G, N, K] of a kernel [G, K, N]
+    out = jnp.swapaxes(data * q.scale_inv[:, None, None], 1, 2)
   elif mode == "block_2d":
     s = jnp.repeat(jnp.repeat(q.scale_inv, block, axis=-1), block, axis=-2)
     out = data * s[..., :data.shape[-2], :data.shape[-1]]

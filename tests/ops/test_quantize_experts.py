@@ -1,0 +1,188 @@
+"""jaxfuse.quantize_experts: FP8 expert weights quantized once, and grouped_linear /
+grouped_mlp taking them as kernels (same values as quantizing the 16-bit kernel in the
+call, no weight gradient), against float64 numpy; errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxfuse
+from tests import helpers
+from tests.ops import test_grouped_linear as linear_tests
+from tests.ops import test_grouped_mlp as mlp_tests
+
+RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
+PROMOTED = jaxfuse.quantization.Float8CurrentScaling(per_group=True,
+                                                     forward_fast_accumulation=False)
+BACKEND_IMPLEMENTATIONS = [
+    pytest.param("cpu", "ffi", id="cpu-ffi"),
+    pytest.param("cpu", "xla", id="cpu-xla"),
+    pytest.param("gpu", "ffi", id="gpu-ffi", marks=pytest.mark.gpu),
+]
+E4M3_MAX = 448.0
+# E4M3 keeps 3 mantissa bits: rounding to nearest errs by at most 2^-4 of a normal value;
+# below the smallest normal (2^-6) the step is the subnormal spacing 2^-9, in scaled units.
+E4M3_RELATIVE = 2.0 ** -4
+E4M3_SUBNORMAL_STEP = 2.0 ** -9
+
+
+def numpy_quantize_experts(kernel):
+  """(data [G, N, K] as float64, scale_inv [G]) in float64: amax per expert, scale =
+  448 / amax (1 for an all-zero expert), the transposed kernel times scale rounded to E4M3."""
+  w = helpers.as_f64(kernel)
+  amax = np.abs(w).max(axis=(1, 2))
+  scale = np.where(amax > 0, E4M3_MAX / np.where(amax > 0, amax, 1.0), 1.0)
+  scaled = np.swapaxes(w, 1, 2) * scale[:, None, None]
+  data = scaled.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+  return data, 1.0 / scale, scaled
+
+
+@pytest.mark.parametrize("backend, implementation", BACKEND_IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_quantize_experts_matches_float64_numpy(backend, implementation, dtype):
+  if implementation == "ffi" and backend == "gpu" and dtype == jnp.float32:
+    pytest.skip("covered on the CPU; the GPU case runs bf16")
+  rng = np.random.default_rng(5)
+  groups, k, n = 5, 48, 80
+  kernel = helpers.random_array(rng, (groups, k, n), dtype, scale=0.05)
+  kernel = kernel.at[1].set(0)          # an all-zero expert: scale 1, no inf or NaN
+  kernel = kernel.at[3].multiply(300)   # experts of very different magnitudes
+  (kernel,) = linear_tests.on(backend, kernel)
+  q = jax.jit(lambda w: jaxfuse.quantize_experts(w, RECIPE, implementation=implementation))(
+      kernel)
+  assert q.scaling_mode == "per_expert" and q.dtype == jnp.dtype(dtype)
+  assert q.data.dtype == jnp.float8_e4m3fn and q.data.shape == (groups, n, k)
+  assert q.scale_inv.dtype == jnp.float32 and q.scale_inv.shape == (groups,)
+  expected_data, expected_scale_inv, scaled = numpy_quantize_experts(kernel)
+  np.testing.assert_allclose(helpers.as_f64(q.scale_inv), expected_scale_inv, rtol=1e-6)
+  assert float(q.scale_inv[1]) == 1.0
+  data = helpers.as_f64(q.data)
+  # One E4M3 rounding of the scaled value (the kernel's scale is fp32, numpy's float64:
+  # a value on a rounding boundary may go either way, so compare against the bound).
+  bound = np.maximum(E4M3_RELATIVE * np.abs(scaled), E4M3_SUBNORMAL_STEP)
+  assert (np.abs(data - scaled) <= bound).all()
+  assert np.mean(data == expected_data) > 0.99  # boundary cases are rare
+  assert np.abs(data).max() == E4M3_MAX  # every non-zero expert's amax maps to 448
+  # dequantize restores [G, K, N] within the same bound, in the kernel's dtype.
+  restored = jaxfuse.dequantize(q)
+  assert restored.shape == kernel.shape and restored.dtype == jnp.dtype(dtype)
+  w = helpers.as_f64(kernel)
+  restored_bound = np.swapaxes(bound, 1, 2) * expected_scale_inv[:, None, None]
+  slack = 2.0 ** -8 * np.abs(w) if dtype == jnp.bfloat16 else 0.0  # bf16 rounding of the result
+  assert (np.abs(helpers.as_f64(restored) - w) <= restored_bound + slack + 1e-30).all()
+
+
+@pytest.mark.parametrize("backend, implementation", BACKEND_IMPLEMENTATIONS)
+@pytest.mark.parametrize("recipe", [pytest.param(RECIPE, id="fast"),
+                                    pytest.param(PROMOTED, id="promoted")])
+@pytest.mark.parametrize("case", ["uniform", "empty_groups", "sum_less_than_rows",
+                                  "many_groups"])
+def test_grouped_linear_quantized_kernel_is_the_quantized_16bit_kernel(
+    backend, implementation, recipe, case):
+  """The quantized kernel's FP8 values are the ones the call would compute from the 16-bit
+  kernel, so the result and dx must be bit-identical; the kernel gets no gradient."""
+  m, k, n = (96, 32, 48) if backend == "cpu" else (1024, 256, 384)
+  sizes = linear_tests.sizes_cases(m)[case]
+  x, kernel = linear_tests.make_inputs(7, m, k, n, len(sizes), jnp.bfloat16)
+  dy = helpers.random_array(np.random.default_rng(8), (m, n), jnp.bfloat16)
+  x, kernel, dy, group_sizes = linear_tests.on(backend, x, kernel, dy,
+                                               jnp.asarray(sizes, jnp.int32))
+  q = jaxfuse.quantize_experts(kernel, recipe, implementation=implementation)
+
+  def loss(x, w, recipe_):
+    out = jaxfuse.grouped_linear(x, w, group_sizes, recipe=recipe_,
+                                 implementation=implementation)
+    return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32)), out
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+  (dx_16, dw_16), out_16 = grad(x, kernel, recipe)
+  (dx_q, dw_q), out_q = grad(x, q, None)  # recipe=None: the kernel's own
+  np.testing.assert_array_equal(np.asarray(out_q, np.float32), np.asarray(out_16, np.float32))
+  np.testing.assert_array_equal(np.asarray(dx_q, np.float32), np.asarray(dx_16, np.float32))
+  assert not np.asarray(dw_q.data, np.float32).any() and not np.asarray(dw_q.scale_inv).any()
+  assert np.abs(np.asarray(dw_16, np.float32)).max() > 0  # the 16-bit kernel's gradient
+  # And the result is the FP8 product of the dequantized operands (float64 numpy).
+  x_q = jaxfuse.quantize(x, recipe, group_sizes=group_sizes)
+  expected = linear_tests.numpy_grouped_linear(
+      helpers.as_f64(jaxfuse.dequantize(x_q).astype(jnp.float32)),
+      helpers.as_f64(jaxfuse.dequantize(q).astype(jnp.float32)), sizes)
+  scale = np.abs(expected).max()
+  assert np.abs(helpers.as_f64(out_q) - expected).max() <= 2e-2 * scale
+
+
+@pytest.mark.parametrize("backend, implementation", BACKEND_IMPLEMENTATIONS)
+@pytest.mark.parametrize("quantized", ["both", "kernel1", "kernel2"])
+def test_grouped_mlp_quantized_kernels_are_the_quantized_16bit_kernels(
+    backend, implementation, quantized):
+  m, hidden, ffn = (64, 32, 16) if backend == "cpu" else (1024, 512, 256)
+  sizes = mlp_tests.sizes_cases(m)["empty_groups"]
+  x, k1, k2, scales = mlp_tests.make_inputs(11, m, hidden, ffn, len(sizes), "swiglu",
+                                            jnp.bfloat16)
+  dy = helpers.random_array(np.random.default_rng(12), (m, hidden), jnp.bfloat16)
+  x, k1, k2, scales, dy, group_sizes = mlp_tests.on(backend, x, k1, k2, scales, dy,
+                                                    jnp.asarray(sizes, jnp.int32))
+  q1 = jaxfuse.quantize_experts(k1, RECIPE, implementation=implementation)
+  q2 = jaxfuse.quantize_experts(k2, RECIPE, implementation=implementation)
+  a1 = q1 if quantized in ("both", "kernel1") else k1
+  a2 = q2 if quantized in ("both", "kernel2") else k2
+
+  def loss(x, scales, w1, w2):
+    out = jaxfuse.grouped_mlp(x, w1, w2, group_sizes, scales, recipe=RECIPE,
+                              implementation=implementation)
+    return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32)), out
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+  (dx_16, ds_16, dk1_16, dk2_16), out_16 = grad(x, scales, k1, k2)
+  (dx_q, ds_q, dk1_q, dk2_q), out_q = grad(x, scales, a1, a2)
+  for actual, expected in ((out_q, out_16), (dx_q, dx_16), (ds_q, ds_16)):
+    np.testing.assert_array_equal(np.asarray(actual, np.float32),
+                                  np.asarray(expected, np.float32))
+  for given, d_q, d_16 in ((a1, dk1_q, dk1_16), (a2, dk2_q, dk2_16)):
+    if isinstance(given, jaxfuse.quantization.QuantizedArray):
+      assert not np.asarray(d_q.data, np.float32).any()
+    else:  # a 16-bit kernel beside a quantized one keeps its exact gradient
+      np.testing.assert_array_equal(np.asarray(d_q, np.float32), np.asarray(d_16, np.float32))
+
+
+def _kernel():
+  return helpers.random_array(np.random.default_rng(3), (4, 32, 48), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    pytest.param(lambda: jaxfuse.quantize_experts(
+        _kernel(), jaxfuse.quantization.Float8BlockScaling()), TypeError,
+        "Float8CurrentScaling", id="block-recipe"),
+    pytest.param(lambda: jaxfuse.quantize_experts(
+        _kernel(), jaxfuse.quantization.Float8CurrentScaling(forward_format="e5m2")),
+        ValueError, "forward_format", id="e5m2-weights"),
+    pytest.param(lambda: jaxfuse.quantize_experts(_kernel()[0], RECIPE), ValueError,
+                 "rank", id="rank-2-kernel"),
+    pytest.param(lambda: jaxfuse.quantize_experts(_kernel().astype(jnp.int32), RECIPE),
+                 TypeError, "kernel must have dtype", id="int-kernel"),
+    pytest.param(lambda: jaxfuse.grouped_linear(
+        jnp.ones((8, 32), jnp.bfloat16), jaxfuse.quantize_experts(_kernel(), RECIPE),
+        jnp.array([2, 2, 2, 2], jnp.int32), recipe=PROMOTED), ValueError,
+        "cannot run with recipe", id="other-recipe"),
+    pytest.param(lambda: jaxfuse.grouped_linear(
+        jnp.ones((8, 16), jnp.bfloat16), jaxfuse.quantize_experts(_kernel(), RECIPE),
+        jnp.array([2, 2, 2, 2], jnp.int32)), ValueError, "must equal kernel.shape",
+        id="k-mismatch"),
+    pytest.param(lambda: jaxfuse.grouped_linear(
+        jnp.ones((8, 32), jnp.bfloat16),
+        jaxfuse.quantize(_kernel(), RECIPE, group_sizes=jnp.array([64, 64], jnp.int32)),
+        jnp.array([2, 2, 2, 2], jnp.int32), recipe=RECIPE), TypeError, "quantize_experts",
+        id="rows-quantized-kernel"),
+    pytest.param(lambda: jaxfuse.grouped_mlp(
+        jnp.ones((8, 32), jnp.bfloat16), jaxfuse.quantize_experts(_kernel(), RECIPE),
+        jnp.ones((4, 24, 32), jnp.float32), jnp.array([2, 2, 2, 2], jnp.int32),
+        jnp.ones((8,), jnp.float32)), TypeError, "kernel2 dtype", id="mlp-mixed-dtypes"),
+])
+@pytest.mark.parametrize("implementation", ["ffi", "xla"])
+def test_errors(call, error, match, implementation, monkeypatch):
+  monkeypatch.setenv("JAXFUSE_IMPLEMENTATION", implementation)
+  with pytest.raises(error, match=match):
+    call()

@@ -2,7 +2,9 @@
 jaxfuse.moe vs the same layer built from the references (argsort / scatter permutation,
 jax.lax.ragged_dot experts, jnp SwiGLU, gather unpermute), in one process on one GPU, and
 jaxfuse.moe with recipe=Float8CurrentScaling(per_group=True) (jaxfuse_fp8_*: the experts'
-GEMMs in FP8, quantization included; same bf16 parameters and inputs).
+GEMMs in FP8, quantization included; same bf16 parameters and inputs), and its forward on
+expert weights quantized once by jaxfuse.quantize_experts (jaxfuse_fp8_quantized_kernels_*:
+inference).
 
 Cases: Mixtral-like (8 experts, top-2, H=4096, F=14336) and DeepSeek-like (64 experts,
 top-6, H=2048, F=1408), 16384 tokens each. TFLOP/s count the experts' GEMMs over the T*k
@@ -77,12 +79,20 @@ def main():
         except Exception as error:  # e.g. the dense ragged_dot expansion running out of memory
           print(f"{label} {pass_name} failed: {type(error).__name__}: {str(error)[:200]}")
           times[(label, pass_name)] = None
+    # Inference: the expert weights quantized once, outside the timed calls.
+    x, router, k1, k2, dy = arguments
+    quantized = (x, router, jaxfuse.quantize_experts(k1, FP8_RECIPE),
+                 jaxfuse.quantize_experts(k2, FP8_RECIPE), dy)
+    times[("jaxfuse_fp8_quantized_kernels", "fwd")] = common.time_fn(
+        step("ffi", top_k, FP8_RECIPE)["fwd"], [quantized] * (calls + 3))["median_ms"]
+    times[("jaxfuse_fp8_quantized_kernels", "fwd+bwd")] = None
+    del x, router, k1, k2, dy, quantized
     for pass_name in ("fwd", "fwd+bwd"):
       flops = moe_api.flops(tokens, hidden, ffn, experts, top_k,
                             backward=pass_name == "fwd+bwd")
       row = {"case": name, "tokens": tokens, "hidden": hidden, "ffn": ffn, "experts": experts,
              "top_k": top_k, "pass": pass_name, "flops": flops}
-      for label in ("jaxfuse", "jaxfuse_fp8", "reference"):
+      for label in ("jaxfuse", "jaxfuse_fp8", "jaxfuse_fp8_quantized_kernels", "reference"):
         ms = times[(label, pass_name)]
         row[f"{label}_ms"] = ms
         row[f"{label}_tflops"] = flops / (ms * 1e-3) / 1e12 if ms else None
@@ -90,11 +100,16 @@ def main():
                         if row["reference_ms"] and row["jaxfuse_ms"] else None)
       row["fp8_speedup"] = (row["jaxfuse_ms"] / row["jaxfuse_fp8_ms"]
                             if row["jaxfuse_fp8_ms"] and row["jaxfuse_ms"] else None)
+      quantized_ms = row["jaxfuse_fp8_quantized_kernels_ms"]
+      row["fp8_quantized_kernels_speedup"] = (row["jaxfuse_ms"] / quantized_ms
+                                              if quantized_ms and row["jaxfuse_ms"] else None)
       rows.append(row)
       print(row, flush=True)
     del arguments
   common.print_table(rows, ["case", "pass", "jaxfuse_ms", "jaxfuse_tflops", "jaxfuse_fp8_ms",
-                            "fp8_speedup", "reference_ms", "reference_tflops", "speedup"])
+                            "fp8_speedup", "jaxfuse_fp8_quantized_kernels_ms",
+                            "fp8_quantized_kernels_speedup", "reference_ms",
+                            "reference_tflops", "speedup"])
   common.write_results("moe", rows, dtype="bfloat16", activation="swiglu",
                        baseline="jaxfuse.moe(implementation='xla'): argsort/scatter "
                                 "permutation, jax.lax.ragged_dot experts, jnp SwiGLU, same run")

@@ -36,15 +36,26 @@ from benchmarks import common  # noqa: E402
 from benchmarks import bench_grouped_linear  # noqa: E402
 from benchmarks import bench_grouped_mlp  # noqa: E402
 from benchmarks import bench_linear_scale_add  # noqa: E402
+from benchmarks import tokamax_baseline  # noqa: E402
 
 STEPS = 10
 
 
-def grouped_mlp_case(tokens, hidden, ffn, recipe=None):
+def grouped_mlp_case(tokens, hidden, ffn, recipe=None, pass_name="fwd+bwd"):
   x, k1, k2, scales, dy = bench_grouped_mlp.jax_inputs(tokens, hidden, ffn, 0)
   sizes = jnp.asarray(bench_grouped_mlp.group_sizes(tokens))
-  step = bench_grouped_mlp.jax_fns("ffi", recipe)["fwd+bwd"]
+  step = bench_grouped_mlp.jax_fns("ffi", recipe)[pass_name]
   return step, (x, k1, k2, scales, sizes, dy)
+
+
+def tokamax_mlp_case(tokens, hidden, ffn, pass_name="fwd"):
+  """bench_grouped_mlp's tokamax composition (benchmarks/tokamax_baseline.py)."""
+  tokamax, missing = tokamax_baseline.load()
+  if tokamax is None:
+    raise RuntimeError(f"tokamax unavailable: {missing}")
+  x, k1, k2, scales, dy = bench_grouped_mlp.jax_inputs(tokens, hidden, ffn, 0)
+  sizes = jnp.asarray(bench_grouped_mlp.group_sizes(tokens))
+  return tokamax_baseline.mlp_fns(tokamax)[pass_name], (x, k1, k2, scales, sizes, dy)
 
 
 def linear_scale_add_case(m, k, n, xla=False):
@@ -149,6 +160,9 @@ def grouped_gemm_case(groups, rows_per_group, form, torch_baseline=False):
 CASES = {
     "grouped_mlp T=2048 H=1024 F=1024": lambda: grouped_mlp_case(2048, 1024, 1024),
     "grouped_mlp T=65536 H=2048 F=2048": lambda: grouped_mlp_case(65536, 2048, 2048),
+    "grouped_mlp fwd T=2048 H=1024 F=1024": lambda: grouped_mlp_case(2048, 1024, 1024,
+                                                                     pass_name="fwd"),
+    "tokamax grouped_mlp fwd T=2048 H=1024 F=1024": lambda: tokamax_mlp_case(2048, 1024, 1024),
     "grouped_mlp fp8 T=65536 H=2048 F=2048": lambda: grouped_mlp_case(
         65536, 2048, 2048, bench_grouped_mlp.FP8_RECIPE),
     "linear_scale_add 4096^3 fwd+bwd": lambda: linear_scale_add_case(4096, 4096, 4096),

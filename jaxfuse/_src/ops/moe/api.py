@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxfuse._src import checks
 from jaxfuse._src import implementation as implementation_lib
+from jaxfuse._src.ops.grouped_linear import api as linear_api
 from jaxfuse._src.ops.grouped_mlp import api as mlp_api
 from jaxfuse._src.ops.moe import reference
 from jaxfuse._src.ops.moe_permute import api as permute_api
@@ -73,21 +74,24 @@ def moe(x: jax.Array, router_kernel: jax.Array, kernel1: jax.Array, kernel2: jax
     x: [..., H] tokens (bfloat16 / float16; float32 with implementation="xla").
     router_kernel: [H, E] (the router runs in fp32 whatever its dtype).
     kernel1: [E, H, 2F] (GLU activations, gate first) or [E, H, F] (srelu), x's dtype.
-    kernel2: [E, F, H], x's dtype.
+    kernel2: [E, F, H], x's dtype. With an FP8 recipe either may be its FP8 copy from
+      ``jaxfuse.quantize_experts`` (quantized once, for inference; see ``grouped_mlp``).
     top_k, score_function, normalize_topk: see ``moe_router``.
     activation, limit, alpha, linear_offset, recipe, save_activation: see ``grouped_mlp``.
     implementation: None, "ffi" or "xla" (the ragged_dot / jnp composition).
 
   Returns:
     (out [..., H] in x's dtype, aux_loss float32 scalar). out[t] = sum_j w[t, j] *
-    expert_{e[t, j]}(x[t]). Differentiable in x and all three kernels.
+    expert_{e[t, j]}(x[t]). Differentiable in x and all three kernels (a quantized expert
+    kernel gets no gradient).
   """
   checks.check_min_rank("x", x, 1, "[..., H]")
   shape = x.shape
   tokens = x.reshape(-1, shape[-1])
   experts = router_kernel.shape[-1] if np.ndim(router_kernel) == 2 else None
-  if np.ndim(kernel1) == 3 and experts is not None and kernel1.shape[0] != experts:
-    raise ValueError(f"kernel1.shape[0] ({kernel1.shape[0]}) must equal the number of experts "
+  kernel1_experts = linear_api.kernel_facts("kernel1", kernel1)[1][0]
+  if experts is not None and kernel1_experts != experts:
+    raise ValueError(f"kernel1.shape[0] ({kernel1_experts}) must equal the number of experts "
                      f"(router_kernel.shape[1] = {experts})")
   impl = implementation_lib.resolve(implementation)
   weights, indices, aux_loss = moe_router(tokens, router_kernel, top_k,

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from jaxfuse._src.ops.linear_scale_add.api import linear_scale_add
 from jaxfuse._src.ops.rms_norm.api import add_rms_norm
 from jaxfuse._src.ops.rms_norm.api import rms_norm
+from jaxfuse.flax import _experts
 from jaxfuse.parallel import block as parallel_block
 from jaxfuse.parallel import layers as parallel_layers
 
@@ -354,6 +355,19 @@ def _local_shape(shape, spec, tp):
 from jaxfuse._src.ops.grouped_linear.api import grouped_linear as _grouped_linear  # noqa: E402
 
 
+def _expert_param(module: nn.Module, name: str, init, shape, dtype):
+  """module.param(name, ...), or the QuantizedArray that quantize_expert_params stored under
+  that name (as it is: Flax's shape check compares leaves, and its data is [G, N, K])."""
+  if module.has_variable("params", name):
+    value = module.get_variable("params", name)
+    if _experts.is_quantized(value):
+      if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"the quantized parameter {name!r} represents shape "
+                         f"{tuple(value.shape)}, the module expects {tuple(shape)}")
+      return value
+  return module.param(name, init, shape, dtype)
+
+
 class GroupedLinear(nn.Module):
   """``jaxfuse.grouped_linear`` owning its kernel [num_groups, in_features, features]: the
   expert GEMM of a mixture-of-experts layer (rows of group g times kernel[g]).
@@ -368,8 +382,9 @@ class GroupedLinear(nn.Module):
     dtype: compute dtype (default: x's); the kernel is cast to it.
     param_dtype: parameter dtype.
     kernel_init: initializer of the [G, K, N] kernel (fan-in per expert by default).
-    recipe: None (16-bit) or ``Float8CurrentScaling(per_group=True)`` (FP8 forward and
-      dgrad).
+    recipe: None (16-bit) or ``Float8CurrentScaling(per_group=True)`` (FP8 GEMMs, see
+      ``jaxfuse.grouped_linear``). For inference, ``quantize_expert_params(params, recipe,
+      names=("kernel",))`` quantizes the kernel once.
     implementation: None, "ffi" or "xla".
 
   Raises:
@@ -390,10 +405,12 @@ class GroupedLinear(nn.Module):
     if jnp.shape(group_sizes) != (self.num_groups,):
       raise ValueError(f"group_sizes must have shape ({self.num_groups},) (num_groups), "
                        f"got {jnp.shape(group_sizes)}")
-    kernel = self.param("kernel", self.kernel_init,
-                        (self.num_groups, jnp.shape(x)[-1], self.features), self.param_dtype)
+    kernel = _expert_param(self, "kernel", self.kernel_init,
+                           (self.num_groups, jnp.shape(x)[-1], self.features), self.param_dtype)
     dtype = self.dtype or x.dtype
-    return _grouped_linear(x.astype(dtype), kernel.astype(dtype), group_sizes,
+    if not _experts.is_quantized(kernel):  # a quantize_expert_params kernel runs as it is
+      kernel = kernel.astype(dtype)
+    return _grouped_linear(x.astype(dtype), kernel, group_sizes,
                            recipe=self.recipe, implementation=self.implementation)
 
 
@@ -424,7 +441,9 @@ class MoE(nn.Module):
     param_dtype: dtype of the parameters.
     kernel_init, router_init: initializers.
     recipe: None (bf16), or jaxfuse.quantization.Float8CurrentScaling(per_group=True) for
-      FP8 expert GEMMs (forward and dgrad in FP8, wgrad in bf16; see jaxfuse.grouped_mlp).
+      FP8 expert GEMMs (see jaxfuse.grouped_mlp; its fp8_wgrad picks FP8 or 16-bit weight
+      gradients). For inference, ``quantize_expert_params`` quantizes the expert kernels
+      once; the module then runs on them as they are.
     implementation: None, "ffi" or "xla".
   """
 
@@ -447,12 +466,42 @@ class MoE(nn.Module):
     hidden = jnp.shape(x)[-1]
     width = 2 * self.ffn_features if self.activation != "srelu" else self.ffn_features
     router = self.param("router", self.router_init, (hidden, self.num_experts), self.param_dtype)
-    kernel1 = self.param("kernel1", self.kernel_init, (self.num_experts, hidden, width),
-                         self.param_dtype)
-    kernel2 = self.param("kernel2", self.kernel_init,
-                         (self.num_experts, self.ffn_features, hidden), self.param_dtype)
-    x, kernel1, kernel2 = nn.dtypes.promote_dtype(x, kernel1, kernel2, dtype=self.dtype)
+    kernel1 = _expert_param(self, "kernel1", self.kernel_init,
+                            (self.num_experts, hidden, width), self.param_dtype)
+    kernel2 = _expert_param(self, "kernel2", self.kernel_init,
+                            (self.num_experts, self.ffn_features, hidden), self.param_dtype)
+    x, kernel1, kernel2 = _experts.promote(
+        lambda *a, dtype: nn.dtypes.promote_dtype(*a, dtype=dtype), x, (kernel1, kernel2),
+        self.dtype)
     return _moe(x, router, kernel1, kernel2, top_k=self.top_k, activation=self.activation,
                 score_function=self.score_function, normalize_topk=self.normalize_topk,
                 recipe=self.recipe, save_activation=self.save_activation,
                 implementation=self.implementation)
+
+
+def quantize_expert_params(params, recipe, *, dtype=None, names=("kernel1", "kernel2")):
+  """FP8 inference: `params` with every rank-3 parameter named in `names` quantized once
+  (``jaxfuse.quantize_experts``); ``MoE`` (kernel1, kernel2) and ``GroupedLinear``
+  (names=("kernel",)) modules then run on them without quantizing in each call.
+
+  Args:
+    params: a params tree (``variables["params"]``, or a subtree).
+    recipe: the modules' recipe, ``Float8CurrentScaling(per_group=True)``.
+    dtype: the modules' compute dtype (``dtype=``): the kernels are cast to it first, so the
+      FP8 values equal those each call would compute; None keeps the parameters' dtype
+      (which must then be x's).
+    names: parameter names to quantize; other leaves are left as they are.
+
+  Returns:
+    The same tree with those leaves replaced by QuantizedArrays. They are constants: the
+    modules give them no gradient.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  def visit(path, leaf):
+    name = getattr(path[-1], "key", None) if path else None
+    if name in names and jnp.ndim(leaf) == 3:
+      return _experts.quantize(leaf, recipe, dtype)
+    return leaf
+
+  return jax.tree_util.tree_map_with_path(visit, params)

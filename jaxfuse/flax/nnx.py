@@ -14,6 +14,7 @@ from jaxfuse._src import compat
 from jaxfuse._src.ops.linear_scale_add.api import linear_scale_add
 from jaxfuse._src.ops.rms_norm.api import add_rms_norm
 from jaxfuse._src.ops.rms_norm.api import rms_norm
+from jaxfuse.flax import _experts
 from jaxfuse.parallel import block as parallel_block
 from jaxfuse.parallel import layers as parallel_layers
 
@@ -362,7 +363,10 @@ class GroupedLinear(nnx.Module):
       raise ValueError(f"group_sizes must have shape ({self.num_groups},) (num_groups), "
                        f"got {jnp.shape(group_sizes)}")
     dtype = self.dtype or x.dtype
-    return _grouped_linear(x.astype(dtype), self.kernel[...].astype(dtype), group_sizes,
+    kernel = self.kernel.get_value()
+    if not _experts.is_quantized(kernel):  # a quantize_expert_params kernel runs as it is
+      kernel = kernel.astype(dtype)
+    return _grouped_linear(x.astype(dtype), kernel, group_sizes,
                            recipe=self.recipe, implementation=self.implementation)
 
 
@@ -394,7 +398,9 @@ class MoE(nnx.Module):
     param_dtype: dtype of the parameters.
     kernel_init, router_init: initializers.
     recipe: None (bf16), or jaxfuse.quantization.Float8CurrentScaling(per_group=True) for
-      FP8 expert GEMMs (forward and dgrad in FP8, wgrad in bf16; see jaxfuse.grouped_mlp).
+      FP8 expert GEMMs (see jaxfuse.grouped_mlp; its fp8_wgrad picks FP8 or 16-bit weight
+      gradients). For inference, ``quantize_expert_params`` quantizes the expert kernels
+      once; the module then runs on them as they are.
     implementation: None, "ffi" or "xla".
     rngs: NNX random streams (``params`` initializes the parameters).
   """
@@ -425,9 +431,36 @@ class MoE(nnx.Module):
                                          param_dtype))
 
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x, kernel1, kernel2 = nnx.nn.dtypes.promote_dtype(
-        (x, self.kernel1[...], self.kernel2[...]), dtype=self.dtype)
+    x, kernel1, kernel2 = _experts.promote(
+        lambda *a, dtype: nnx.nn.dtypes.promote_dtype(a, dtype=dtype), x,
+        (self.kernel1.get_value(), self.kernel2.get_value()), self.dtype)
     return _moe(x, self.router[...], kernel1, kernel2, top_k=self.top_k,
                 activation=self.activation, score_function=self.score_function,
                 normalize_topk=self.normalize_topk, recipe=self.recipe,
                 save_activation=self.save_activation, implementation=self.implementation)
+
+
+def quantize_expert_params(module: nnx.Module, recipe, *, dtype=None) -> nnx.Module:
+  """FP8 inference: quantizes the expert kernels of every ``MoE`` (kernel1, kernel2) and
+  ``GroupedLinear`` (kernel) inside `module` once (``jaxfuse.quantize_experts``), in place;
+  their calls then skip the weights' quantization passes.
+
+  Args:
+    module: an nnx module (or a model holding such modules).
+    recipe: the modules' recipe, ``Float8CurrentScaling(per_group=True)``.
+    dtype: the modules' compute dtype: the kernels are cast to it first, so the FP8 values
+      equal those each call would compute; None keeps the parameters' dtype (which must
+      then be x's).
+
+  Returns:
+    `module`, whose expert kernel Params now hold QuantizedArrays (constants: no gradient).
+  """
+  iter_modules = getattr(nnx, "iter_modules", None)  # a function from flax 0.12 on
+  modules = iter_modules(module) if iter_modules is not None else module.iter_modules()
+  for _, sub in modules:
+    names = (("kernel1", "kernel2") if isinstance(sub, MoE) else
+             ("kernel",) if isinstance(sub, GroupedLinear) else ())
+    for name in names:
+      param = getattr(sub, name)
+      param.set_value(_experts.quantize(param.get_value(), recipe, dtype))
+  return module

@@ -121,6 +121,11 @@ class QuantizedArray:
 
   @property
   def shape(self):
+    """The shape of the array it represents (what ``dequantize`` returns): data's, or for
+    "per_expert" data [G, N, K] the kernel's [G, K, N]."""
+    if self.scaling_mode == "per_expert":
+      groups, n, k = self.data.shape
+      return (groups, k, n)
     return self.data.shape
 
   @property

@@ -25,6 +25,12 @@ _FFI_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _ALIGNMENT_ELEMENTS = 8
 
 
+# A quantized kernel's dtype is the one it was quantized from.
+QUANTIZED_DTYPE_HINT = ("; quantize the kernel in x's dtype (quantize_experts(kernel.astype("
+                        "x.dtype), recipe), or the Flax modules' quantize_expert_params(..., "
+                        "dtype=...))")
+
+
 def is_quantized_kernel(kernel) -> bool:
   """Whether `kernel` is an FP8 expert weight from ``quantize_experts``."""
   return isinstance(kernel, recipes.QuantizedArray)
@@ -88,7 +94,8 @@ def _validate(x, kernel, group_sizes, recipe, implementation: str) -> None:
   if sizes_dtype != jnp.dtype(jnp.int32):
     raise TypeError(f"group_sizes must be int32 [G], got {sizes_dtype}")
   if kernel_dtype != x_dtype:
-    raise TypeError(f"kernel dtype {kernel_dtype} must equal x dtype {x_dtype}")
+    raise TypeError(f"kernel dtype {kernel_dtype} must equal x dtype {x_dtype}"
+                    + QUANTIZED_DTYPE_HINT * is_quantized_kernel(kernel))
   groups, k, n = kernel_shape
   if x.shape[1] != k:
     raise ValueError(f"x's last dimension ({x.shape[1]}) must equal kernel.shape[1] ({k}); "

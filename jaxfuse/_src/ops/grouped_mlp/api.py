@@ -75,7 +75,8 @@ def _validate(x, kernel1, kernel2, group_sizes, scales, activation, recipe,
   for name, value in (("kernel1", kernel1), ("kernel2", kernel2)):
     dtype, shapes[name] = linear_api.kernel_facts(name, value)
     if dtype != x_dtype:
-      raise TypeError(f"{name} dtype {dtype} must equal x dtype {x_dtype}")
+      raise TypeError(f"{name} dtype {dtype} must equal x dtype {x_dtype}"
+                      + linear_api.QUANTIZED_DTYPE_HINT * linear_api.is_quantized_kernel(value))
     if linear_api.is_quantized_kernel(value) and recipe is None:
       raise ValueError(f"a quantized {name} (jaxfuse.quantize_experts) runs the FP8 GEMMs: "
                        "pass its recipe, or recipe=None to use the one it was made with")

@@ -1,0 +1,41 @@
+"""Expert weights quantized once (``jaxfuse.quantize_experts``) inside the Flax modules.
+
+The MoE and GroupedLinear modules of ``jaxfuse.flax.linen`` and ``jaxfuse.flax.nnx`` take an
+expert kernel parameter that holds a QuantizedArray instead of an array: for FP8 inference,
+the weights are quantized once (``quantize_expert_params`` in either module) and the call
+skips their quantization passes. These helpers keep the modules' dtype handling for the
+16-bit kernels and pass the quantized ones through.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxfuse._src.ops.grouped_linear import api as linear_api
+
+
+def is_quantized(value: Any) -> bool:
+  return linear_api.is_quantized_kernel(value)
+
+
+def quantize(kernel, recipe, dtype=None):
+  """quantize_experts(kernel in `dtype`): cast first, so that the FP8 values equal those a
+  module with compute dtype `dtype` quantizes from its kernel in every call."""
+  if is_quantized(kernel):
+    return kernel
+  if jnp.ndim(kernel) != 3:
+    raise ValueError(f"expert kernels are [G, K, N]; got a parameter of shape "
+                     f"{jnp.shape(kernel)}")
+  return linear_api.quantize_experts(kernel if dtype is None else kernel.astype(dtype), recipe)
+
+
+def promote(promote_dtype, x, kernels, dtype):
+  """(x, *kernels) with x and the 16-bit kernels promoted by Flax's `promote_dtype` to
+  `dtype` (their common dtype when None); quantized kernels are returned as they are."""
+  arrays = [k for k in kernels if not is_quantized(k)]
+  promoted = promote_dtype(x, *arrays, dtype=dtype)
+  x, arrays = promoted[0], list(promoted[1:])
+  out = [k if is_quantized(k) else arrays.pop(0) for k in kernels]
+  return (x, *out)

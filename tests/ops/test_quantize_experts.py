@@ -14,15 +14,8 @@ import jaxfuse
 from tests import helpers
 from tests.ops import test_grouped_linear as linear_tests
 from tests.ops import test_grouped_mlp as mlp_tests
+from tests.ops.test_grouped_linear_fp8 import BACKEND_IMPLEMENTATIONS, PROMOTED, RECIPE
 
-RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
-PROMOTED = jaxfuse.quantization.Float8CurrentScaling(per_group=True,
-                                                     forward_fast_accumulation=False)
-BACKEND_IMPLEMENTATIONS = [
-    pytest.param("cpu", "ffi", id="cpu-ffi"),
-    pytest.param("cpu", "xla", id="cpu-xla"),
-    pytest.param("gpu", "ffi", id="gpu-ffi", marks=pytest.mark.gpu),
-]
 E4M3_MAX = 448.0
 # E4M3 keeps 3 mantissa bits: rounding to nearest errs by at most 2^-4 of a normal value;
 # below the smallest normal (2^-6) the step is the subnormal spacing 2^-9, in scaled units.

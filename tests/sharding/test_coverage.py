@@ -74,7 +74,13 @@ CASES = {
          (_a((64, 32), BF16), _a((4, 32, 32), BF16), SIZES), (0, 1)),
         ("fp8", lambda x, k, s: jaxfuse.grouped_linear(x, k, s, recipe=PER_GROUP, **FFI),
          (_a((64, 32), BF16), _a((4, 32, 32), BF16), SIZES), (0, 1)),
+        ("fp8 quantized kernel", lambda x, k, s: jaxfuse.grouped_linear(
+            x, jaxfuse.quantize_experts(k, PER_GROUP, **FFI), s, **FFI),
+         (_a((64, 32), BF16), _a((4, 32, 32), BF16), SIZES), (0,)),
     ],
+    "quantize_experts": [
+        ("per_expert", lambda k: jaxfuse.quantize_experts(k, PER_GROUP, **FFI).data,
+         (_a((4, 32, 48), BF16),), None)],
     "grouped_mlp": [
         (name, lambda x, k1, k2, s, sc, recipe=recipe: jaxfuse.grouped_mlp(
             x, k1, k2, s, sc, "swiglu", recipe=recipe, **FFI),

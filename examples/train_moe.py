@@ -11,6 +11,7 @@ unpermute. The router's load-balancing loss is added to the training loss.
     python examples/train_moe.py                       # CPU-sized default, ~1 minute
     python examples/train_moe.py --preset gpu          # bigger model, on an NVIDIA GPU
     python examples/train_moe.py --steps 50 --implementation xla
+    python examples/train_moe.py --fp8-inference       # also evaluate with FP8 experts
 
 The loss is printed every --log-every steps with the training throughput in tokens/s
 (measured after the first, compiling, step).
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import time
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -122,13 +125,14 @@ class Block(nn.Module):
   config: Config
   dtype: jnp.dtype
   implementation: str
+  recipe: Any = None  # an FP8 recipe for the experts (the --fp8-inference evaluation)
 
   @nn.compact
   def __call__(self, x):
     c = self.config
     x = x + Attention(c.heads, self.dtype)(RMSNorm()(x)).astype(jnp.float32)
     moe = jf_linen.MoE(num_experts=c.experts, ffn_features=c.ffn, top_k=c.top_k,
-                       activation="swiglu", dtype=self.dtype,
+                       activation="swiglu", dtype=self.dtype, recipe=self.recipe,
                        implementation=self.implementation)
     y, aux_loss = moe(RMSNorm()(x).astype(self.dtype))
     return x + y.astype(jnp.float32), aux_loss
@@ -138,6 +142,7 @@ class MoETransformer(nn.Module):
   config: Config
   dtype: jnp.dtype
   implementation: str
+  recipe: Any = None
 
   @nn.compact
   def __call__(self, tokens):
@@ -147,7 +152,7 @@ class MoETransformer(nn.Module):
     x = embed(tokens) + position[: tokens.shape[1]]
     aux_losses = []
     for _ in range(c.layers):
-      x, aux = Block(c, self.dtype, self.implementation)(x)
+      x, aux = Block(c, self.dtype, self.implementation, self.recipe)(x)
       aux_losses.append(aux)
     logits = embed.attend(RMSNorm()(x))  # tied input / output embedding, fp32
     return logits, jnp.mean(jnp.stack(aux_losses))
@@ -167,6 +172,9 @@ def main():
                       help="compute dtype (default: bfloat16 with ffi, float32 with xla)")
   parser.add_argument("--data-mb", type=float, default=4.0, help="text to read, in MB")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--fp8-inference", action="store_true",
+                      help="after training, also evaluate with the experts in FP8 on weights "
+                           "quantized once (jaxfuse.flax.linen.quantize_expert_params)")
   args = parser.parse_args()
 
   on_gpu = jax.default_backend() == "gpu"
@@ -229,10 +237,30 @@ def main():
       elapsed = time.perf_counter() - timed_since
       print(f"step {step:5d}  loss {ce:.4f}  ({ce / np.log(2):.3f} bits/byte)  "
             f"aux {float(aux):.3f}  {timed_steps * tokens_per_step / elapsed:,.0f} tokens/s")
-  valid_stream = batches(valid, config.batch, config.seq_len, args.seed + 2)
-  losses = [float(eval_loss(params, *next(valid_stream))) for _ in range(4)]
+  valid_batches = list(itertools.islice(
+      batches(valid, config.batch, config.seq_len, args.seed + 2), 4))
+  losses = [float(eval_loss(params, *batch)) for batch in valid_batches]
   print(f"validation loss {np.mean(losses):.4f} nats ({np.mean(losses) / np.log(2):.3f} "
         f"bits/byte; a uniform guess over bytes is {np.log(256):.3f} nats, 8 bits/byte)")
+  if args.fp8_inference:
+    fp8_inference(config, dtype, implementation, params, valid_batches, np.mean(losses))
+
+
+def fp8_inference(config, dtype, implementation, params, valid_batches, loss_16bit):
+  """The validation loss with every expert GEMM in FP8 (per-group current scaling), the
+  expert weights quantized once: how much FP8 inference costs this model."""
+  recipe = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
+  model = MoETransformer(config, dtype, implementation, recipe)
+  fp8_params = jf_linen.quantize_expert_params(params, recipe, dtype=dtype)
+
+  @jax.jit
+  def fp8_eval_loss(params, tokens, targets):
+    logits, _ = model.apply({"params": params}, tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  losses = [float(fp8_eval_loss(fp8_params, *batch)) for batch in valid_batches]
+  print(f"validation loss with FP8 experts (weights quantized once): {np.mean(losses):.4f} "
+        f"nats ({np.mean(losses) - loss_16bit:+.4f} against {dtype.name})")
 
 
 if __name__ == "__main__":

@@ -208,3 +208,34 @@ def test_moe_quantized_experts_are_the_quantized_16bit_experts(backend, implemen
     np.testing.assert_array_equal(np.asarray(actual, np.float32),
                                   np.asarray(expected, np.float32))
   assert np.abs(np.asarray(out_q, np.float32)).max() > 0
+
+
+def test_grouped_mlp_16bit_wgrad_recipe_on_quantized_kernels():
+  """recipe.fp8_wgrad=False with quantized kernels: no weight gradient is computed (the
+  16-bit wgrads' inputs are not kept), dx and dscales equal the 16-bit kernels' path."""
+  recipe = jaxfuse.quantization.Float8CurrentScaling(per_group=True, fp8_wgrad=False)
+  m, hidden, ffn = 64, 32, 16
+  sizes = mlp_tests.sizes_cases(m)["uniform"]
+  x, k1, k2, scales = mlp_tests.make_inputs(13, m, hidden, ffn, len(sizes), "swiglu",
+                                            jnp.bfloat16)
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+  q1, q2 = (jaxfuse.quantize_experts(k, recipe, implementation="ffi") for k in (k1, k2))
+
+  def loss(x, scales, w1, w2):
+    out = jaxfuse.grouped_mlp(x, w1, w2, group_sizes, scales, recipe=recipe,
+                              implementation="ffi")
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  for actual, expected in zip(grad(x, scales, q1, q2), grad(x, scales, k1, k2)):
+    np.testing.assert_array_equal(np.asarray(actual, np.float32),
+                                  np.asarray(expected, np.float32))
+  def gemm_targets(w1, w2):
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, scales, w1, w2)
+    return tuple(helpers.count_primitives(jaxpr, helpers.ffi_target(name))
+                 for name in ("jaxfuse_grouped_gemm", "jaxfuse_grouped_gemm_fp8",
+                              "jaxfuse_grouped_gemm_fp8_wgrad"))
+
+  assert gemm_targets(k1, k2)[0] > 0  # the 16-bit kernels' path runs 16-bit wgrads
+  plain, fp8, fp8_wgrad = gemm_targets(q1, q2)
+  assert plain == 0 and fp8_wgrad == 0 and fp8 > 0

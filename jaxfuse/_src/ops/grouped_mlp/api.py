@@ -208,7 +208,8 @@ class _Fp8:
       d_kernel2 = _gemm(a, dy, group_offsets, gemm_ffi.WGRAD)
     dh_q, dh, d_scales = quantize_api.scaled_dactivation_quantize(
         da, h, scales, recipe=recipe, group_offsets=group_offsets,
-        return_dx=not recipe.fp8_wgrad, implementation="ffi", **config.act_kwargs)
+        return_dx=not (recipe.fp8_wgrad or frozen1),  # the 16-bit wgrad's input only
+        implementation="ffi", **config.act_kwargs)
     dx = linear_api.fp8_gemm(dh_q.data, dh_q.scale_inv, w1, w1_scale_inv, group_offsets,
                              gemm_ffi.DGRAD, dtype, recipe)
     if frozen1:

@@ -16,6 +16,11 @@ Recipes are frozen (hashable) dataclasses, so they can be static arguments:
 
 ``role="forward" | "gradient"`` in ``jaxfuse.quantize`` picks the recipe's
 ``forward_format`` or ``gradient_format`` ("e4m3" or "e5m2").
+
+``jaxfuse.quantize_experts(kernel, Float8CurrentScaling(...))`` quantizes grouped-GEMM
+weights [G, K, N] once, one scale per expert (scaling_mode "per_expert", data [G, N, K]):
+``grouped_linear``, ``grouped_mlp``, ``moe`` and the Flax modules take the result as a
+kernel and skip the per-call quantization of the weights.
 """
 
 from jaxfuse.quantization.recipes import Float8BlockScaling

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax.numpy as jnp
-
 from jaxfuse._src.ops.grouped_linear import api as linear_api
 
 
@@ -25,9 +23,6 @@ def quantize(kernel, recipe, dtype=None):
   module with compute dtype `dtype` quantizes from its kernel in every call."""
   if is_quantized(kernel):
     return kernel
-  if jnp.ndim(kernel) != 3:
-    raise ValueError(f"expert kernels are [G, K, N]; got a parameter of shape "
-                     f"{jnp.shape(kernel)}")
   return linear_api.quantize_experts(kernel if dtype is None else kernel.astype(dtype), recipe)
 
 

@@ -496,8 +496,6 @@ def quantize_expert_params(params, recipe, *, dtype=None, names=("kernel1", "ker
     The same tree with those leaves replaced by QuantizedArrays. They are constants: the
     modules give them no gradient.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-
   def visit(path, leaf):
     name = getattr(path[-1], "key", None) if path else None
     if name in names and jnp.ndim(leaf) == 3:

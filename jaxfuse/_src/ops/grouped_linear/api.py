@@ -68,11 +68,19 @@ def recipe_for_kernels(recipe, *kernels):
     return recipe
   if recipe is None:
     recipe = quantized[0].recipe
+  if recipe is None:
+    raise ValueError("a quantized kernel runs the FP8 GEMMs and must carry its recipe: make "
+                     "it with jaxfuse.quantize_experts(kernel, recipe)")
   for kernel in quantized:
     if kernel.recipe != recipe:
       raise ValueError(f"a quantized kernel made with {kernel.recipe!r} cannot run with "
                        f"recipe={recipe!r}; quantize it with the call's recipe")
   return recipe
+
+
+def kernel_leaf(kernel):
+  """The array a kernel's shard_map varying axes are read from: its FP8 data if quantized."""
+  return kernel.data if is_quantized_kernel(kernel) else kernel
 
 
 def expert_weights(kernel, recipe, untransposed: bool):
@@ -105,9 +113,6 @@ def _validate(x, kernel, group_sizes, recipe, implementation: str) -> None:
                      f"got {group_sizes.shape}")
   if groups < 1:
     raise ValueError("kernel must have at least one group (kernel.shape[0] >= 1)")
-  if is_quantized_kernel(kernel) and recipe is None:
-    raise ValueError("a quantized kernel (jaxfuse.quantize_experts) runs the FP8 GEMMs: pass "
-                     "its recipe, or recipe=None to use the one it was made with")
   if recipe is not None:
     validate_fp8(recipe, k, n, "grouped_linear", ("K (x.shape[1])", "N (kernel.shape[2])"),
                  groups if implementation == "ffi" else 1)
@@ -330,8 +335,7 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
       return reference.grouped_linear_fp8(x, kernel, group_sizes, recipe)
     return reference.grouped_linear(x, kernel, group_sizes)
   offsets = group_offsets(group_sizes)
-  kernel_leaf = kernel.data if is_quantized_kernel(kernel) else kernel
-  varying_axes = tuple(compat.varying_axes(a) for a in (x, kernel_leaf, offsets))
+  varying_axes = tuple(compat.varying_axes(a) for a in (x, kernel_leaf(kernel), offsets))
   if recipe is not None:
     return grouped_linear_fp8_with_offsets(x, kernel, offsets, recipe, varying_axes)
   return grouped_linear_with_offsets(x, kernel, offsets, varying_axes)

@@ -77,9 +77,6 @@ def _validate(x, kernel1, kernel2, group_sizes, scales, activation, recipe,
     if dtype != x_dtype:
       raise TypeError(f"{name} dtype {dtype} must equal x dtype {x_dtype}"
                       + linear_api.QUANTIZED_DTYPE_HINT * linear_api.is_quantized_kernel(value))
-    if linear_api.is_quantized_kernel(value) and recipe is None:
-      raise ValueError(f"a quantized {name} (jaxfuse.quantize_experts) runs the FP8 GEMMs: "
-                       "pass its recipe, or recipe=None to use the one it was made with")
   scales_dtype = checks.check_float_array("scales", scales)
   checks.check_rank("x", x, 2, "[M, H]")
   checks.check_rank("scales", scales, 1, "[M]")
@@ -332,9 +329,8 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
   config = Config(activation, limit, alpha, linear_offset, bool(save_activation), recipe,
                   quantized)
   offsets = offsets_api.group_offsets(group_sizes, implementation="ffi")
-  leaf = lambda k: k.data if linear_api.is_quantized_kernel(k) else k  # noqa: E731
-  varying_axes = tuple(compat.varying_axes(a)
-                       for a in (x, leaf(kernel1), leaf(kernel2), offsets, scales))
+  varying_axes = tuple(compat.varying_axes(a) for a in (
+      x, linear_api.kernel_leaf(kernel1), linear_api.kernel_leaf(kernel2), offsets, scales))
   return grouped_mlp_with_offsets(x, kernel1, kernel2, offsets, scales, config, varying_axes)
 
 

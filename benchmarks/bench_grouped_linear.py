@@ -18,7 +18,8 @@ copies.
 
 tokamax (benchmarks/tokamax_baseline.py: tokamax.ragged_dot with its Pallas Mosaic GPU
 kernels, the backward through its own VJP) runs in the same alternating chunks when it can be
-imported; tokamax_max_rel_error is its result against jaxfuse's on the same operands.
+imported; tokamax_max_rel_error is its result against jaxfuse's on the same operands, and
+ragged_dot_max_rel_error XLA's.
 
 jaxfuse bf16, jaxfuse FP8, torch._grouped_mm and tokamax run in alternating chunks with the same
 host-clock timing (common.time_alternating), so GPU clock drift cannot favour one of them.
@@ -283,10 +284,14 @@ def main():
       times[form] = alternate({precision: (*fp8[precision, form], common.keep_args)
                                for precision in ("bf16",) + OP_FP8_PRECISIONS
                                if (precision, form) in fp8}, rounds)
-    ragged = {}
+    ragged, ragged_errors = {}, {}
     for form, (fn, fn_args) in ragged_dot_steps(x, w, dy, sizes_array).items():
       try:  # XLA's ragged_dot wgrad of 128 groups wants ~96 GB of temporaries per call
         ragged[form] = time_jax(fn, fn_args, max(3, calls // 4))
+        # XLA's result against jaxfuse's: a second opinion where tokamax disagrees.
+        jaxfuse_fn, jaxfuse_args = gemms[form]
+        ragged_errors[form] = tokamax_baseline.max_relative_error(fn(*fn_args),
+                                                                  jaxfuse_fn(*jaxfuse_args))
       except Exception as error:  # an out-of-memory baseline must not stop the run
         print(f"ragged_dot {name} {form} failed: {type(error).__name__}: {str(error)[:200]}")
         ragged[form] = None
@@ -298,6 +303,7 @@ def main():
       row = {"case": name, "groups": g, "rows": m, "K": K, "N": N, "form": form,
              "precision": "bf16", "jaxfuse_ms": jaxfuse_ms, "jaxfuse_tflops": tflops(jaxfuse_ms),
              "ragged_dot_ms": ragged[form], "ragged_dot_tflops": tflops(ragged[form]),
+             "ragged_dot_max_rel_error": ragged_errors.get(form),
              "torch_ms": torch_ms, "torch_tflops": tflops(torch_ms), "gpu": gpu.summary}
       tokamax_ms = times[form].get("tokamax")
       row.update({"tokamax_ms": tokamax_ms, "tokamax_tflops": tflops(tokamax_ms),

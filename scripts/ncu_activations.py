@@ -8,8 +8,11 @@ is not on sys.path by default):
         --section SpeedOfLight --section WarpStateStats python3 scripts/ncu_activations.py
 
 Each op runs once, so every kernel launch ncu reports belongs to one named op, in the order
-printed.
+printed. `--mlp` takes the FP8 grouped MLP's shapes instead (T=65536, H=F=2048: 2F=4096)
+and adds the per-group quantization of a plain [T, 2048] input (FC1's x, FC2's dy).
 """
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +20,8 @@ import jax.numpy as jnp
 import jaxfuse
 from jaxfuse.quantization import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
-T, W, GROUPS = 65536, 8192, 8
+MLP = "--mlp" in sys.argv[1:]
+T, W, GROUPS = 65536, (4096 if MLP else 8192), 8
 x = jax.random.normal(jax.random.key(0), (T, W), jnp.bfloat16)
 dy = jax.random.normal(jax.random.key(1), (T, W // 2), jnp.bfloat16)
 scales = jax.random.uniform(jax.random.key(2), (T,), jnp.float32, 0.1, 1.0)
@@ -52,6 +56,14 @@ ops = [("swiglu_fwd", forward, (x, scales)), ("swiglu_bwd", backward, (dy, x, sc
        ("quantize_mxfp8_1x32", quantized(MXFP8BlockScaling()), (x, scales)),
        ("quantize_current_per_group", quantized(Float8CurrentScaling()), (x, scales)),
        ("dquantize_current_per_group", dquantized, (dy, x, scales))]
+if MLP:
+  plain = jax.random.normal(jax.random.key(3), (T, W // 2), jnp.bfloat16)
+
+  def quantize_plain(x):
+    q = jaxfuse.quantize(x, Float8CurrentScaling(), group_offsets=offsets, implementation="ffi")
+    return q.data, q.scale_inv
+
+  ops.append(("quantize_plain_current_per_group", quantize_plain, (plain,)))
 compiled = [(name, jax.jit(fn).lower(*args).compile(), args) for name, fn, args in ops]
 for name, fn, args in compiled:
   print("op", name, flush=True)

@@ -165,6 +165,7 @@ struct SetupParams {
   int a_bytes, b_bytes, out_bytes;
   bool b_k_major_forward;  // FP8 forward: b = w^T [G, n, k]
   int64_t columnwise_width;  // FP8 wgrad: a = x^T [k, width], b = dy^T [n, width]; else 0
+  bool columnwise_blocked;   // experiment: group g's block [k, start_{g+1} - start_g] at k * start_g
   const float* a_scale_inv;
   const float* b_scale_inv;
   // Outputs (workspace).
@@ -298,10 +299,18 @@ __device__ __forceinline__ void WriteGroup(const SetupParams& p, int g, int64_t 
     shape[2] = rows;
     if (p.columnwise_width > 0) {  // K-major copies: group g's rows are columns from start
       const int64_t start = ColumnwiseStart(lo, g);
-      p.ptr_a[g] = p.a + start * p.a_bytes;
-      p.stride_a[g] = p.columnwise_width;
-      p.ptr_b[g] = p.b + start * p.b_bytes;
-      p.stride_b[g] = p.columnwise_width;
+      if (p.columnwise_blocked) {
+        const int64_t pitch = ColumnwiseStart(hi, g + 1) - start;
+        p.ptr_a[g] = p.a + start * p.k * p.a_bytes;
+        p.stride_a[g] = pitch;
+        p.ptr_b[g] = p.b + start * p.n * p.b_bytes;
+        p.stride_b[g] = pitch;
+      } else {
+        p.ptr_a[g] = p.a + start * p.a_bytes;
+        p.stride_a[g] = p.columnwise_width;
+        p.ptr_b[g] = p.b + start * p.b_bytes;
+        p.stride_b[g] = p.columnwise_width;
+      }
     } else {
       p.ptr_a[g] = p.a + lo * p.k * p.a_bytes;
       p.stride_a[g] = p.k;
@@ -467,6 +476,17 @@ __global__ void __launch_bounds__(kSetupThreads) SetupKernel(SetupParams p, Zero
 // ------------------------------------------------------------------------------------------
 // Host API.
 
+// Experiment (JAXFUSE_COLUMNWISE_LAYOUT=blocked, read once): the FP8 wgrad reads group g's
+// operands as one [k, start_{g+1} - start_g] block at element k * start_g instead of columns
+// of [k, W]. Timing only: the column-wise copy still writes the strided layout.
+static bool ColumnwiseBlockedExperiment() {
+  static const bool blocked = [] {
+    const char* layout = std::getenv("JAXFUSE_COLUMNWISE_LAYOUT");
+    return layout != nullptr && std::string(layout) == "blocked";
+  }();
+  return blocked;
+}
+
 namespace detail {
 TuningOptions& ActiveTuningOptions() {
   static TuningOptions options = [] {
@@ -609,6 +629,7 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   s.out_bytes = out_bytes;
   s.b_k_major_forward = IsFp8(p.a_type) && p.form == Form::kForward;
   s.columnwise_width = p.columnwise ? ColumnwiseWidth(p.m, p.num_groups) : 0;
+  s.columnwise_blocked = ColumnwiseBlockedExperiment();
   s.a_scale_inv = p.a_scale_inv;
   s.b_scale_inv = p.b_scale_inv;
   s.clamped = reinterpret_cast<int64_t*>(base + layout.offsets);

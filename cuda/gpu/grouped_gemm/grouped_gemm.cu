@@ -476,16 +476,19 @@ __global__ void __launch_bounds__(kSetupThreads) SetupKernel(SetupParams p, Zero
 // ------------------------------------------------------------------------------------------
 // Host API.
 
-// Experiment (JAXFUSE_COLUMNWISE_LAYOUT=blocked, read once): the FP8 wgrad reads group g's
-// operands as one [k, start_{g+1} - start_g] block at element k * start_g instead of columns
-// of [k, W]. Timing only: the column-wise copy still writes the strided layout.
-static bool ColumnwiseBlockedExperiment() {
-  static const bool blocked = [] {
+namespace detail {
+// Experiment (JAXFUSE_COLUMNWISE_LAYOUT=blocked; check_grouped_gemm --columnwise-layouts sets
+// it directly): the FP8 wgrad reads group g's operands as one [k, start_{g+1} - start_g]
+// block at element k * start_g instead of columns of [k, W]. Timing only: the column-wise
+// copy still writes the strided layout.
+bool& ColumnwiseBlockedForTiming() {
+  static bool blocked = [] {
     const char* layout = std::getenv("JAXFUSE_COLUMNWISE_LAYOUT");
     return layout != nullptr && std::string(layout) == "blocked";
   }();
   return blocked;
 }
+}  // namespace detail
 
 namespace detail {
 TuningOptions& ActiveTuningOptions() {
@@ -629,7 +632,7 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   s.out_bytes = out_bytes;
   s.b_k_major_forward = IsFp8(p.a_type) && p.form == Form::kForward;
   s.columnwise_width = p.columnwise ? ColumnwiseWidth(p.m, p.num_groups) : 0;
-  s.columnwise_blocked = ColumnwiseBlockedExperiment();
+  s.columnwise_blocked = detail::ColumnwiseBlockedForTiming();
   s.a_scale_inv = p.a_scale_inv;
   s.b_scale_inv = p.b_scale_inv;
   s.clamped = reinterpret_cast<int64_t*>(base + layout.offsets);

@@ -218,17 +218,18 @@ ffi::Error GroupedGemmFp8WgradCpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::A
                            "got ", DataTypeName(b.element_type()));
   }
   const auto clamped = ClampOffsets(offsets.typed_data<int32_t>(), p.groups, p.m);
-  const int64_t width = ColumnwiseWidth(p.m, p.groups);
   const auto* a_scales = static_cast<const float*>(a_scale_inv.untyped_data());
   const auto* b_scales = static_cast<const float*>(b_scale_inv.untyped_data());
   auto* dw = static_cast<bfloat16_bits*>(out->untyped_data());
   for (int64_t g = 0; g < p.groups; ++g) {
     const int64_t start = ColumnwiseStart(clamped[g], g), count = clamped[g + 1] - clamped[g];
+    const int64_t begin = ColumnwiseBlockBegin(clamped[g], g);
+    const int64_t end = ColumnwiseStart(clamped[g + 1], g + 1);
     const float alpha = a_scales[g] * b_scales[g];
     for (int64_t i = 0; i < p.k; ++i) {
-      const float* x_i = a_values.data() + i * width + start;
+      const float* x_i = a_values.data() + ColumnwiseIndex(p.k, begin, end, i, start);
       for (int64_t j = 0; j < p.n; ++j) {
-        const float* dy_j = b_values.data() + j * width + start;
+        const float* dy_j = b_values.data() + ColumnwiseIndex(p.n, begin, end, j, start);
         float accumulator = 0.0f;
         for (int64_t c = 0; c < count; ++c) accumulator += x_i[c] * dy_j[c];
         dw[(g * p.k + i) * p.n + j] =

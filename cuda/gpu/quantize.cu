@@ -328,7 +328,8 @@ ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
 // One block per output tile of kColumnwiseTileK output rows (K) x kColumnwiseTileCols
 // output columns (source rows). The block first finds the clamped offsets (running max) of
 // every group in shared memory, then the source row of each of its columns by binary
-// search (-1: padding, written as zero). Loads: 16 bytes along K of one source row
+// search (-1: padding, written as zero) and the storage block (jaxfuse/columnwise.h) of each
+// 16-column part: block boundaries are multiples of 16, so no part straddles two. Loads: 16 bytes along K of one source row
 // (coalesced); stores: 16 bytes along the columns of one output row. The tile's 16-byte
 // chunks are XOR-swizzled by source-row block so that the byte gathers of the store phase
 // (16 source rows, one output row) hit eight different bank quads.
@@ -370,8 +371,10 @@ ColumnwiseKernel(const uint8_t* __restrict__ data, const int32_t* __restrict__ o
                  uint8_t* __restrict__ out) {
   extern __shared__ int32_t clamped[];  // [groups + 1]
   __shared__ int64_t source_row[kColumnwiseTileCols];
-  __shared__ __align__(16) uint8_t tile[kColumnwiseTileCols * kColumnwiseTileK];
   constexpr int kChunks = kColumnwiseTileK / 16;  // 16-byte chunks per tile row
+  constexpr int kParts = kColumnwiseTileCols / 16;  // 16-column parts per tile
+  __shared__ int64_t part_begin[kParts], part_end[kParts];  // the storage block of each part
+  __shared__ __align__(16) uint8_t tile[kColumnwiseTileCols * kColumnwiseTileK];
   constexpr int kSteps = kColumnwiseTileCols * kChunks / kColumnwiseThreads;
   ClampedOffsetsToShared(offsets, groups + 1, rows, clamped);
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kColumnwiseTileCols;
@@ -390,6 +393,12 @@ ColumnwiseKernel(const uint8_t* __restrict__ data, const int32_t* __restrict__ o
     }
     const int64_t row = clamped[lo] + (col - ColumnwiseStart(clamped[lo], lo));
     source_row[threadIdx.x] = col < width && row >= clamped[lo] && row < clamped[lo + 1] ? row : -1;
+    if (threadIdx.x % 16 == 0) {
+      const int64_t tail_begin = ColumnwiseStart(clamped[groups], groups);
+      const bool tail = lo == groups - 1 && col >= tail_begin;  // block G: after the last group
+      part_begin[threadIdx.x / 16] = tail ? tail_begin : ColumnwiseBlockBegin(clamped[lo], lo);
+      part_end[threadIdx.x / 16] = tail ? width : ColumnwiseStart(clamped[lo + 1], lo + 1);
+    }
   }
   __syncthreads();
 #pragma unroll
@@ -409,10 +418,12 @@ ColumnwiseKernel(const uint8_t* __restrict__ data, const int32_t* __restrict__ o
   // loads instead of 64); byte permutes transpose them in registers. A warp's four quads x
   // eight parts hit 32 different banks (the swizzle) and store 128 contiguous bytes per row.
   static_assert(kColumnwiseTileK / 4 * kChunks == kColumnwiseThreads, "one quad per thread");
+  static_assert(kParts == kChunks, "a thread's part indexes both");
   const int part = threadIdx.x % kChunks;
   const int i0 = threadIdx.x / kChunks * 4;
   if (col0 + part * 16 >= width) return;
   const int word_at = ((i0 / 16) ^ part) * 16 + i0 % 16;  // swizzled position of byte i0
+  const int64_t begin = part_begin[part], end = part_end[part];
   uint32_t source[16];
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
@@ -431,7 +442,7 @@ ColumnwiseKernel(const uint8_t* __restrict__ data, const int32_t* __restrict__ o
       const uint32_t high = __byte_perm(source[4 * w + 2], source[4 * w + 3], pick);
       words[w] = __byte_perm(low, high, 0x5410);
     }
-    *reinterpret_cast<uint4*>(out + kk * width + col0 + part * 16) =
+    *reinterpret_cast<uint4*>(out + ColumnwiseIndex(cols, begin, end, kk, col0 + part * 16)) =
         make_uint4(words[0], words[1], words[2], words[3]);
   }
 }

@@ -244,16 +244,33 @@ def test_fp8_gemms_forward_dgrad_and_wgrad(fp8_wgrad):
 COLUMNWISE_CASES = CASES + ["groups_31_sum_less", "groups_32_negative"]
 
 
+def blocked_storage(columns, clamped):
+  """The blocked storage (cuda/include/jaxfuse/columnwise.h) of a column-wise matrix
+  [K, W]: G + 1 blocks cut at the group starts (block 0 from column 0, block G the tail),
+  each stored row-major in turn, returned as the [K, W] buffer the op gives."""
+  k, width = columns.shape
+  groups = len(clamped) - 1
+  bounds = [0] + [quantize_ffi.columnwise_start(int(clamped[b]), b)
+                  for b in range(1, groups + 1)] + [width]
+  assert all(bound % 16 == 0 for bound in bounds) and bounds == sorted(bounds)
+  flat = np.concatenate([columns[:, begin:end].ravel()
+                         for begin, end in zip(bounds[:-1], bounds[1:])])
+  return flat.reshape(k, width)
+
+
 def numpy_columnwise(data, sizes):
-  """The column-wise copy (cuda/include/jaxfuse/columnwise.h) in numpy, as uint8 codes."""
+  """The column-wise copy (cuda/include/jaxfuse/columnwise.h) in numpy, as uint8 codes:
+  group g's rows as columns from columnwise_start(c_g, g) of a [K, W] matrix, zeros
+  elsewhere, in the blocked storage."""
   codes = np.asarray(data).view(np.uint8)
   m, k = codes.shape
-  out = np.zeros((k, quantize_ffi.columnwise_width(m, len(sizes))), np.uint8)
-  for g, (start, end) in enumerate(group_rows(sizes, m)):
+  columns = np.zeros((k, quantize_ffi.columnwise_width(m, len(sizes))), np.uint8)
+  rows = group_rows(sizes, m)
+  for g, (start, end) in enumerate(rows):
     first = quantize_ffi.columnwise_start(start, g)
     assert first % 16 == 0
-    out[:, first:first + end - start] = codes[start:end].T
-  return out
+    columns[:, first:first + end - start] = codes[start:end].T
+  return blocked_storage(columns, [start for start, _ in rows] + [rows[-1][1]])
 
 
 def random_fp8(seed, shape, dtype):
@@ -286,11 +303,11 @@ def test_group_columnwise_of_hostile_offsets(backend):
   out = np.asarray(jax.jit(quantize_ffi.group_columnwise)(data, offsets)).view(np.uint8)
   codes = np.asarray(data).view(np.uint8)
   clamped = np.maximum.accumulate(np.clip(hostile, 0, m))
-  want = np.zeros_like(out)
+  columns = np.zeros_like(out)
   for g in range(5):
     first = quantize_ffi.columnwise_start(int(clamped[g]), g)
-    want[:, first:first + clamped[g + 1] - clamped[g]] = codes[clamped[g]:clamped[g + 1]].T
-  np.testing.assert_array_equal(out, want)
+    columns[:, first:first + clamped[g + 1] - clamped[g]] = codes[clamped[g]:clamped[g + 1]].T
+  np.testing.assert_array_equal(out, blocked_storage(columns, clamped))
 
 
 def numpy_fp8_wgrad(x, x_s, dy, dy_s, sizes):

@@ -334,7 +334,7 @@ void Time(const char* label, gg::Form form, int G, int64_t rows_per_group, int64
   if (form == gg::Form::kForward) { a_count = m * k; b_count = G * k * n; out_count = m * n; }
   else if (form == gg::Form::kDgrad) { a_count = m * n; b_count = G * k * n; out_count = m * k; }
   else { a_count = m * k; b_count = m * n; out_count = G * k * n; }
-  // FP8 wgrad reads column-wise copies: a = x^T [k, W], b = dy^T [n, W].
+  // FP8 wgrad reads column-wise copies (jaxfuse/columnwise.h): k * W and n * W elements.
   const bool columnwise = fp8 && form == gg::Form::kWgrad;
   if (columnwise) {
     const int64_t width = jaxfuse::ColumnwiseWidth(m, G);
@@ -421,13 +421,8 @@ void Run16BitCases(const std::vector<Case>& cases, bool graph_first) {
         RunCase<T, T, T>(c, form, cfg, graph_first);
 }
 
-namespace jaxfuse::grouped_gemm::detail {
-bool& ColumnwiseBlockedForTiming();  // grouped_gemm.cu (experiment)
-}
-
 int main(int argc, char** argv) {
   bool perf = true, check = true, sweep = false, uniform_sweep = false, fp8_mainloops = false;
-  bool columnwise_layouts = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-perf") == 0) perf = false;
     if (std::strcmp(argv[i], "--perf-only") == 0) check = false;
@@ -439,8 +434,6 @@ int main(int argc, char** argv) {
     // Checks and times the promoted FP8 families' two mainloops (pipelined promotion, stock
     // CUTLASS) on both configs.
     if (std::strcmp(argv[i], "--fp8-mainloops") == 0) fp8_mainloops = true;
-    // Times the FP8 wgrad on the strided and the blocked column-wise layout, alternating.
-    if (std::strcmp(argv[i], "--columnwise-layouts") == 0) columnwise_layouts = true;
   }
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
@@ -489,22 +482,6 @@ int main(int argc, char** argv) {
         for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kUniform,
                                    gg::TileConfig::kAdaptive})
           Time<bf16, bf16, bf16>("bf16", form, s.G, s.rows, 2048, 4096, cfg);
-    perf = check = false;
-  }
-
-  if (columnwise_layouts) {
-    using bf16 = __nv_bfloat16;
-    bool& blocked = gg::detail::ColumnwiseBlockedForTiming();
-    struct Shape { int G; int64_t rows; };
-    for (int round = 0; round < 4; ++round)
-      for (const Shape s : {Shape{8, 8192}, Shape{16, 4096}, Shape{64, 512}, Shape{128, 512}})
-        for (bool layout : {false, true}) {
-          blocked = layout;
-          Time<__nv_fp8_e4m3, __nv_fp8_e5m2, bf16>(layout ? "fp8 blocked" : "fp8 strided",
-                                                   gg::Form::kWgrad, s.G, s.rows, 2048, 4096,
-                                                   gg::TileConfig::kLarge);
-        }
-    blocked = false;
     perf = check = false;
   }
 

@@ -164,8 +164,7 @@ struct SetupParams {
   char* out;
   int a_bytes, b_bytes, out_bytes;
   bool b_k_major_forward;  // FP8 forward: b = w^T [G, n, k]
-  int64_t columnwise_width;  // FP8 wgrad: a = x^T [k, width], b = dy^T [n, width]; else 0
-  bool columnwise_blocked;   // experiment: group g's block [k, start_{g+1} - start_g] at k * start_g
+  int64_t columnwise_width;  // FP8 wgrad: a = x^T, b = dy^T, blocked copies (columnwise.h); else 0
   const float* a_scale_inv;
   const float* b_scale_inv;
   // Outputs (workspace).
@@ -297,20 +296,13 @@ __device__ __forceinline__ void WriteGroup(const SetupParams& p, int g, int64_t 
     shape[0] = rows > 0 ? static_cast<int32_t>(p.k) : 0;
     shape[1] = rows > 0 ? static_cast<int32_t>(p.n) : 0;
     shape[2] = rows;
-    if (p.columnwise_width > 0) {  // K-major copies: group g's rows are columns from start
+    if (p.columnwise_width > 0) {  // K-major copies: group g's storage block (columnwise.h)
       const int64_t start = ColumnwiseStart(lo, g);
-      if (p.columnwise_blocked) {
-        const int64_t pitch = ColumnwiseStart(hi, g + 1) - start;
-        p.ptr_a[g] = p.a + start * p.k * p.a_bytes;
-        p.stride_a[g] = pitch;
-        p.ptr_b[g] = p.b + start * p.n * p.b_bytes;
-        p.stride_b[g] = pitch;
-      } else {
-        p.ptr_a[g] = p.a + start * p.a_bytes;
-        p.stride_a[g] = p.columnwise_width;
-        p.ptr_b[g] = p.b + start * p.b_bytes;
-        p.stride_b[g] = p.columnwise_width;
-      }
+      const int64_t begin = ColumnwiseBlockBegin(lo, g), end = ColumnwiseStart(hi, g + 1);
+      p.ptr_a[g] = p.a + ColumnwiseIndex(p.k, begin, end, 0, start) * p.a_bytes;
+      p.stride_a[g] = end - begin;
+      p.ptr_b[g] = p.b + ColumnwiseIndex(p.n, begin, end, 0, start) * p.b_bytes;
+      p.stride_b[g] = end - begin;
     } else {
       p.ptr_a[g] = p.a + lo * p.k * p.a_bytes;
       p.stride_a[g] = p.k;
@@ -477,20 +469,6 @@ __global__ void __launch_bounds__(kSetupThreads) SetupKernel(SetupParams p, Zero
 // Host API.
 
 namespace detail {
-// Experiment (JAXFUSE_COLUMNWISE_LAYOUT=blocked; check_grouped_gemm --columnwise-layouts sets
-// it directly): the FP8 wgrad reads group g's operands as one [k, start_{g+1} - start_g]
-// block at element k * start_g instead of columns of [k, W]. Timing only: the column-wise
-// copy still writes the strided layout.
-bool& ColumnwiseBlockedForTiming() {
-  static bool blocked = [] {
-    const char* layout = std::getenv("JAXFUSE_COLUMNWISE_LAYOUT");
-    return layout != nullptr && std::string(layout) == "blocked";
-  }();
-  return blocked;
-}
-}  // namespace detail
-
-namespace detail {
 TuningOptions& ActiveTuningOptions() {
   static TuningOptions options = [] {
     TuningOptions o;
@@ -632,7 +610,6 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   s.out_bytes = out_bytes;
   s.b_k_major_forward = IsFp8(p.a_type) && p.form == Form::kForward;
   s.columnwise_width = p.columnwise ? ColumnwiseWidth(p.m, p.num_groups) : 0;
-  s.columnwise_blocked = detail::ColumnwiseBlockedForTiming();
   s.a_scale_inv = p.a_scale_inv;
   s.b_scale_inv = p.b_scale_inv;
   s.clamped = reinterpret_cast<int64_t*>(base + layout.offsets);

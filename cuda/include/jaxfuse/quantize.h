@@ -344,10 +344,15 @@ inline void ColumnwiseCpu(const ColumnwiseProblem& p, const uint8_t* data,
   std::fill(out, out + p.cols * p.width, uint8_t{0});
   // c_g exactly as the grouped GEMM (and its wgrad reading this copy) clamps them.
   const std::vector<int64_t> clamped = ClampOffsets(offsets, p.groups, p.rows);
-  for (int64_t g = 0; g < p.groups; ++g) {
-    uint8_t* group_out = out + ColumnwiseStart(clamped[g], g) - clamped[g];
+  for (int64_t g = 0; g < p.groups; ++g) {  // the tail block (after the last group) stays zero
+    const int64_t begin = ColumnwiseBlockBegin(clamped[g], g);
+    const int64_t end = ColumnwiseStart(clamped[g + 1], g + 1);
+    const int64_t start = ColumnwiseStart(clamped[g], g);
     for (int64_t r = clamped[g]; r < clamped[g + 1]; ++r) {
-      for (int64_t i = 0; i < p.cols; ++i) group_out[i * p.width + r] = data[r * p.cols + i];
+      const int64_t col = start + (r - clamped[g]);
+      for (int64_t i = 0; i < p.cols; ++i) {
+        out[ColumnwiseIndex(p.cols, begin, end, i, col)] = data[r * p.cols + i];
+      }
     }
   }
 }

@@ -124,10 +124,13 @@ def columnwise_start(clamped_offset, group):
 
 
 def group_columnwise(data, offsets):
-  """FP8 data [M, K] (rows grouped by offsets int32 [G + 1]) -> its column-wise copy
-  [K, columnwise_width(M, G)]: group g's rows as columns from columnwise_start(c_g, g),
-  zeros elsewhere (cuda/include/jaxfuse/columnwise.h). The CUDA kernel needs K to be a
-  multiple of 16 (as the FP8 GEMMs do); the CPU handler takes any K."""
+  """FP8 data [M, K] (rows grouped by offsets int32 [G + 1]) -> its column-wise copy, a
+  buffer of shape [K, columnwise_width(M, G)]: group g's rows as columns from
+  columnwise_start(c_g, g) of a transposed [K, W] matrix, zeros elsewhere, stored in G + 1
+  row-major blocks cut at the group starts (the blocked layout of
+  cuda/include/jaxfuse/columnwise.h, which the FP8 wgrad reads: the buffer is not that
+  [K, W] matrix). The CUDA kernel needs K to be a multiple of 16 (as the FP8 GEMMs do);
+  the CPU handler takes any K."""
   ffi_registry.ensure_registered()
   rows, cols = data.shape
   groups = offsets.shape[0] - 1

@@ -272,13 +272,15 @@ def random_sizes(rng, groups, rows):
 @pytest.mark.parametrize("groups", [7, 1500], ids=["7_groups", "1500_groups"])
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8CurrentScaling(per_group=False)],
                          ids=["per_group", "per_tensor"])
-def test_current_scaling_with_many_rows(backend, groups, recipe):
-  """Tens of thousands of rows and up to 1500 groups: every row's group is found by a
-  binary search over the device offsets and its amax merged atomically into its group's
-  (a resident-grid variant with a per-block running amax was measured slower on the H200
-  and reverted; this test would catch a wrong merge at a group boundary in either)."""
+@pytest.mark.parametrize("rows, k", [(40000, 64), (6000, 2048)], ids=["narrow", "wide"])
+def test_current_scaling_with_many_rows(backend, groups, recipe, rows, k):
+  """Thousands of rows and up to 1500 groups: every row's group is found by a binary search
+  over the device offsets and its amax merged atomically into its group's. The GPU's plain
+  amax pass (GroupAmaxKernel) takes about 64 KB of rows per block, 512 narrow rows or 16
+  wide ones: with 7 groups most blocks lie inside one group (one flat run, one atomic) and
+  some straddle a boundary (a warp per row); with 1500 most straddle. A wrong merge at a
+  group boundary in either path changes a scale."""
   rng = np.random.default_rng(groups)
-  rows, k = 40000, 64
   x = helpers.random_array(rng, (rows, k), jnp.bfloat16, scale=2.0)
   x = x.at[rng.integers(0, rows, 50), rng.integers(0, k, 50)].set(40.0)  # lone maxima
   sizes = random_sizes(rng, groups, rows) if recipe.per_group else None

@@ -4,8 +4,13 @@ call each after a compile-only warm-up: a target for Nsight Compute on the GPU m
 e.g. after `gpu_run.sh prebuilt` (the prebuilt extension sits in /tmp/jaxfuse-head, which
 is not on sys.path by default):
 
-    cd /tmp/jaxfuse-head && PYTHONPATH=$PWD ncu --clock-control none -k regex:RowKernel \
-        --section SpeedOfLight --section WarpStateStats python3 scripts/ncu_activations.py
+    cd /tmp/jaxfuse-head && XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD \
+        ncu --clock-control none -k regex:RowKernel --section SpeedOfLight \
+        --section WarpStateStats python3 scripts/ncu_activations.py
+
+Without XLA_PYTHON_CLIENT_PREALLOCATE=false, JAX's pool (75% of the GPU) is what ncu saves
+and restores around every replay pass: one kernel then takes minutes. --launch-skip N
+--launch-count M picks kernels by their order (one or two launches per op, printed below).
 
 Each op runs once, so every kernel launch ncu reports belongs to one named op, in the order
 printed. `--mlp` takes the FP8 grouped MLP's shapes instead (T=65536, H=F=2048: 2F=4096)

@@ -14,8 +14,9 @@
 //   kDgrad    a = dy [m, n] e4m3|e5m2, b = w [G, k, n] e4m3
 //   kWgrad    columnwise = true: a = x^T, b = dy^T, the column-wise copies of the rows
 //             (jaxfuse/columnwise.h): a [k, ColumnwiseWidth(m, G)] e4m3,
-//             b [n, ColumnwiseWidth(m, G)] e4m3|e5m2; group g's rows are the columns from
-//             ColumnwiseStart(clamped offset g, g). out = dw [G, k, n] (zero for empty groups).
+//             b [n, ColumnwiseWidth(m, G)] e4m3|e5m2 buffers in blocked storage: group
+//             g's rows are the columns from ColumnwiseStart(clamped offset g, g) of its own
+//             row-major block. out = dw [G, k, n] (zero for empty groups).
 //   out = (a_scale_inv[g] * b_scale_inv[g]) * (a @ b) per group (a null scale pointer means 1).
 //   fast_accumulation (kForward with e4m3 x e4m3 only): accumulate in the tensor cores' FP8
 //   accumulator without promoting to fp32 registers every few k-blocks (faster, a little less

@@ -77,8 +77,8 @@ inline ffi::Error ParseGroupedProblem(const ffi::AnyBuffer& a, const ffi::AnyBuf
 }
 
 // The FP8 wgrad (both backends): dw[g] = x[rows_g]^T @ dy[rows_g] from the column-wise
-// copies (jaxfuse/columnwise.h) a = x^T [k, W], b = dy^T [n, W] with W = ColumnwiseWidth(rows,
-// G); out = dw [G, k, n]. `rows` (m) is the row count of the tensors the copies were made
+// copies (jaxfuse/columnwise.h, blocked storage in buffers a [k, W] and b [n, W], W =
+// ColumnwiseWidth(rows, G)); out = dw [G, k, n]. `rows` (m) is the row count of the tensors the copies were made
 // from (W alone does not determine it); offsets are clamped to it as in the other forms.
 inline ffi::Error ParseColumnwiseWgrad(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
                                        const ffi::AnyBuffer& offsets, const ffi::AnyBuffer& out,

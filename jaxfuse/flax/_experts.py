@@ -9,13 +9,10 @@ skips their quantization passes. These helpers keep the modules' dtype handling 
 
 from __future__ import annotations
 
-from typing import Any
-
 from jaxfuse._src.ops.grouped_linear import api as linear_api
 
 
-def is_quantized(value: Any) -> bool:
-  return linear_api.is_quantized_kernel(value)
+is_quantized = linear_api.is_quantized_kernel
 
 
 def quantize(kernel, recipe, dtype=None):

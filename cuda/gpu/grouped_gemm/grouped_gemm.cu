@@ -164,7 +164,7 @@ struct SetupParams {
   char* out;
   int a_bytes, b_bytes, out_bytes;
   bool b_k_major_forward;  // FP8 forward: b = w^T [G, n, k]
-  int64_t columnwise_width;  // FP8 wgrad: a = x^T, b = dy^T, blocked copies (columnwise.h); else 0
+  bool columnwise;  // FP8 wgrad: a = x^T, b = dy^T, the blocked column-wise copies (columnwise.h)
   const float* a_scale_inv;
   const float* b_scale_inv;
   // Outputs (workspace).
@@ -296,7 +296,7 @@ __device__ __forceinline__ void WriteGroup(const SetupParams& p, int g, int64_t 
     shape[0] = rows > 0 ? static_cast<int32_t>(p.k) : 0;
     shape[1] = rows > 0 ? static_cast<int32_t>(p.n) : 0;
     shape[2] = rows;
-    if (p.columnwise_width > 0) {  // K-major copies: group g's storage block (columnwise.h)
+    if (p.columnwise) {  // K-major copies: group g's storage block (columnwise.h)
       const int64_t start = ColumnwiseStart(lo, g);
       const int64_t begin = ColumnwiseBlockBegin(lo, g), end = ColumnwiseStart(hi, g + 1);
       p.ptr_a[g] = p.a + ColumnwiseIndex(p.k, begin, end, 0, start) * p.a_bytes;
@@ -609,7 +609,7 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   s.b_bytes = ElementBytes(p.b_type);
   s.out_bytes = out_bytes;
   s.b_k_major_forward = IsFp8(p.a_type) && p.form == Form::kForward;
-  s.columnwise_width = p.columnwise ? ColumnwiseWidth(p.m, p.num_groups) : 0;
+  s.columnwise = p.columnwise;
   s.a_scale_inv = p.a_scale_inv;
   s.b_scale_inv = p.b_scale_inv;
   s.clamped = reinterpret_cast<int64_t*>(base + layout.offsets);

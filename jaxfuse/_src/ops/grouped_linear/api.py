@@ -31,9 +31,7 @@ QUANTIZED_DTYPE_HINT = ("; quantize the kernel in x's dtype (quantize_experts(ke
                         "dtype=...))")
 
 
-def is_quantized_kernel(kernel) -> bool:
-  """Whether `kernel` is an FP8 expert weight from ``quantize_experts``."""
-  return isinstance(kernel, recipes.QuantizedArray)
+is_quantized_kernel = reference.is_quantized_kernel
 
 
 def kernel_facts(name: str, kernel) -> tuple[np.dtype, tuple[int, int, int]]:
@@ -84,13 +82,8 @@ def kernel_leaf(kernel):
 
 
 def expert_weights(kernel, recipe, untransposed: bool):
-  """(data [G, N, K], scale_inv [G], and with `untransposed` data [G, K, N]): the FP8
-  weights the grouped GEMMs read, quantized now from a 16-bit kernel or, for a
-  ``quantize_experts`` result, as they are (its gradient is stopped: a constant)."""
-  if not is_quantized_kernel(kernel):
-    return reference.quantize_experts_t(kernel, recipe, "ffi", untransposed=untransposed)
-  data, scale_inv = (jax.lax.stop_gradient(a) for a in (kernel.data, kernel.scale_inv))
-  return (data, scale_inv, jnp.swapaxes(data, 1, 2)) if untransposed else (data, scale_inv)
+  """reference.expert_weights on the FFI path: the FP8 weights the grouped GEMMs read."""
+  return reference.expert_weights(kernel, recipe, "ffi", untransposed=untransposed)
 
 
 def _validate(x, kernel, group_sizes, recipe, implementation: str) -> None:

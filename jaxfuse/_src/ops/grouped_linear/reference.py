@@ -61,6 +61,21 @@ def quantize_experts_t(kernel: jax.Array, recipe, implementation: str,
   return q.data, q.scale_inv
 
 
+def is_quantized_kernel(kernel) -> bool:
+  """Whether `kernel` is an FP8 expert weight from ``quantize_experts``."""
+  return isinstance(kernel, recipes.QuantizedArray)
+
+
+def expert_weights(kernel, recipe, implementation: str, untransposed: bool = False):
+  """(data [G, N, K], scale_inv [G], and with `untransposed` data [G, K, N]): the FP8
+  weights the grouped GEMMs read, quantized now from a 16-bit kernel (quantize_experts_t)
+  or, for a ``quantize_experts`` result, as they are (its gradient is stopped: a constant)."""
+  if not is_quantized_kernel(kernel):
+    return quantize_experts_t(kernel, recipe, implementation, untransposed=untransposed)
+  data, scale_inv = (jax.lax.stop_gradient(a) for a in (kernel.data, kernel.scale_inv))
+  return (data, scale_inv, jnp.swapaxes(data, 1, 2)) if untransposed else (data, scale_inv)
+
+
 def quantize_rows(value: jax.Array, recipe, offsets: jax.Array, role: str,
                   implementation: str):
   """Per-group (rows offsets[g]:offsets[g+1]) quantization: (data, scale_inv [G])."""
@@ -108,11 +123,8 @@ def grouped_linear_fp8(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
   offsets = clamped_offsets(group_sizes, m)
   sizes = jnp.diff(offsets)
   x_data, x_scale_inv = quantize_rows(x, recipe, offsets, "forward", "xla")
-  quantized_kernel = isinstance(kernel, recipes.QuantizedArray)  # from quantize_experts
-  if quantized_kernel:
-    w_t_data, w_scale_inv = (jax.lax.stop_gradient(a) for a in (kernel.data, kernel.scale_inv))
-  else:
-    w_t_data, w_scale_inv = quantize_experts_t(kernel, recipe, "xla")
+  quantized_kernel = is_quantized_kernel(kernel)  # from quantize_experts
+  w_t_data, w_scale_inv = expert_weights(kernel, recipe, "xla")
   w_data = jnp.swapaxes(w_t_data, 1, 2).astype(jnp.float32)
   exact, row_group = fp8_products(x_data, x_scale_inv, w_t_data, w_scale_inv, offsets)
   # The straight-through path, whose gradient the result carries (none for a quantized

@@ -133,6 +133,15 @@ def linear_scale_add_fp8_case(tokens, features):
   return step, (x, kernel, residual)
 
 
+def linear_scale_add_fp8_backward_case(tokens, features, xla=False):
+  """bench_linear_scale_add's FP8 fwd+bwd step (residual donated, fed back), or its bf16
+  XLA baseline: the three GEMMs against the quantizing passes."""
+  x, kernel, d_out = bench_linear_scale_add.operands(tokens, features, 1)
+  recipe = None if xla else jaxfuse.quantization.Float8CurrentScaling(per_group=False)
+  step = bench_linear_scale_add.make_step("xla" if xla else "ffi", backward=True, recipe=recipe)
+  return step, (x, kernel, d_out, d_out), lambda args, out: (args[0], args[1], out[0], args[3])
+
+
 def grouped_gemm_case(groups, rows_per_group, form, torch_baseline=False):
   """One bf16 grouped GEMM form on bench_grouped_linear's operands (K=2048, N=4096, equal
   sizes), jaxfuse's or torch._grouped_mm: the kernels' own device time, next to the
@@ -178,6 +187,11 @@ CASES = {
     "grouped_linear fp8 op fwd 128x512": lambda: grouped_linear_fp8_case(128, 512),
     "grouped_linear fp8 op fwd 8x8192": lambda: grouped_linear_fp8_case(8, 8192),
     "linear_scale_add fp8 8192^3 fwd": lambda: linear_scale_add_fp8_case(8192, 8192),
+    "linear_scale_add fp8 8192^3 fwd+bwd": lambda: linear_scale_add_fp8_backward_case(8192, 8192),
+    "xla bf16 linear_scale_add 8192^3 fwd+bwd": lambda: linear_scale_add_fp8_backward_case(
+        8192, 8192, xla=True),
+    "linear_scale_add fp8 65536x4096 fwd+bwd": lambda: linear_scale_add_fp8_backward_case(
+        65536, 4096),
 }
 for _groups, _rows in ((8, 8192), (64, 512), (128, 512)):
   for _form in ("fwd", "dgrad", "wgrad"):

@@ -350,6 +350,40 @@ def test_fp8_forward_matches_the_fp8_reference(backend, alpha):
   helpers.assert_close(out, helpers.as_f64(expected), jnp.bfloat16)
 
 
+def numpy_fp8_per_tensor(value, fp8_dtype):
+  """(FP8 values as float64, scale_inv) of per-tensor current scaling, in numpy: scale =
+  fp8_max / amax in float32, values rounded to nearest even (ml_dtypes)."""
+  value = np.asarray(value, np.float32)
+  fp8_max = np.float32(float(jnp.finfo(fp8_dtype).max))
+  scale = fp8_max / np.float32(np.abs(value).max())
+  data = (value * scale).astype(fp8_dtype)
+  return data.astype(np.float64), 1.0 / np.float64(scale)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_backward_matches_float64_of_the_fp8_operands(backend):
+  """dx = alpha * dy_q @ kernel_q^T and dkernel = alpha * x_q^T @ dy_q, with x and kernel
+  in E4M3 and dy in E5M2 (one scale each), dequantized and multiplied in float64: each
+  backward GEMM reads the right FP8 copy in the right layout (a wrong transpose or a
+  swapped scale is far outside bf16's tolerance)."""
+  leading, k, n = ((3, 32), 48, 64) if backend == "cpu" else ((2, 512), 512, 768)
+  alpha = -1.5
+  x, kernel, residual = on(backend, *make_inputs(25, leading, k, n, jnp.bfloat16))
+  d_out = on(backend, helpers.random_array(np.random.default_rng(26), (*leading, n),
+                                           jnp.bfloat16))[0]
+  fp8 = lambda *a: jaxfuse.linear_scale_add(*a, alpha, recipe=FP8_RECIPE, implementation="ffi")
+  d_x, d_kernel, d_residual = jax.jit(lambda *a: jax.vjp(fp8, *a[:3])[1](a[3]))(
+      x, kernel, residual, d_out)
+  x_q, x_si = numpy_fp8_per_tensor(helpers.as_f64(x).reshape(-1, k), jnp.float8_e4m3fn)
+  w_q, w_si = numpy_fp8_per_tensor(helpers.as_f64(kernel), jnp.float8_e4m3fn)
+  dy_q, dy_si = numpy_fp8_per_tensor(helpers.as_f64(d_out).reshape(-1, n), jnp.float8_e5m2)
+  expected_dx = alpha * (dy_q * dy_si) @ (w_q * w_si).T
+  expected_dkernel = alpha * (x_q * x_si).T @ (dy_q * dy_si)
+  helpers.assert_close(d_x, expected_dx.reshape(*leading, k), jnp.bfloat16, msg="dx")
+  helpers.assert_close(d_kernel, expected_dkernel, jnp.bfloat16, msg="dkernel")
+  np.testing.assert_array_equal(helpers.as_f64(d_residual), helpers.as_f64(d_out))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp8_accuracy_against_the_bf16_op(backend):
   """E4M3 keeps 3 mantissa bits (relative rounding <= 2^-4 per element); over a K-term
@@ -379,22 +413,28 @@ def test_fp8_runs_fp8_gemms_forward_and_backward():
   assert per_platform("jaxfuse_scaled_matmul") == 0
 
 
-def test_fp8_kernel_is_never_transposed_by_xla():
-  """The kernel's FP8 copies ([N, K] for the forward, [K, N] for the dgrad) come from one
-  quantizing pass: the compiled forward holds no transpose at all, and the backward only
-  the FP8 transposes of x and dy that the wgrad takes (M = 64, K = 128, N = 256)."""
+def test_fp8_operands_are_never_transposed_by_xla():
+  """Every FP8 operand comes from a quantizing pass in the layout its GEMM reads: the
+  kernel's [N, K] (forward) and [K, N] (dgrad) copies, and with a backward x's and dy's
+  [M, *] (forward, dgrad) and [*, M] (wgrad) copies. So neither the compiled forward nor
+  the backward holds a transpose, and the gradient runs three two-layout quantizing passes
+  (kernel, x, dy) (M = 64, K = 128, N = 256)."""
   x, kernel, residual = make_inputs(24, (64,), 128, 256, jnp.bfloat16)
   forward = lambda x, k, r: jaxfuse.linear_scale_add(x, k, r, 0.5, recipe=FP8_RECIPE,
                                                      implementation="ffi")
   loss = lambda x, k, r: jnp.sum(forward(x, k, r).astype(jnp.float32))
 
-  def transposes(fn):
-    text = jax.jit(fn).lower(x, kernel, residual).compile().as_text()
+  def compiled(fn):
+    return jax.jit(fn).lower(x, kernel, residual).compile().as_text()
+
+  def transposes(text):
     return re.findall(r"= (\w+)\[([\d,]+)\]\{[^}]*\} transpose\(", text)
 
-  assert transposes(forward) == []
-  backward = sorted(transposes(jax.grad(loss, argnums=(0, 1))))
-  assert backward == [("f8e4m3fn", "128,64"), ("f8e5m2", "256,64")], backward
+  assert transposes(compiled(forward)) == []
+  backward = compiled(jax.grad(loss, argnums=(0, 1)))
+  assert transposes(backward) == []
+  two_layout_passes = re.findall(r'custom_call_target="jaxfuse_quantize_transposed"', backward)
+  assert len(two_layout_passes) == 3, backward
 
 
 def test_fp8_donated_residual_is_updated_in_place():

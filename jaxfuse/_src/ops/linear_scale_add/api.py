@@ -113,27 +113,45 @@ def _fp8_forward(x, kernel, residual, alpha, recipe, varying_axes, for_backward=
   # E4M3 with one scale per tensor. The kernel goes in transposed ([N, K], K-major) from
   # one quantizing pass, which also writes the [K, N] copy the dgrad takes when a backward
   # follows (no transpose of the bf16 kernel here, none of the FP8 one there).
-  x_fp8, x_scale_inv = _quantize(x.reshape(-1, k), recipe, "forward")
   kernel_t_fp8, kernel_scale_inv, *kernel_fp8 = quantize_api.quantize_batches_transposed(
       kernel[None], recipe.forward_format, untransposed=for_backward)
+  if for_backward:
+    # x's FP8 values in both layouts from one pass: [M, K] for this GEMM and [K, M] (the
+    # wgrad's K-major operand) saved, instead of an XLA transpose of the FP8 x later.
+    x_t_fp8, x_scale_inv, x_fp8 = _quantize_both_layouts(x.reshape(-1, k), recipe.forward_format)
+  else:
+    x_fp8, x_scale_inv = _quantize(x.reshape(-1, k), recipe, "forward")
   out = sharding.linear_scale_add_fp8(x_fp8.reshape(x.shape), kernel_t_fp8[0], residual,
                                       x_scale_inv, kernel_scale_inv, alpha=alpha,
                                       fast_accumulation=recipe.forward_fast_accumulation)
   if not for_backward:
     return out, None
-  saved = (x_fp8, x_scale_inv, kernel_fp8[0][0], kernel_scale_inv,
+  saved = (x_t_fp8, x_scale_inv, kernel_fp8[0][0], kernel_scale_inv,
            jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
   return out, saved
 
 
+def _quantize_both_layouts(value, fmt):
+  """Per-tensor current scaling of value [R, C] in one pass that writes both layouts:
+  (data [C, R], scale_inv float32 [1], data [R, C]); the same values and scale as
+  ``_quantize`` with a per-tensor recipe (quantize_batches_transposed)."""
+  from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
+  data_t, scale_inv, data = quantize_api.quantize_batches_transposed(value[None], fmt,
+                                                                     untransposed=True)
+  return data_t[0], scale_inv, data[0]
+
+
 def _fp8_backward(alpha, recipe, varying_axes, saved, d_out):
-  x_fp8, x_scale_inv, kernel_fp8, kernel_scale_inv, x_like, kernel_like = saved
+  x_t_fp8, x_scale_inv, kernel_fp8, kernel_scale_inv, x_like, kernel_like = saved
   k, n = kernel_fp8.shape
   # Gradients in E5M2; split (non-fast) accumulation in both backward GEMMs, as TE does.
-  dy_fp8, dy_scale_inv = _quantize(d_out.reshape(-1, n), recipe, "gradient")
+  # dy in both layouts from one pass: [M, N] for the dgrad, [N, M] for the wgrad, whose
+  # FP8 operands must both be K-major (the contraction runs over the M rows).
+  dy_t_fp8, dy_scale_inv, dy_fp8 = _quantize_both_layouts(d_out.reshape(-1, n),
+                                                          recipe.gradient_format)
   d_x = sharding.scaled_matmul_fp8(dy_fp8, kernel_fp8, dy_scale_inv, kernel_scale_inv,
                                    alpha=alpha, out_dtype=x_like.dtype)
-  d_kernel = sharding.scaled_matmul_fp8(x_fp8.T, dy_fp8.T, x_scale_inv, dy_scale_inv,
+  d_kernel = sharding.scaled_matmul_fp8(x_t_fp8, dy_t_fp8, x_scale_inv, dy_scale_inv,
                                         alpha=alpha, out_dtype=kernel_like.dtype)
   return tuple(compat.match_varying_axes(cotangent, axes) for cotangent, axes in
                zip((d_x.reshape(*d_out.shape[:-1], k), d_kernel, d_out), varying_axes))

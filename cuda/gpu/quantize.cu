@@ -18,6 +18,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "jaxfuse/ffi_common.h"
@@ -182,14 +184,134 @@ SinkArgs<T> MakeSink(const QuantizeProblem& problem, ffi::AnyBuffer offsets, ffi
   return s;
 }
 
-// --- transposed, given amax (the FP8 forward weights of the grouped GEMM) ----------------
+// --- transposing a 128 x 128 tile of bytes in shared memory ------------------------------
+//
+// The tiled kernels below (QuantizeTransposedTiledKernel, ColumnwiseKernel) stage 128
+// source rows of 128 FP8 bytes in shared memory, row-major, with each row's 16-byte chunks
+// XOR-swizzled by the row's block of 16 (SwizzledChunk), and write the transpose. In the
+// store phase each thread takes four output rows (source bytes i0 .. i0 + 3) of one
+// 16-column part (source rows part * 16 ..): one 4-byte word of each of the part's 16
+// source rows holds those bytes (16 shared loads instead of 64), and byte permutes
+// transpose them in registers. A warp's four quads x eight parts hit 32 different banks
+// (the swizzle) and its stores cover 128 contiguous bytes of four output rows.
+constexpr int kByteTile = 128;                 // source rows = bytes per source row
+constexpr int kByteTileChunks = kByteTile / 16;  // 16-byte chunks per row, 16-row parts
+constexpr int kByteTileThreads = 256;
+static_assert(kByteTile / 4 * kByteTileChunks == kByteTileThreads, "one quad per thread");
 
-// One CUDA block per tile of kTileRows x kTileCols input elements of one batch entry: the
-// 16-byte loads run along C (coalesced), the FP8 bytes are staged in shared memory
-// transposed, and the 16-byte stores run along R (coalesced). The shared row pitch of 132
-// bytes keeps the transposing byte stores at 2-way bank conflicts and the 4-byte reads of
-// the store phase conflict-free (a pitch of 144 would allow 16-byte reads but puts all
-// eight lanes of a column on one bank).
+// Where chunk `chunk` of source row `row` lives in its shared row.
+__device__ __forceinline__ int SwizzledChunk(int row, int chunk) {
+  return chunk ^ ((row / 16) % kByteTileChunks);
+}
+
+// This thread's part and first output row in the store phase.
+__device__ __forceinline__ int ByteTilePart() { return threadIdx.x % kByteTileChunks; }
+__device__ __forceinline__ int ByteTileFirstOutputRow() {
+  return threadIdx.x / kByteTileChunks * 4;
+}
+
+// The words holding bytes i0 .. i0 + 3 of the part's 16 source rows.
+__device__ __forceinline__ void LoadTransposeSources(const uint8_t* tile, int part, int i0,
+                                                     uint32_t (&source)[16]) {
+  const int word_at = SwizzledChunk(part * 16, i0 / 16) * 16 + i0 % 16;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    source[j] = *reinterpret_cast<const uint32_t*>(tile + (part * 16 + j) * kByteTile + word_at);
+  }
+}
+
+// Output row i0 + r of the part: byte r of each source word, in source-row order.
+__device__ __forceinline__ uint4 TransposedRow(const uint32_t (&source)[16], int r) {
+  const unsigned pick = static_cast<unsigned>(r | ((r + 4) << 4));  // byte r of x, of y
+  uint32_t words[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const uint32_t low = __byte_perm(source[4 * w], source[4 * w + 1], pick);
+    const uint32_t high = __byte_perm(source[4 * w + 2], source[4 * w + 3], pick);
+    words[w] = __byte_perm(low, high, 0x5410);
+  }
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+// --- transposed, given amax (the FP8 weights of the GEMMs) -------------------------------
+
+// The tiled kernel: one tile of 128 rows x 128 columns of one batch entry per step of a
+// grid-stride loop (needs C % 8 == 0, R % 16 == 0, x, data 16-byte and the untransposed
+// copy 8-byte aligned). Loads: 16 threads cover 256 contiguous bytes of a row (bf16), 8
+// 16-byte loads in flight per thread. The FP8 bytes go to the untransposed copy (8-byte
+// stores, 128 contiguous bytes per row) and to the shared tile as whole 8-byte halves of
+// swizzled chunks, and leave transposed in 128-byte runs per output row. The first kernel
+// (below, any shape) staged single bytes at a 132-byte pitch and read 64-column tiles:
+// 2.6-2.8 TB/s on the grouped GEMMs' expert weights (profile_kernels, s19-s22).
+template <typename T>
+__global__ void __launch_bounds__(kByteTileThreads)
+QuantizeTransposedTiledKernel(const T* __restrict__ x, const float* __restrict__ amax,
+                              uint8_t* __restrict__ data, float* __restrict__ scale_inv,
+                              uint8_t* __restrict__ data_untransposed, int64_t batch,
+                              int64_t rows, int64_t cols, int64_t row_tiles, int64_t col_tiles,
+                              Fp8Format format) {
+  __shared__ __align__(16) uint8_t tile[kByteTile * kByteTile];
+  constexpr int kUnitsPerRow = kByteTile / 8;                             // 16
+  constexpr int kLoads = kByteTile * kUnitsPerRow / kByteTileThreads;    // 8
+  constexpr int kRowStep = kByteTileThreads / kUnitsPerRow;              // 16
+  const int64_t tiles = batch * row_tiles * col_tiles;
+  const float fp8_max = Fp8Max(format);
+  const int u = threadIdx.x % kUnitsPerRow, r_first = threadIdx.x / kUnitsPerRow;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t b = t / (row_tiles * col_tiles);
+    const int64_t rt = (t / col_tiles) % row_tiles;
+    const int64_t ct = t % col_tiles;
+    const float scale = ScaleFromAmax(amax[b], fp8_max);
+    if (rt == 0 && ct == 0 && threadIdx.x == 0) scale_inv[b] = 1.0f / scale;
+    const int64_t r0 = rt * kByteTile, c0 = ct * kByteTile;
+    const int64_t col = c0 + u * 8;
+    const bool col_in = col < cols;  // C % 8 == 0: a unit is whole or absent
+    const T* in = x + (b * rows + r0) * cols + col;
+    float v[kLoads][8];
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {  // all loads first: kLoads 16-byte vectors in flight
+      const int r = r_first + j * kRowStep;
+      gpu::Load8(in + r * cols, true, col_in && r0 + r < rows ? 8 : 0, v[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      const int r = r_first + j * kRowStep;
+      uint16_t pairs[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        pairs[k] = gpu::Fp8x2(v[j][2 * k] * scale, v[j][2 * k + 1] * scale, format);
+      }
+      const uint2 packed = make_uint2(pairs[0] | (static_cast<uint32_t>(pairs[1]) << 16),
+                                      pairs[2] | (static_cast<uint32_t>(pairs[3]) << 16));
+      // Rows and columns outside x stage zeros (Load8 read them as 0), never stored.
+      *reinterpret_cast<uint2*>(tile + r * kByteTile + SwizzledChunk(r, u / 2) * 16 +
+                                (u % 2) * 8) = packed;
+      if (data_untransposed != nullptr && col_in && r0 + r < rows) {
+        *reinterpret_cast<uint2*>(data_untransposed + (b * rows + r0 + r) * cols + col) = packed;
+      }
+    }
+    __syncthreads();
+    const int part = ByteTilePart(), i0 = ByteTileFirstOutputRow();
+    if (r0 + part * 16 < rows) {  // R % 16 == 0: a part is whole or absent
+      uint32_t source[16];
+      LoadTransposeSources(tile, part, i0, source);
+      uint8_t* out = data + (b * cols + c0) * rows + r0 + part * 16;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        if (c0 + i0 + r < cols) {
+          *reinterpret_cast<uint4*>(out + (i0 + r) * rows) = TransposedRow(source, r);
+        }
+      }
+    }
+    __syncthreads();  // the tile is rewritten by the next iteration
+  }
+}
+
+// The general kernel (any R, C, alignment): one tile of kTransposeTileRows x
+// kTransposeTileCols input elements per step. The 16-byte loads run along C (coalesced),
+// the FP8 bytes are staged in shared memory transposed, and the stores run along R. The
+// shared row pitch of 132 bytes keeps the transposing byte stores at 2-way bank conflicts
+// and the 4-byte reads of the store phase conflict-free.
 constexpr int kTransposeTileRows = 128;  // R per tile: one 128-byte FP8 line per output row
 constexpr int kTransposeTileCols = 64;   // C per tile: one 128-byte bf16 line per input row
 constexpr int kTransposePitch = kTransposeTileRows + 4;
@@ -197,7 +319,7 @@ constexpr int kTransposeThreads = 256;
 
 template <typename T>
 __global__ void __launch_bounds__(kTransposeThreads)
-QuantizeTransposedKernel(const T* __restrict__ x, const float* __restrict__ amax,
+QuantizeTransposedGeneralKernel(const T* __restrict__ x, const float* __restrict__ amax,
                          uint8_t* __restrict__ data, float* __restrict__ scale_inv,
                          uint8_t* __restrict__ data_untransposed, int64_t batch, int64_t rows,
                          int64_t cols, int64_t row_tiles, int64_t col_tiles, Fp8Format format,
@@ -313,6 +435,16 @@ __global__ void __launch_bounds__(256) Block2DKernel(const T* x, uint8_t* data, 
   }
 }
 
+// JAXFUSE_QUANTIZE_TRANSPOSED=general runs the general transposed kernel on every shape
+// (a benchmark knob for A/B against the tiled one; read once).
+bool TransposedGeneralForced() {
+  static const bool forced = [] {
+    const char* value = std::getenv("JAXFUSE_QUANTIZE_TRANSPOSED");
+    return value != nullptr && std::string(value) == "general";
+  }();
+  return forced;
+}
+
 // --- handlers ----------------------------------------------------------------------------
 
 ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer offsets,
@@ -376,20 +508,17 @@ ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
     return error;
   }
   if (problem.batch == 0) return ffi::Error::Success();
-  const int64_t row_tiles = CeilDiv(problem.rows, kTransposeTileRows);
-  const int64_t col_tiles = CeilDiv(problem.cols, kTransposeTileCols);
-  const int64_t tiles = problem.batch * row_tiles * col_tiles;
-  if (tiles == 0) {  // no elements (R or C is 0): only the scales
+  if (problem.rows == 0 || problem.cols == 0) {  // no elements: only the scales
     CurrentScaleInvKernel<<<1, 256, 0, stream>>>(static_cast<const float*>(amax.untyped_data()),
                                                  static_cast<float*>(scale_inv->untyped_data()),
                                                  problem.batch, problem.format);
     return gpu::LaunchError("scale_inv kernel");
   }
-  // Enough blocks for every SM several times over; each walks tiles with a stride.
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, int64_t{1} << 20));
   return gpu::DispatchFloat(x.element_type(), [&](auto zero) -> ffi::Error {
     using T = decltype(zero);
     const T* px = static_cast<const T*>(x.untyped_data());
+    const float* pamax = static_cast<const float*>(amax.untyped_data());
+    float* pscale_inv = static_cast<float*>(scale_inv->untyped_data());
     uint8_t* pd = static_cast<uint8_t*>(data->untyped_data());
     const bool vector_in = problem.cols % 8 == 0 && PointerAligned16(px);
     const bool vector_out = problem.rows % 16 == 0 && PointerAligned16(pd);
@@ -399,11 +528,25 @@ ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
     // 8-byte stores of the untransposed copy need it 8-byte aligned like x is 16-byte.
     const bool vector_straight = straight == nullptr ||
                                  (reinterpret_cast<uintptr_t>(straight) & 7u) == 0;
-    QuantizeTransposedKernel<T><<<grid, kTransposeThreads, 0, stream>>>(
-        px, static_cast<const float*>(amax.untyped_data()), pd,
-        static_cast<float*>(scale_inv->untyped_data()), straight, problem.batch, problem.rows,
-        problem.cols, row_tiles, col_tiles, problem.format, vector_in && vector_straight,
-        vector_out);
+    // Every tile in its own block (up to 2^20; then each walks tiles with a stride).
+    const auto grid_for = [](int64_t tiles) {
+      return static_cast<unsigned>(std::min<int64_t>(tiles, int64_t{1} << 20));
+    };
+    if (vector_in && vector_out && vector_straight && !TransposedGeneralForced()) {
+      const int64_t row_tiles = CeilDiv(problem.rows, kByteTile);
+      const int64_t col_tiles = CeilDiv(problem.cols, kByteTile);
+      QuantizeTransposedTiledKernel<T><<<grid_for(problem.batch * row_tiles * col_tiles),
+                                         kByteTileThreads, 0, stream>>>(
+          px, pamax, pd, pscale_inv, straight, problem.batch, problem.rows, problem.cols,
+          row_tiles, col_tiles, problem.format);
+      return gpu::LaunchError("transposed quantization kernel");
+    }
+    const int64_t row_tiles = CeilDiv(problem.rows, kTransposeTileRows);
+    const int64_t col_tiles = CeilDiv(problem.cols, kTransposeTileCols);
+    QuantizeTransposedGeneralKernel<T><<<grid_for(problem.batch * row_tiles * col_tiles),
+                                         kTransposeThreads, 0, stream>>>(
+        px, pamax, pd, pscale_inv, straight, problem.batch, problem.rows, problem.cols,
+        row_tiles, col_tiles, problem.format, vector_in && vector_straight, vector_out);
     return gpu::LaunchError("transposed quantization kernel");
   });
 }
@@ -414,13 +557,12 @@ ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
 // output columns (source rows). The block first finds the clamped offsets (running max) of
 // every group in shared memory, then the source row of each of its columns by binary
 // search (-1: padding, written as zero) and the storage block (jaxfuse/columnwise.h) of each
-// 16-column part: block boundaries are multiples of 16, so no part straddles two. Loads: 16 bytes along K of one source row
-// (coalesced); stores: 16 bytes along the columns of one output row. The tile's 16-byte
-// chunks are XOR-swizzled by source-row block so that the byte gathers of the store phase
-// (16 source rows, one output row) hit eight different bank quads.
-constexpr int kColumnwiseTileCols = 128;  // source rows per tile
-constexpr int kColumnwiseTileK = 128;     // source bytes per row per tile
-constexpr int kColumnwiseThreads = 256;
+// 16-column part: block boundaries are multiples of 16, so no part straddles two. Loads: 16
+// bytes along K of one source row (coalesced) into the swizzled byte tile; stores: the
+// byte-tile transposition above.
+constexpr int kColumnwiseTileCols = kByteTile;  // source rows per tile
+constexpr int kColumnwiseTileK = kByteTile;     // source bytes per row per tile
+constexpr int kColumnwiseThreads = kByteTileThreads;
 
 // c_g = max_{j <= g} clamp(offsets[j], 0, rows) for g in [0, count), into clamped[] (shared),
 // by the whole block: each thread scans a contiguous run, then a block scan of run maxima.
@@ -494,41 +636,21 @@ ColumnwiseKernel(const uint8_t* __restrict__ data, const int32_t* __restrict__ o
     const int64_t kk = k0 + chunk * 16;
     uint4 value = make_uint4(0, 0, 0, 0);
     if (row >= 0 && kk < cols) value = *reinterpret_cast<const uint4*>(data + row * cols + kk);
-    const int slot = chunk ^ ((q / 16) % kChunks);
-    *reinterpret_cast<uint4*>(tile + q * kColumnwiseTileK + slot * 16) = value;
+    *reinterpret_cast<uint4*>(tile + q * kColumnwiseTileK + SwizzledChunk(q, chunk) * 16) = value;
   }
   __syncthreads();
   // Store phase: each thread writes four output rows (k0 + i0 .. + 3) of one 16-column part.
-  // One 4-byte word of each of the part's 16 source rows holds those rows' bytes (16 shared
-  // loads instead of 64); byte permutes transpose them in registers. A warp's four quads x
-  // eight parts hit 32 different banks (the swizzle) and store 128 contiguous bytes per row.
-  static_assert(kColumnwiseTileK / 4 * kChunks == kColumnwiseThreads, "one quad per thread");
-  static_assert(kParts == kChunks, "a thread's part indexes both");
-  const int part = threadIdx.x % kChunks;
-  const int i0 = threadIdx.x / kChunks * 4;
+  const int part = ByteTilePart(), i0 = ByteTileFirstOutputRow();
   if (col0 + part * 16 >= width) return;
-  const int word_at = ((i0 / 16) ^ part) * 16 + i0 % 16;  // swizzled position of byte i0
   const int64_t begin = part_begin[part], end = part_end[part];
   uint32_t source[16];
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    source[j] = *reinterpret_cast<const uint32_t*>(tile + (part * 16 + j) * kColumnwiseTileK +
-                                                   word_at);
-  }
+  LoadTransposeSources(tile, part, i0, source);
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const int64_t kk = k0 + i0 + r;
     if (kk >= cols) break;
-    const unsigned pick = static_cast<unsigned>(r | ((r + 4) << 4));  // byte r of x, of y
-    uint32_t words[4];
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const uint32_t low = __byte_perm(source[4 * w], source[4 * w + 1], pick);
-      const uint32_t high = __byte_perm(source[4 * w + 2], source[4 * w + 3], pick);
-      words[w] = __byte_perm(low, high, 0x5410);
-    }
     *reinterpret_cast<uint4*>(out + ColumnwiseIndex(cols, begin, end, kk, col0 + part * 16)) =
-        make_uint4(words[0], words[1], words[2], words[3]);
+        TransposedRow(source, r);
   }
 }
 

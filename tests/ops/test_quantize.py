@@ -384,10 +384,12 @@ def experts_with_special_values(rng, shape, dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(4, 256, 128),  # whole tiles, vector loads and stores
-                                   (3, 300, 200),  # partial tiles
-                                   (5, 40, 24),    # 8-wide loads, byte stores (40 % 16)
-                                   (2, 33, 17),    # scalar loads and stores
+@pytest.mark.parametrize("shape", [(4, 256, 128),  # tiled kernel (GPU), whole tiles
+                                   (3, 272, 200),  # tiled, partial tiles in R and C
+                                   (2, 48, 392),   # tiled, C % 16 == 8, one partial R tile
+                                   (3, 300, 200),  # general kernel (R % 16 != 0), partial tiles
+                                   (5, 40, 24),    # general, 8-wide loads, byte stores
+                                   (2, 33, 17),    # general, scalar loads and stores
                                    (1, 16, 16)])
 def test_experts_transposed_kernel_matches_the_reference_bit_for_bit(backend, dtype, shape):
   from jaxfuse._src.ops.grouped_linear import reference  # pylint: disable=g-import-not-at-top

@@ -139,7 +139,8 @@ def linear_scale_add_fp8_backward_case(tokens, features, xla=False):
   x, kernel, d_out = bench_linear_scale_add.operands(tokens, features, 1)
   recipe = None if xla else jaxfuse.quantization.Float8CurrentScaling(per_group=False)
   step = bench_linear_scale_add.make_step("xla" if xla else "ffi", backward=True, recipe=recipe)
-  return step, (x, kernel, d_out, d_out), lambda args, out: (args[0], args[1], out[0], args[3])
+  residual = jnp.copy(d_out)  # its own buffer: the step donates it
+  return step, (x, kernel, residual, d_out), lambda args, out: (args[0], args[1], out[0], args[3])
 
 
 def grouped_gemm_case(groups, rows_per_group, form, torch_baseline=False):

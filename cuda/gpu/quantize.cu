@@ -235,21 +235,24 @@ __device__ __forceinline__ uint4 TransposedRow(const uint32_t (&source)[16], int
 
 // --- transposed, given amax (the FP8 weights of the GEMMs) -------------------------------
 
-// The tiled kernel: one tile of 128 rows x 128 columns of one batch entry per step of a
-// grid-stride loop (needs C % 8 == 0, R % 16 == 0, x, data 16-byte and the untransposed
-// copy 8-byte aligned). Loads: 16 threads cover 256 contiguous bytes of a row (bf16), 8
-// 16-byte loads in flight per thread. The FP8 bytes go to the untransposed copy (8-byte
-// stores, 128 contiguous bytes per row) and to the shared tile as whole 8-byte halves of
-// swizzled chunks, and leave transposed in 128-byte runs per output row. The first kernel
-// (below, any shape) staged single bytes at a 132-byte pitch and read 64-column tiles:
-// 2.6-2.8 TB/s on the grouped GEMMs' expert weights (profile_kernels, s19-s22).
+// The tiled kernel (16-bit x): one tile of 128 rows x 128 columns of one batch entry per
+// step of a grid-stride loop (needs C % 8 == 0, R % 16 == 0, x, data 16-byte and the
+// untransposed copy 8-byte aligned). Loads: 16 threads cover 256 contiguous bytes of a row,
+// 8 raw 16-byte loads in flight per thread (raw registers, converted one unit at a time:
+// at most 64 registers, so four blocks fit on an SM). The FP8 bytes go to the untransposed
+// copy (8-byte stores, 128 contiguous bytes per row) and to the shared tile as whole 8-byte
+// halves of swizzled chunks, and leave transposed in 128-byte runs per output row.
+// Nsight Compute on 128 x [2048, 4096] bf16 (s23): the general kernel below 54.5% of DRAM
+// bandwidth at 50% occupancy (63 registers); this one with float registers (123 registers,
+// 25% occupancy) 50.2%.
 template <typename T>
-__global__ void __launch_bounds__(kByteTileThreads)
+__global__ void __launch_bounds__(kByteTileThreads, 4)
 QuantizeTransposedTiledKernel(const T* __restrict__ x, const float* __restrict__ amax,
                               uint8_t* __restrict__ data, float* __restrict__ scale_inv,
                               uint8_t* __restrict__ data_untransposed, int64_t batch,
                               int64_t rows, int64_t cols, int64_t row_tiles, int64_t col_tiles,
                               Fp8Format format) {
+  static_assert(sizeof(T) == 2, "16-bit inputs: one 16-byte load per 8 elements");
   __shared__ __align__(16) uint8_t tile[kByteTile * kByteTile];
   constexpr int kUnitsPerRow = kByteTile / 8;                             // 16
   constexpr int kLoads = kByteTile * kUnitsPerRow / kByteTileThreads;    // 8
@@ -261,29 +264,32 @@ QuantizeTransposedTiledKernel(const T* __restrict__ x, const float* __restrict__
     const int64_t b = t / (row_tiles * col_tiles);
     const int64_t rt = (t / col_tiles) % row_tiles;
     const int64_t ct = t % col_tiles;
-    const float scale = ScaleFromAmax(amax[b], fp8_max);
-    if (rt == 0 && ct == 0 && threadIdx.x == 0) scale_inv[b] = 1.0f / scale;
     const int64_t r0 = rt * kByteTile, c0 = ct * kByteTile;
     const int64_t col = c0 + u * 8;
     const bool col_in = col < cols;  // C % 8 == 0: a unit is whole or absent
     const T* in = x + (b * rows + r0) * cols + col;
-    float v[kLoads][8];
+    uint4 raw[kLoads];
 #pragma unroll
-    for (int j = 0; j < kLoads; ++j) {  // all loads first: kLoads 16-byte vectors in flight
+    for (int j = 0; j < kLoads; ++j) {  // all loads first
       const int r = r_first + j * kRowStep;
-      gpu::Load8(in + r * cols, true, col_in && r0 + r < rows ? 8 : 0, v[j]);
+      raw[j] = col_in && r0 + r < rows ? __ldg(reinterpret_cast<const uint4*>(in + r * cols))
+                                       : make_uint4(0, 0, 0, 0);
     }
+    const float scale = ScaleFromAmax(amax[b], fp8_max);
+    if (rt == 0 && ct == 0 && threadIdx.x == 0) scale_inv[b] = 1.0f / scale;
 #pragma unroll
     for (int j = 0; j < kLoads; ++j) {
       const int r = r_first + j * kRowStep;
+      const T* e = reinterpret_cast<const T*>(&raw[j]);
       uint16_t pairs[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        pairs[k] = gpu::Fp8x2(v[j][2 * k] * scale, v[j][2 * k + 1] * scale, format);
+        pairs[k] = gpu::Fp8x2(gpu::LoadOne(e + 2 * k) * scale, gpu::LoadOne(e + 2 * k + 1) * scale,
+                              format);
       }
       const uint2 packed = make_uint2(pairs[0] | (static_cast<uint32_t>(pairs[1]) << 16),
                                       pairs[2] | (static_cast<uint32_t>(pairs[3]) << 16));
-      // Rows and columns outside x stage zeros (Load8 read them as 0), never stored.
+      // Rows and columns outside x stage zeros, never stored.
       *reinterpret_cast<uint2*>(tile + r * kByteTile + SwizzledChunk(r, u / 2) * 16 +
                                 (u % 2) * 8) = packed;
       if (data_untransposed != nullptr && col_in && r0 + r < rows) {
@@ -532,14 +538,16 @@ ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
     const auto grid_for = [](int64_t tiles) {
       return static_cast<unsigned>(std::min<int64_t>(tiles, int64_t{1} << 20));
     };
-    if (vector_in && vector_out && vector_straight && !TransposedGeneralForced()) {
-      const int64_t row_tiles = CeilDiv(problem.rows, kByteTile);
-      const int64_t col_tiles = CeilDiv(problem.cols, kByteTile);
-      QuantizeTransposedTiledKernel<T><<<grid_for(problem.batch * row_tiles * col_tiles),
-                                         kByteTileThreads, 0, stream>>>(
-          px, pamax, pd, pscale_inv, straight, problem.batch, problem.rows, problem.cols,
-          row_tiles, col_tiles, problem.format);
-      return gpu::LaunchError("transposed quantization kernel");
+    if constexpr (sizeof(T) == 2) {
+      if (vector_in && vector_out && vector_straight && !TransposedGeneralForced()) {
+        const int64_t row_tiles = CeilDiv(problem.rows, kByteTile);
+        const int64_t col_tiles = CeilDiv(problem.cols, kByteTile);
+        QuantizeTransposedTiledKernel<T><<<grid_for(problem.batch * row_tiles * col_tiles),
+                                           kByteTileThreads, 0, stream>>>(
+            px, pamax, pd, pscale_inv, straight, problem.batch, problem.rows, problem.cols,
+            row_tiles, col_tiles, problem.format);
+        return gpu::LaunchError("transposed quantization kernel");
+      }
     }
     const int64_t row_tiles = CeilDiv(problem.rows, kTransposeTileRows);
     const int64_t col_tiles = CeilDiv(problem.cols, kTransposeTileCols);

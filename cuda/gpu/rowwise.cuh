@@ -607,7 +607,7 @@ __device__ __forceinline__ void EndRow(const SinkArgs<T>& s, int64_t row, const 
 // (4b955f61: SwiGLU backward 0.855 -> 1.068 -> 1.302 ms, 1x128 quantized 0.683 -> 0.715
 // -> 0.863 ms): the extra registers cost more occupancy than the loads in flight gain.
 template <class P, SinkKind kKind, typename T>
-__global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
+__device__ __forceinline__ void RowKernelBody(const P& p, const SinkArgs<T>& s) {
   const int64_t units = p.Units();
   const int lanes = s.block / kUnit;  // block scaling: lanes per block (power of two)
   const float fp8_max = Fp8Max(s.format);
@@ -639,6 +639,17 @@ __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
     }
     EndRow<P, kKind>(s, row, state);
   }
+}
+
+template <class P, SinkKind kKind, typename T>
+__global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) { RowKernelBody<P, kKind, T>(p, s); }
+
+// RowKernel with registers capped for kMinBlocks resident blocks of 256 threads (launches
+// of at most 256 threads; JAXFUSE_ROWWISE_MIN_BLOCKS, the activation-gradient producers
+// only, whose 64 registers hold an SM to half its threads).
+template <class P, SinkKind kKind, typename T, int kMinBlocks>
+__global__ void __launch_bounds__(256, kMinBlocks) RowKernelCapped(P p, SinkArgs<T> s) {
+  RowKernelBody<P, kKind, T>(p, s);
 }
 
 // The tiling of a StagedRowKernel launch. A block owns rows blockIdx.x, + gridDim.x, ...;
@@ -769,6 +780,20 @@ inline int RowThreadsOverride() {
     return 0;
   }();
   return max_threads;
+}
+
+// JAXFUSE_ROWWISE_MIN_BLOCKS (5 or 6), or 0 when unset: RowKernelCapped's kMinBlocks for
+// the activation-gradient producers (48 and 40 registers). A benchmark
+// knob, read once.
+inline int RowMinBlocksOverride() {
+  static const int min_blocks = [] {
+    if (const char* value = std::getenv("JAXFUSE_ROWWISE_MIN_BLOCKS")) {
+      const int parsed = std::atoi(value);
+      if (parsed == 5 || parsed == 6) return parsed;
+    }
+    return 0;
+  }();
+  return min_blocks;
 }
 
 constexpr int kDefaultMaxRowThreads = 256;
@@ -905,7 +930,22 @@ void LaunchRowKernel(const P& p, const SinkArgs<T>& s, int64_t units, cudaStream
   }
   SinkArgs<T> args = s;
   args.prefetch = RowPrefetchLevel();
-  RowKernel<P, kKind, T><<<GridFor(s.rows), ThreadsFor(s.rows, units), 0, stream>>>(p, args);
+  const int threads = ThreadsFor(s.rows, units);
+  if constexpr (P::kSide) {
+    if (threads <= 256) {
+      switch (RowMinBlocksOverride()) {
+        case 5:
+          RowKernelCapped<P, kKind, T, 5><<<GridFor(s.rows), threads, 0, stream>>>(p, args);
+          return;
+        case 6:
+          RowKernelCapped<P, kKind, T, 6><<<GridFor(s.rows), threads, 0, stream>>>(p, args);
+          return;
+        default:
+          break;
+      }
+    }
+  }
+  RowKernel<P, kKind, T><<<GridFor(s.rows), threads, 0, stream>>>(p, args);
 }
 
 inline bool PointerAligned16(const void* p) {

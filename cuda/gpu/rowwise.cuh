@@ -645,8 +645,8 @@ template <class P, SinkKind kKind, typename T>
 __global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) { RowKernelBody<P, kKind, T>(p, s); }
 
 // RowKernel with registers capped for kMinBlocks resident blocks of 256 threads (launches
-// of at most 256 threads; JAXFUSE_ROWWISE_MIN_BLOCKS, the activation-gradient producers
-// only, whose 64 registers hold an SM to half its threads).
+// of at most 256 threads): the activation-gradient producers (GradientMinBlocks), whose 64
+// registers under RowKernel hold an SM to half its threads.
 template <class P, SinkKind kKind, typename T, int kMinBlocks>
 __global__ void __launch_bounds__(256, kMinBlocks) RowKernelCapped(P p, SinkArgs<T> s) {
   RowKernelBody<P, kKind, T>(p, s);
@@ -782,18 +782,31 @@ inline int RowThreadsOverride() {
   return max_threads;
 }
 
-// JAXFUSE_ROWWISE_MIN_BLOCKS (5 or 6), or 0 when unset: RowKernelCapped's kMinBlocks for
-// the activation-gradient producers (48 and 40 registers). A benchmark
-// knob, read once.
+// RowKernelCapped's kMinBlocks for the activation-gradient producers (P::kSide), or 0 for
+// RowKernel: JAXFUSE_ROWWISE_MIN_BLOCKS = 0, 5 or 6 (48 / 40 registers) for all of their
+// sinks (a benchmark knob, read once); unset, 5 for the current-scaling passes of the pair
+// producer. Those passes of the FP8 grouped MLP (T=65536, F=2048, 64-thread blocks) on the
+// H200 (d6a2cef8, profile_kernels_s23_regs*): amax 316 -> 283 (48) / 285 (40) us,
+// quantizing 276 -> 248 / 262 us; RowKernel's 64 registers left an SM at half its threads.
+constexpr int kDefaultGradientMinBlocks = 5;
+
 inline int RowMinBlocksOverride() {
   static const int min_blocks = [] {
     if (const char* value = std::getenv("JAXFUSE_ROWWISE_MIN_BLOCKS")) {
       const int parsed = std::atoi(value);
-      if (parsed == 5 || parsed == 6) return parsed;
+      if (parsed == 0 || parsed == 5 || parsed == 6) return parsed;
     }
-    return 0;
+    return -1;  // unset: the default rule
   }();
   return min_blocks;
+}
+
+template <class P, SinkKind kKind>
+int GradientMinBlocks() {
+  const int override_blocks = RowMinBlocksOverride();
+  if (override_blocks >= 0) return override_blocks;
+  const bool current = kKind == SinkKind::kAmax || kKind == SinkKind::kCurrent;
+  return current && P::kChunks == 2 ? kDefaultGradientMinBlocks : 0;
 }
 
 constexpr int kDefaultMaxRowThreads = 256;
@@ -933,7 +946,7 @@ void LaunchRowKernel(const P& p, const SinkArgs<T>& s, int64_t units, cudaStream
   const int threads = ThreadsFor(s.rows, units);
   if constexpr (P::kSide) {
     if (threads <= 256) {
-      switch (RowMinBlocksOverride()) {
+      switch (GradientMinBlocks<P, kKind>()) {
         case 5:
           RowKernelCapped<P, kKind, T, 5><<<GridFor(s.rows), threads, 0, stream>>>(p, args);
           return;

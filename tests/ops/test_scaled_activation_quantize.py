@@ -240,11 +240,13 @@ np.savez(sys.argv[1] + "/out.npz", **{k: np.asarray(v, np.uint8 if v.dtype == jn
      "JAXFUSE_ROWWISE_PREFETCH": "2"},
     {"JAXFUSE_ROWWISE_STAGED": "0", "JAXFUSE_ROWWISE_MAX_THREADS": "64",
      "JAXFUSE_ROWWISE_PREFETCH": "0"},
+    {"JAXFUSE_ROWWISE_STAGED": "0", "JAXFUSE_ROWWISE_MIN_BLOCKS": "0"},
     {"JAXFUSE_ROWWISE_STAGED": "0", "JAXFUSE_ROWWISE_MIN_BLOCKS": "5"},
     {"JAXFUSE_ROWWISE_STAGED": "0", "JAXFUSE_ROWWISE_MIN_BLOCKS": "6",
      "JAXFUSE_ROWWISE_MAX_THREADS": "64"},
 ], ids=["unstaged", "default", "staged", "staged_small_tiles", "prefetch_l2_long_rows",
-        "no_prefetch_long_rows", "gradient_registers_48", "gradient_registers_40_long_rows"])
+        "no_prefetch_long_rows", "gradient_registers_uncapped", "gradient_registers_48",
+        "gradient_registers_40_long_rows"])
 def test_gpu_row_kernel_variants_match(tmp_path, config):
   """The row kernels as the environment shapes them (read once per process, hence a
   subprocess each): RowKernel everywhere, the default choice (staged for the plain
@@ -252,7 +254,8 @@ def test_gpu_row_kernel_variants_match(tmp_path, config):
   (F=4800: a full tile and a ragged one per row), and with 32-vector tiles two stages deep
   (19 tiles a row, so the stages wrap many times within a row), and RowKernel at 64
   threads (10 steps a row, each prefetching the next) with L2 prefetch and without, and the
-  activation-gradient passes with their registers capped (RowKernelCapped). The
+  activation-gradient passes with RowKernel's registers (uncapped) and with every sink's
+  registers capped (RowKernelCapped; by default only the current-scaling passes). The
   plain activation and its backward (bf16 SwiGLU, float32 squared ReLU) against float64
   numpy; the fused quantization, forward and backward, per-group current, 1x128 and MXFP8,
   against the XLA reference."""

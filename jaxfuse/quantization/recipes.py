@@ -107,12 +107,20 @@ class QuantizedArray:
       [..., ceil(R / block), ceil(K / block)] for data [..., R, K]; "mxfp8": uint8
       [..., ceil(K / block)] biased exponents (2^(e - 127)).
     group_offsets: int32 [G + 1] for "per_group", else None.
+    data_untransposed: for a trainable "per_expert" array, the same FP8 values in the
+      kernel's layout [G, K, N] (what the FP8 dgrad reads), else None.
+    master: for a trainable "per_expert" array (``quantize_experts(..., trainable=True)``),
+      the 16-bit kernel [G, K, N] the values were quantized from: the ops that take the
+      array send the kernel's gradient there (the wgrad does not read the weights), so
+      one quantization can serve many calls that still train the kernel. Else None.
   Static fields: recipe, scaling_mode, block_size, dtype (the original dtype, which
   dequantize returns), role ("forward" or "gradient").
   """
   data: jax.Array
   scale_inv: jax.Array
   group_offsets: Optional[jax.Array] = None
+  data_untransposed: Optional[jax.Array] = None
+  master: Optional[jax.Array] = None
   recipe: Any = dataclasses.field(default=None, metadata=dict(static=True))
   scaling_mode: str = dataclasses.field(default="per_tensor", metadata=dict(static=True))
   block_size: int = dataclasses.field(default=0, metadata=dict(static=True))

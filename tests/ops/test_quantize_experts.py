@@ -1,8 +1,11 @@
 """jaxfuse.quantize_experts: FP8 expert weights quantized once, and grouped_linear /
 grouped_mlp taking them as kernels (same values as quantizing the 16-bit kernel in the
-call, no weight gradient), against float64 numpy; errors."""
+call; no weight gradient, or with trainable=True the 16-bit kernel's, through its master),
+against float64 numpy; errors."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +142,151 @@ def test_grouped_mlp_quantized_kernels_are_the_quantized_16bit_kernels(
       assert not np.asarray(d_q.data, np.float32).any()
     else:  # a 16-bit kernel beside a quantized one keeps its exact gradient
       np.testing.assert_array_equal(np.asarray(d_q, np.float32), np.asarray(d_16, np.float32))
+
+
+# --- trainable copies: quantized once, the gradient through their master ---------------
+
+FP8_16BIT_WGRAD = jaxfuse.quantization.Float8CurrentScaling(per_group=True, fp8_wgrad=False)
+
+
+@pytest.mark.parametrize("backend, implementation", BACKEND_IMPLEMENTATIONS)
+def test_trainable_copy_holds_the_kernel_and_both_layouts(backend, implementation):
+  (kernel,) = linear_tests.on(backend, _kernel())
+  q = jax.jit(lambda w: jaxfuse.quantize_experts(w, RECIPE, trainable=True,
+                                                 implementation=implementation))(kernel)
+  frozen = jaxfuse.quantize_experts(kernel, RECIPE, implementation=implementation)
+  same_bits = lambda a, b: np.testing.assert_array_equal(  # noqa: E731
+      np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)),
+      np.asarray(jax.lax.bitcast_convert_type(b, jnp.uint8)))
+  same_bits(q.data, frozen.data)
+  same_bits(q.data_untransposed, jnp.swapaxes(frozen.data, 1, 2))
+  np.testing.assert_array_equal(np.asarray(q.scale_inv), np.asarray(frozen.scale_inv))
+  np.testing.assert_array_equal(np.asarray(q.master, np.float32), np.asarray(kernel, np.float32))
+  assert frozen.master is None and frozen.data_untransposed is None
+
+
+@pytest.mark.parametrize("backend, implementation", BACKEND_IMPLEMENTATIONS)
+@pytest.mark.parametrize("recipe", [pytest.param(RECIPE, id="fp8_wgrad"),
+                                    pytest.param(FP8_16BIT_WGRAD, id="16bit_wgrad")])
+@pytest.mark.parametrize("case", ["uniform", "empty_groups", "sum_less_than_rows"])
+def test_grouped_linear_trains_a_trainable_copy_like_the_16bit_kernel(
+    backend, implementation, recipe, case):
+  """Quantizing in the call or once with trainable=True gives the same FP8 values and the
+  same backward, so output, dx and the kernel's gradient are bit-identical."""
+  m, k, n = (96, 32, 48) if backend == "cpu" else (1024, 256, 384)
+  sizes = linear_tests.sizes_cases(m)[case]
+  x, kernel = linear_tests.make_inputs(17, m, k, n, len(sizes), jnp.bfloat16)
+  dy = helpers.random_array(np.random.default_rng(18), (m, n), jnp.bfloat16)
+  x, kernel, dy, group_sizes = linear_tests.on(backend, x, kernel, dy,
+                                               jnp.asarray(sizes, jnp.int32))
+
+  def loss(x, kernel, trainable):
+    w = (jaxfuse.quantize_experts(kernel, recipe, trainable=True,
+                                  implementation=implementation) if trainable else kernel)
+    out = jaxfuse.grouped_linear(x, w, group_sizes, recipe=recipe,
+                                 implementation=implementation)
+    return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32)), out
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+  (dx_16, dw_16), out_16 = grad(x, kernel, False)
+  (dx_q, dw_q), out_q = grad(x, kernel, True)
+  for actual, expected in ((out_q, out_16), (dx_q, dx_16), (dw_q, dw_16)):
+    np.testing.assert_array_equal(np.asarray(actual, np.float32),
+                                  np.asarray(expected, np.float32))
+  assert np.abs(np.asarray(dw_q, np.float32)).max() > 0
+
+
+@pytest.mark.parametrize("backend, implementation", BACKEND_IMPLEMENTATIONS)
+@pytest.mark.parametrize("trainable", ["both", "kernel1", "kernel2"])
+def test_grouped_mlp_trains_trainable_copies_like_the_16bit_kernels(
+    backend, implementation, trainable):
+  m, hidden, ffn = (64, 32, 16) if backend == "cpu" else (1024, 512, 256)
+  sizes = mlp_tests.sizes_cases(m)["empty_groups"]
+  x, k1, k2, scales = mlp_tests.make_inputs(19, m, hidden, ffn, len(sizes), "swiglu",
+                                            jnp.bfloat16)
+  dy = helpers.random_array(np.random.default_rng(20), (m, hidden), jnp.bfloat16)
+  x, k1, k2, scales, dy, group_sizes = mlp_tests.on(backend, x, k1, k2, scales, dy,
+                                                    jnp.asarray(sizes, jnp.int32))
+  copy = lambda k: jaxfuse.quantize_experts(k, RECIPE, trainable=True,  # noqa: E731
+                                            implementation=implementation)
+
+  def loss(x, scales, k1, k2, which):
+    w1 = copy(k1) if which in ("both", "kernel1") else k1
+    w2 = copy(k2) if which in ("both", "kernel2") else k2
+    out = jaxfuse.grouped_mlp(x, w1, w2, group_sizes, scales, recipe=RECIPE,
+                              implementation=implementation)
+    return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32)), out
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True), static_argnums=4)
+  grads_16, out_16 = grad(x, scales, k1, k2, "none")
+  grads_q, out_q = grad(x, scales, k1, k2, trainable)
+  for actual, expected in zip((out_q, *grads_q), (out_16, *grads_16)):
+    np.testing.assert_array_equal(np.asarray(actual, np.float32),
+                                  np.asarray(expected, np.float32))
+  assert all(np.abs(np.asarray(g, np.float32)).max() > 0 for g in grads_q[2:])
+
+
+def _scan_bodies(jaxpr):
+  """The body jaxprs of every scan in a (closed) jaxpr, nested ones included."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  bodies = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      bodies.append(eqn.params["jaxpr"])
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+          bodies.extend(_scan_bodies(sub))
+  return bodies
+
+
+@pytest.mark.parametrize("implementation", ["ffi", "xla"])
+def test_gradient_accumulation_quantizes_the_weights_once(implementation):
+  """Gradient accumulation over three micro-batches, each taking its own gradient inside a
+  lax.scan: on one trainable copy made before the loop, the gradients gathered at its
+  master equal quantizing the 16-bit kernel in every micro-batch, and the loop body runs
+  no weight quantization (the 16-bit path's does, once per micro-batch)."""
+  micro, m, k, n, groups = 3, 64, 32, 48, 4
+  rng = np.random.default_rng(23)
+  xs = helpers.random_array(rng, (micro, m, k), jnp.bfloat16)
+  dys = helpers.random_array(rng, (micro, m, n), jnp.bfloat16)
+  kernel = helpers.random_array(rng, (groups, k, n), jnp.bfloat16, scale=k**-0.5)
+  sizes = jnp.asarray([20, 0, 30, 14], jnp.int32)
+
+  def micro_loss(w, x, dy):
+    out = jaxfuse.grouped_linear(x, w, sizes, recipe=RECIPE, implementation=implementation)
+    return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32))
+
+  def accumulated_gradient(kernel, trainable):
+    w = (jaxfuse.quantize_experts(kernel, RECIPE, trainable=True,
+                                  implementation=implementation) if trainable else kernel)
+
+    def micro_batch(total, batch):
+      g = jax.grad(micro_loss)(w, *batch)
+      return total + (g.master if trainable else g).astype(jnp.float32), None
+
+    return jax.lax.scan(micro_batch, jnp.zeros(kernel.shape, jnp.float32), (xs, dys))[0]
+
+  run = jax.jit(accumulated_gradient, static_argnums=1)
+  np.testing.assert_array_equal(np.asarray(run(kernel, True)), np.asarray(run(kernel, False)))
+  assert np.abs(np.asarray(run(kernel, True))).max() > 0
+  if implementation == "ffi":
+    weight_passes = lambda trainable: [  # noqa: E731
+        helpers.count_primitives(body, helpers.ffi_target("jaxfuse_quantize_transposed"))
+        for body in _scan_bodies(jax.make_jaxpr(accumulated_gradient, static_argnums=1)(
+            kernel, trainable))]
+    assert weight_passes(True) == [0]
+    assert weight_passes(False)[0] > 0
+
+
+def test_trainable_copy_with_a_foreign_master_is_rejected():
+  q = jaxfuse.quantize_experts(_kernel(), RECIPE, trainable=True)
+  x, sizes = jnp.ones((8, 32), jnp.bfloat16), jnp.array([2, 2, 2, 2], jnp.int32)
+  with pytest.raises(ValueError, match=r"master must have shape \(4, 32, 48\)"):
+    jaxfuse.grouped_linear(x, dataclasses.replace(q, master=q.master[:, :16]), sizes)
+  with pytest.raises(TypeError, match="master must have its dtype bfloat16"):
+    jaxfuse.grouped_linear(x, dataclasses.replace(q, master=q.master.astype(jnp.float32)),
+                           sizes)
 
 
 def _kernel():

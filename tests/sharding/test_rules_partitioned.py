@@ -242,6 +242,22 @@ def test_grouped_linear_and_mlp_on_quantized_kernels(mesh, sharding):
          grad_argnums=(0, 4))
 
 
+@pytest.mark.parametrize("sharding", ["tokens", "tokens_2axes"])
+def test_grouped_linear_on_a_trainable_quantized_kernel(mesh, sharding):
+  # quantize_experts(..., trainable=True) inside the differentiated function, tokens
+  # sharded: the kernel's gradient (the wgrad summed over the token axes) reaches it
+  # through the copy's master as unsharded.
+  x_spec = GL_SPECS[sharding][0]
+  rng = np.random.default_rng(29)
+  x = helpers.random_array(rng, (64, 32), jnp.bfloat16)
+  kernel = helpers.random_array(rng, (4, 32, 64), jnp.bfloat16, scale=1 / np.sqrt(32))
+  sizes = jnp.array(GL_SIZES["short_with_empty"], jnp.int32)
+  fn = lambda x, k, s: jaxfuse.grouped_linear(  # noqa: E731
+      x, jaxfuse.quantize_experts(k, PER_GROUP, trainable=True, **FFI), s, **FFI)
+  _check(fn, (x, kernel, sizes), mesh, (x_spec, P(), P()), jnp.bfloat16,
+         grad_argnums=(0, 1))
+
+
 # --- FP8 linear_scale_add --------------------------------------------------------------------
 
 LSA_FP8_SPECS = {  # (x, kernel, residual)

@@ -55,6 +55,15 @@ def kernel_facts(name: str, kernel) -> tuple[np.dtype, tuple[int, int, int]]:
   if tuple(kernel.scale_inv.shape) != (groups,):
     raise ValueError(f"a quantized {name} needs scale_inv float32 [{groups}] (one per expert), "
                      f"got {tuple(kernel.scale_inv.shape)}")
+  for field in ("data_untransposed", "master"):  # a trainable copy's [G, K, N] arrays
+    value = getattr(kernel, field)
+    if value is not None and tuple(value.shape) != (groups, k, n):
+      raise ValueError(f"a quantized {name}'s {field} must have shape {(groups, k, n)} (its "
+                       f"data {tuple(kernel.data.shape)} transposed per expert), got "
+                       f"{tuple(value.shape)}")
+  if kernel.master is not None and jnp.dtype(kernel.master.dtype) != jnp.dtype(kernel.dtype):
+    raise TypeError(f"a quantized {name}'s master must have its dtype {jnp.dtype(kernel.dtype)}, "
+                    f"got {kernel.master.dtype}")
   return jnp.dtype(kernel.dtype), (groups, k, n)
 
 
@@ -205,7 +214,8 @@ def grouped_linear_fp8_with_offsets(x, kernel, group_offsets, recipe,
   the weight's FP8 values as [G, K, N], written by the forward's quantization pass); wgrad
   in FP8 from the forward's FP8 x and the dgrad's FP8 output gradient (recipe.fp8_wgrad),
   else in 16-bit from the saved x. A `kernel` from ``quantize_experts`` is used as it is
-  and gets no gradient (its cotangent is None: a constant, like any quantize result).
+  and gets no gradient (its cotangent is None: a constant, like any quantize result),
+  unless it is trainable: then its cotangent holds the wgrad at ``master``.
   """
   return _fp8_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=False)[0]
 
@@ -221,9 +231,10 @@ def _fp8_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=Tr
   # The backward's wgrad input: the FP8 x (fp8_wgrad) or the 16-bit one; none for a
   # pre-quantized kernel, which gets no gradient.
   x_saved = (x_data, x_scale_inv) if recipe.fp8_wgrad else x
-  if is_quantized_kernel(kernel):
+  if reference.is_frozen_kernel(kernel):
     x_saved = None
-  return out, (x_saved, w_data[0] if w_data else None, w_scale_inv, group_offsets)
+  return out, (x_saved, w_data[0] if w_data else None, w_scale_inv, group_offsets,
+               reference.cotangent_template(kernel))
 
 
 def fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, dtype):
@@ -251,17 +262,19 @@ def fp8_wgrad(x_fp8, dy_fp8, group_offsets, dtype):
 
 
 def _fp8_backward(recipe, varying_axes, saved, d_out):
-  x_saved, w_data, w_scale_inv, group_offsets = saved
+  x_saved, w_data, w_scale_inv, group_offsets, template = saved
   dtype = d_out.dtype  # the output's, which is x's
   d_x, dy_fp8 = fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, dtype)
-  if x_saved is None:  # a pre-quantized kernel: a constant, no weight gradient
+  if x_saved is None:  # a frozen pre-quantized kernel: a constant, no weight gradient
     return compat.match_varying_axes(d_x, varying_axes[0]), None, None
   if recipe.fp8_wgrad:
     d_kernel = fp8_wgrad(x_saved, dy_fp8, group_offsets, dtype)
   else:
     d_kernel = sharding.grouped_gemm(x_saved, d_out, group_offsets, form=ffi.WGRAD)
-  return (compat.match_varying_axes(d_x, varying_axes[0]),
-          compat.match_varying_axes(d_kernel, varying_axes[1]), None)
+  d_kernel = compat.match_varying_axes(d_kernel, varying_axes[1])
+  # A trainable quantized kernel's gradient goes to its master.
+  kernel_ct = d_kernel if template is None else reference.kernel_cotangent(template, d_kernel)
+  return compat.match_varying_axes(d_x, varying_axes[0]), kernel_ct, None
 
 
 grouped_linear_fp8_with_offsets.defvjp(_fp8_forward, _fp8_backward)
@@ -287,7 +300,9 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
       FP8 recipe, its FP8 copy from ``jaxfuse.quantize_experts`` (quantized once, e.g. for
       inference or over the micro-batches of one step: the call then skips the weight's
       amax and quantization passes; the result is the same as from the 16-bit kernel
-      quantized with the same recipe). A quantized kernel gets no gradient.
+      quantized with the same recipe). A quantized kernel gets no gradient unless it was
+      made with ``trainable=True``: then its 16-bit master gets the gradient the 16-bit
+      kernel would.
     group_sizes: int32 [G], on the device. Negative sizes count as zero; sizes summing past
       M are cut at M; rows past the total come out as zeros. Under ``jax.jit`` with x
       sharded by tokens they still describe the rows of the whole x (each device derives
@@ -311,7 +326,7 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
   Returns:
     [M, N] in x's dtype (fp32 accumulation, one rounding).
 
-  Differentiable in x and kernel; the backward pass (dgrad dy @ W_g^T, wgrad x_g^T @ dy_g,
+  Differentiable in x and kernel (a trainable quantized kernel's master); the backward pass (dgrad dy @ W_g^T, wgrad x_g^T @ dy_g,
   zero for empty groups) reuses the forward pass's offsets.
 
   Raises:
@@ -334,7 +349,7 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
   return grouped_linear_with_offsets(x, kernel, offsets, varying_axes)
 
 
-def quantize_experts(kernel: jax.Array, recipe, *,
+def quantize_experts(kernel: jax.Array, recipe, *, trainable: bool = False,
                      implementation: str | None = None) -> recipes.QuantizedArray:
   """FP8 expert weights for ``grouped_linear`` / ``grouped_mlp``, quantized once.
 
@@ -344,17 +359,28 @@ def quantize_experts(kernel: jax.Array, recipe, *,
   one optimizer step) quantize them once here and pass the result as the kernel: the same
   FP8 values, without the two passes over the weights.
 
+  Training on such a copy: with ``trainable=True`` the result also keeps ``kernel`` (as
+  ``master``) and the FP8 values in the dgrad's layout, from the same pass. The ops then
+  compute the kernel's gradient as they would from the 16-bit kernel (the wgrad reads x
+  and the output gradient, not the weights) and return it through ``master`` to
+  ``kernel``: quantize once per optimizer step, outside a loop over micro-batches
+  (TransformerEngine's FP8 weight caching), and the gradients are those of quantizing in
+  every micro-batch.
+
   Args:
     kernel: [G, K, N] float32/bfloat16/float16, ``grouped_linear``'s kernel layout.
     recipe: ``jaxfuse.quantization.Float8CurrentScaling`` with E4M3 forward tensors (the
       call that takes the result must use the same recipe).
+    trainable: keep the kernel for its gradient (above); else the result is a constant.
     implementation: None, "ffi" or "xla" (same values).
 
   Returns:
     QuantizedArray with scaling_mode "per_expert": data float8_e4m3fn [G, N, K] (expert
     g's kernel transposed), scale_inv float32 [G] (1 / (448 / amax of expert g); 1 for an
-    all-zero expert), dtype kernel.dtype. ``jaxfuse.dequantize`` gives back [G, K, N].
-    Not differentiable (the gradient is stopped, as for every quantize result).
+    all-zero expert), dtype kernel.dtype; with ``trainable`` also data_untransposed
+    float8_e4m3fn [G, K, N] and master = kernel. ``jaxfuse.dequantize`` gives back
+    [G, K, N]. The FP8 values carry no gradient (as for every quantize result); a
+    trainable result's master is kernel itself, so its gradient reaches kernel.
 
   Raises:
     TypeError: kernel not a float array, or a recipe that is not Float8CurrentScaling.
@@ -369,8 +395,11 @@ def quantize_experts(kernel: jax.Array, recipe, *,
   dtype = checks.check_float_array("kernel", kernel)
   checks.check_rank("kernel", kernel, 3, "[G, K, N]")
   impl = implementation_lib.resolve(implementation)
-  data, scale_inv = reference.quantize_experts_t(jax.lax.stop_gradient(kernel), recipe, impl)
-  return recipes.QuantizedArray(data=data, scale_inv=scale_inv, recipe=recipe,
+  data, scale_inv, *straight = reference.quantize_experts_t(
+      jax.lax.stop_gradient(kernel), recipe, impl, untransposed=bool(trainable))
+  return recipes.QuantizedArray(data=data, scale_inv=scale_inv,
+                                data_untransposed=straight[0] if trainable else None,
+                                master=kernel if trainable else None, recipe=recipe,
                                 scaling_mode="per_expert", dtype=dtype, role="forward")
 
 

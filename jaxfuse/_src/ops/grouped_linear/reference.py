@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,14 +68,53 @@ def is_quantized_kernel(kernel) -> bool:
   return isinstance(kernel, recipes.QuantizedArray)
 
 
+def is_trainable_kernel(kernel) -> bool:
+  """Whether `kernel` is a ``quantize_experts(..., trainable=True)`` result: FP8 values
+  that the GEMMs read as they are, whose gradient goes to the 16-bit kernel kept as
+  ``kernel.master``."""
+  return is_quantized_kernel(kernel) and kernel.master is not None
+
+
+def is_frozen_kernel(kernel) -> bool:
+  """Whether `kernel` gets no gradient: a quantized kernel without a master."""
+  return is_quantized_kernel(kernel) and kernel.master is None
+
+
+def kernel_cotangent(kernel, d_kernel):
+  """The cotangent of a grouped GEMM's kernel argument from the kernel's gradient
+  d_kernel [G, K, N]: d_kernel itself for a 16-bit kernel; for a trainable quantized one
+  the QuantizedArray with d_kernel at ``master`` (no cotangent for the FP8 leaves); None
+  for a frozen one. `kernel` may be the leafless template of ``cotangent_template``."""
+  if not is_quantized_kernel(kernel):
+    return d_kernel
+  if d_kernel is None:
+    return None
+  return dataclasses.replace(kernel, data=None, scale_inv=None, group_offsets=None,
+                             data_untransposed=None, master=d_kernel)
+
+
+def cotangent_template(kernel):
+  """What a backward pass needs to build ``kernel_cotangent``, as a residual: the kernel's
+  pytree structure and static fields without its arrays (None for a 16-bit kernel)."""
+  if not is_quantized_kernel(kernel):
+    return None
+  return dataclasses.replace(kernel, data=None, scale_inv=None, group_offsets=None,
+                             data_untransposed=None, master=None)
+
+
 def expert_weights(kernel, recipe, implementation: str, untransposed: bool = False):
   """(data [G, N, K], scale_inv [G], and with `untransposed` data [G, K, N]): the FP8
   weights the grouped GEMMs read, quantized now from a 16-bit kernel (quantize_experts_t)
-  or, for a ``quantize_experts`` result, as they are (its gradient is stopped: a constant)."""
+  or, for a ``quantize_experts`` result, as they are (their gradient is stopped; a
+  trainable one's [G, K, N] copy is its own, written by the same pass)."""
   if not is_quantized_kernel(kernel):
     return quantize_experts_t(kernel, recipe, implementation, untransposed=untransposed)
   data, scale_inv = (jax.lax.stop_gradient(a) for a in (kernel.data, kernel.scale_inv))
-  return (data, scale_inv, jnp.swapaxes(data, 1, 2)) if untransposed else (data, scale_inv)
+  if not untransposed:
+    return data, scale_inv
+  straight = kernel.data_untransposed
+  straight = jnp.swapaxes(data, 1, 2) if straight is None else jax.lax.stop_gradient(straight)
+  return data, scale_inv, straight
 
 
 def quantize_rows(value: jax.Array, recipe, offsets: jax.Array, role: str,
@@ -117,7 +158,7 @@ def grouped_linear_fp8(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
   gradients are those of the product of the dequantized operands. The FFI backward
   quantizes the output gradient instead (E5M2 dgrad and, with recipe.fp8_wgrad, FP8 wgrad).
   `kernel` may be a ``quantize_experts`` QuantizedArray: its FP8 values are used as they
-  are, and it gets no gradient.
+  are, and it gets no gradient unless it is trainable (then its master does).
   """
   m = x.shape[0]
   offsets = clamped_offsets(group_sizes, m)
@@ -132,7 +173,12 @@ def grouped_linear_fp8(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
   x_scale_row = jnp.concatenate([x_scale_inv, jnp.ones((1,), jnp.float32)])[row_group]
   x_st = _straight_through(x, x_data.astype(jnp.float32) * x_scale_row[:, None])
   w_dequantized = w_data * w_scale_inv[:, None, None]
-  w_st = w_dequantized if quantized_kernel else _straight_through(kernel, w_dequantized)
+  if not quantized_kernel:
+    w_st = _straight_through(kernel, w_dequantized)
+  elif is_trainable_kernel(kernel):  # the gradient goes to the 16-bit master
+    w_st = _straight_through(kernel.master, w_dequantized)
+  else:
+    w_st = w_dequantized
   through = jax.lax.ragged_dot(x_st, w_st, sizes, precision=jax.lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
   out = through + jax.lax.stop_gradient(exact - through)

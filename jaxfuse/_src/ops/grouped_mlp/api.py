@@ -57,8 +57,9 @@ class Config(NamedTuple):
   linear_offset: float
   save_activation: bool
   recipe: object = None
-  # Which of (kernel1, kernel2) are quantize_experts results: used as given, no gradient.
-  quantized_kernels: tuple = (False, False)
+  # Which of (kernel1, kernel2) are frozen quantize_experts results: used as given, no
+  # gradient (a trainable one's gradient goes to its master).
+  frozen_kernels: tuple = (False, False)
 
   @property
   def act_kwargs(self) -> dict:
@@ -181,19 +182,20 @@ class _Fp8:
     else:
       x_saved = x
       a_saved = _activation(h, scales, config) if config.save_activation else None
-    # A quantized kernel gets no gradient: its wgrad's input need not be kept.
-    frozen1, frozen2 = config.quantized_kernels
+    # A frozen quantized kernel gets no gradient: its wgrad's input need not be kept.
+    frozen1, frozen2 = config.frozen_kernels
     x_saved = None if frozen1 else x_saved
     a_saved = None if frozen2 else a_saved
+    templates = tuple(linear_reference.cotangent_template(k) for k in (kernel1, kernel2))
     return y, (x_saved, w1[0], w1_scale_inv, w2[0], w2_scale_inv, group_offsets, scales, h,
-               a_saved)
+               a_saved, templates)
 
   @staticmethod
   def backward(config, varying_axes, saved, dy):
-    x, w1, w1_scale_inv, w2, w2_scale_inv, group_offsets, scales, h, a = saved
+    x, w1, w1_scale_inv, w2, w2_scale_inv, group_offsets, scales, h, a, templates = saved
     recipe = config.recipe
     dtype = dy.dtype  # the output's, which is x's
-    frozen1, frozen2 = config.quantized_kernels  # no weight gradient for these
+    frozen1, frozen2 = config.frozen_kernels  # no weight gradient for these
     da, dy_q = linear_api.fp8_dgrad(dy, w2, w2_scale_inv, group_offsets, recipe, dtype)
     if frozen2:
       d_kernel2 = None
@@ -216,9 +218,16 @@ class _Fp8:
     else:
       d_kernel1 = _gemm(x, dh, group_offsets, gemm_ffi.WGRAD)
     x_axes, k1_axes, k2_axes, _, s_axes = varying_axes
-    match = lambda d, axes: None if d is None else compat.match_varying_axes(d, axes)  # noqa: E731
-    return (compat.match_varying_axes(dx, x_axes), match(d_kernel1, k1_axes),
-            match(d_kernel2, k2_axes), None,
+
+    def kernel_ct(d_kernel, axes, template):  # a trainable kernel's gradient: its master's
+      if d_kernel is None:
+        return None
+      d_kernel = compat.match_varying_axes(d_kernel, axes)
+      return d_kernel if template is None else linear_reference.kernel_cotangent(template,
+                                                                                 d_kernel)
+
+    return (compat.match_varying_axes(dx, x_axes), kernel_ct(d_kernel1, k1_axes, templates[0]),
+            kernel_ct(d_kernel2, k2_axes, templates[1]), None,
             compat.match_varying_axes(d_scales.astype(scales.dtype), s_axes))
 
 
@@ -286,7 +295,8 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
       for "srelu"; x's dtype.
     kernel2: [G, F, H], x's dtype. With an FP8 recipe either kernel may instead be its
       FP8 copy from ``jaxfuse.quantize_experts`` (quantized once: for inference, or for the
-      micro-batches of one step), which skips its quantization passes; it gets no gradient.
+      micro-batches of one step), which skips its quantization passes; it gets no gradient
+      unless made with ``trainable=True`` (then its master gets the 16-bit kernel's).
     group_sizes: int32 [G] on the device (negative sizes count as zero; rows past the sum
       come out as zeros).
     scales: [M] float32 or x's dtype: per-row activation scale (an MoE layer passes the
@@ -309,7 +319,7 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
   Returns:
     [M, H] in x's dtype.
 
-  Differentiable in x, kernel1, kernel2 (unless quantized) and scales; one custom_vjp whose
+  Differentiable in x, kernel1, kernel2 (unless frozen quantized copies) and scales; one custom_vjp whose
   backward pass reuses the forward pass's offsets (computed once with
   ``jaxfuse.group_offsets``).
   """
@@ -325,9 +335,9 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
                                        limit, alpha, linear_offset, recipe)
     return reference.grouped_mlp(x, kernel1, kernel2, group_sizes, scales, activation, limit,
                                  alpha, linear_offset)
-  quantized = tuple(linear_api.is_quantized_kernel(k) for k in (kernel1, kernel2))
+  frozen = tuple(linear_reference.is_frozen_kernel(k) for k in (kernel1, kernel2))
   config = Config(activation, limit, alpha, linear_offset, bool(save_activation), recipe,
-                  quantized)
+                  frozen)
   offsets = offsets_api.group_offsets(group_sizes, implementation="ffi")
   varying_axes = tuple(compat.varying_axes(a) for a in (
       x, linear_api.kernel_leaf(kernel1), linear_api.kernel_leaf(kernel2), offsets, scales))

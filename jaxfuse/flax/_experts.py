@@ -15,12 +15,14 @@ from jaxfuse._src.ops.grouped_linear import api as linear_api
 is_quantized = linear_api.is_quantized_kernel
 
 
-def quantize(kernel, recipe, dtype=None):
+def quantize(kernel, recipe, dtype=None, trainable=False):
   """quantize_experts(kernel in `dtype`): cast first, so that the FP8 values equal those a
-  module with compute dtype `dtype` quantizes from its kernel in every call."""
+  module with compute dtype `dtype` quantizes from its kernel in every call (a trainable
+  copy's master is the cast kernel, whose gradient flows back through the cast)."""
   if is_quantized(kernel):
     return kernel
-  return linear_api.quantize_experts(kernel if dtype is None else kernel.astype(dtype), recipe)
+  return linear_api.quantize_experts(kernel if dtype is None else kernel.astype(dtype), recipe,
+                                     trainable=trainable)
 
 
 def promote(promote_dtype, x, kernels, dtype):

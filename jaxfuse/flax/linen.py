@@ -479,10 +479,13 @@ class MoE(nn.Module):
                 implementation=self.implementation)
 
 
-def quantize_expert_params(params, recipe, *, dtype=None, names=("kernel1", "kernel2")):
-  """FP8 inference: `params` with every rank-3 parameter named in `names` quantized once
-  (``jaxfuse.quantize_experts``); ``MoE`` (kernel1, kernel2) and ``GroupedLinear``
-  (names=("kernel",)) modules then run on them without quantizing in each call.
+def quantize_expert_params(params, recipe, *, dtype=None, names=("kernel1", "kernel2"),
+                           trainable=False):
+  """FP8 expert weights quantized once: `params` with every rank-3 parameter named in
+  `names` quantized (``jaxfuse.quantize_experts``); ``MoE`` (kernel1, kernel2) and
+  ``GroupedLinear`` (names=("kernel",)) modules then run on them without quantizing in each
+  call. For inference; or, with ``trainable=True``, for the micro-batches of a training
+  step (see ``jaxfuse.quantize_experts``).
 
   Args:
     params: a params tree (``variables["params"]``, or a subtree).
@@ -491,15 +494,19 @@ def quantize_expert_params(params, recipe, *, dtype=None, names=("kernel1", "ker
       FP8 values equal those each call would compute; None keeps the parameters' dtype
       (which must then be x's).
     names: parameter names to quantize; other leaves are left as they are.
+    trainable: keep each kernel (cast to `dtype`) as its copy's master: differentiated
+      through this call, the parameters get the gradients of the 16-bit modules; a
+      gradient taken with respect to the returned tree holds them at each copy's
+      ``.master``.
 
   Returns:
-    The same tree with those leaves replaced by QuantizedArrays. They are constants: the
-    modules give them no gradient.
+    The same tree with those leaves replaced by QuantizedArrays: constants (the modules
+    give them no gradient), or trainable copies.
   """
   def visit(path, leaf):
     name = getattr(path[-1], "key", None) if path else None
     if name in names and jnp.ndim(leaf) == 3:
-      return _experts.quantize(leaf, recipe, dtype)
+      return _experts.quantize(leaf, recipe, dtype, trainable)
     return leaf
 
   return jax.tree_util.tree_map_with_path(visit, params)

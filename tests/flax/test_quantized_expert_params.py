@@ -55,6 +55,30 @@ def test_linen_moe_on_quantized_params(implementation):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_linen_moe_trains_on_trainable_quantized_params(implementation):
+  """quantize_expert_params(..., trainable=True) inside the loss: every parameter's gradient
+  (the float32 expert kernels' through the bf16 cast and the copies' masters, the
+  router's) equals the 16-bit module's, which quantizes its kernels in the call."""
+  module = jf_linen.MoE(num_experts=EXPERTS, ffn_features=FFN, top_k=TOPK, dtype=jnp.bfloat16,
+                        recipe=RECIPE, implementation=implementation)
+  x = inputs(3)
+  params = module.init(jax.random.key(1), x)["params"]
+
+  def loss(p, trainable):
+    if trainable:
+      p = jf_linen.quantize_expert_params(p, RECIPE, dtype=jnp.bfloat16, trainable=True)
+    out, aux = module.apply({"params": p}, x)
+    return jnp.sum(out.astype(jnp.float32) ** 2) + aux
+
+  grad = jax.jit(jax.grad(loss), static_argnums=1)
+  grads_q, grads_16 = grad(params, True), grad(params, False)
+  for name in ("kernel1", "kernel2", "router"):
+    assert grads_q[name].dtype == params[name].dtype
+    assert_equal(grads_q[name], grads_16[name])
+    assert np.abs(np.asarray(grads_q[name], np.float32)).max() > 0
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_nnx_moe_and_grouped_linear_on_quantized_params(implementation):
   rngs = nnx.Rngs(0)
   moe = jf_nnx.MoE(HIDDEN, EXPERTS, FFN, top_k=TOPK, dtype=jnp.bfloat16, recipe=RECIPE,

@@ -11,7 +11,9 @@ x [m, K] x w^T [G, N, K], fast accumulation as the recipe's default; "fp8 promot
 forward with fp32 promotion; dgrad: E5M2 dy x E4M3 w [G, K, N]), and "op fwd" / "op fwd+bwd":
 jaxfuse.grouped_linear with recipe=Float8CurrentScaling(per_group=True), quantization
 included, against the bf16 op (precision "bf16", same rows); "fp8 quantized kernel" the
-op's forward on weights quantized once (jaxfuse.quantize_experts, as for inference). FP8
+op on weights quantized once: its forward on a constant copy (jaxfuse.quantize_experts, as
+for inference), its fwd+bwd on a trainable one (trainable=True: one micro-batch of a step
+whose weights are quantized before its micro-batch loop, the kernel's gradient included). FP8
 wgrad: "fp8" takes the row-wise E4M3 x and E5M2 dy, so it includes their two column-wise
 copies (jaxfuse_group_columnwise); "fp8 columnwise" is the wgrad kernel alone on ready
 copies.
@@ -103,6 +105,17 @@ def fp8_steps(x, w, dy, offsets):
   w_quantized = jaxfuse.quantize_experts(w, recipe)
   quantized_kernel_fwd = jax.jit(lambda x, q, s: jaxfuse.grouped_linear(
       x, q, s, implementation="ffi"))
+  # fwd+bwd on a trainable copy quantized once (quantize_experts(..., trainable=True)): one
+  # micro-batch of a step whose weights were quantized before its micro-batch loop; the
+  # kernel's gradient comes back at the copy's master.
+  w_trainable = jaxfuse.quantize_experts(w, recipe, trainable=True)
+
+  @jax.jit
+  def quantized_kernel_fwd_bwd(x, q, s, dy):
+    out, vjp = jax.vjp(lambda x, q: jaxfuse.grouped_linear(x, q, s, implementation="ffi"), x, q)
+    d_x, d_q = vjp(dy)
+    return out, (d_x, d_q.master)
+
   return {
       ("fp8", "fwd"): (gemm(grouped_ffi.FORWARD, recipe.forward_fast_accumulation),
                        (x_q, w_t_q, offsets, x_s, w_s)),
@@ -113,6 +126,8 @@ def fp8_steps(x, w, dy, offsets):
       ("fp8", "op fwd"): (fp8_fwd, (x, w, sizes)),
       ("fp8 quantized kernel", "op fwd"): (quantized_kernel_fwd, (x, w_quantized, sizes)),
       ("fp8", "op fwd+bwd"): (fp8_fwd_bwd, (x, w, sizes, dy)),
+      ("fp8 quantized kernel", "op fwd+bwd"): (quantized_kernel_fwd_bwd,
+                                               (x, w_trainable, sizes, dy)),
       ("bf16", "op fwd"): (bf16_fwd, (x, w, sizes)),
       ("bf16", "op fwd+bwd"): (bf16_fwd_bwd, (x, w, sizes, dy)),
   }

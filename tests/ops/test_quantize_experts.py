@@ -358,6 +358,34 @@ def test_moe_quantized_experts_are_the_quantized_16bit_experts(backend, implemen
   assert np.abs(np.asarray(out_q, np.float32)).max() > 0
 
 
+@pytest.mark.parametrize("backend, implementation", BACKEND_IMPLEMENTATIONS)
+def test_moe_trains_trainable_expert_copies_like_the_16bit_experts(backend, implementation):
+  """jaxfuse.moe on trainable copies made inside the loss: every gradient (x, router, both
+  expert kernels) equals the 16-bit experts' under the same recipe."""
+  tokens, hidden, ffn, experts = (48, 32, 16, 4) if backend == "cpu" else (512, 256, 128, 8)
+  rng = np.random.default_rng(31)
+  x = helpers.random_array(rng, (tokens, hidden), jnp.bfloat16)
+  router = helpers.random_array(rng, (hidden, experts), jnp.float32, scale=0.5)
+  k1 = helpers.random_array(rng, (experts, hidden, 2 * ffn), jnp.bfloat16, scale=hidden**-0.5)
+  k2 = helpers.random_array(rng, (experts, ffn, hidden), jnp.bfloat16, scale=ffn**-0.5)
+  dy = helpers.random_array(rng, (tokens, hidden), jnp.bfloat16)
+  x, router, k1, k2, dy = linear_tests.on(backend, x, router, k1, k2, dy)
+
+  def loss(x, router, k1, k2, trainable):
+    if trainable:
+      k1, k2 = (jaxfuse.quantize_experts(k, RECIPE, trainable=True,
+                                         implementation=implementation) for k in (k1, k2))
+    out, aux = jaxfuse.moe(x, router, k1, k2, top_k=2, recipe=RECIPE,
+                           implementation=implementation)
+    return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32)) + aux
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)), static_argnums=4)
+  for actual, expected in zip(grad(x, router, k1, k2, True), grad(x, router, k1, k2, False)):
+    np.testing.assert_array_equal(np.asarray(actual, np.float32),
+                                  np.asarray(expected, np.float32))
+    assert np.abs(np.asarray(actual, np.float32)).max() > 0
+
+
 def test_grouped_mlp_16bit_wgrad_recipe_on_quantized_kernels():
   """recipe.fp8_wgrad=False with quantized kernels: no weight gradient is computed (the
   16-bit wgrads' inputs are not kept), dx and dscales equal the 16-bit kernels' path."""

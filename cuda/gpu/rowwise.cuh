@@ -600,9 +600,10 @@ __device__ __forceinline__ void EndRow(const SinkArgs<T>& s, int64_t row, const 
   }
 }
 
-// Launch bounds of 512 threads, the most ThreadsFor() returns: every instantiation stays
-// at or under 64 registers with it, without spills (nvcc 13.0, e9c2e614). One unit per
-// thread per step, with the next step's unit prefetched (SinkArgs::prefetch): two or four
+// RowKernel: launch bounds of 512 threads, the most ThreadsFor() returns; every
+// instantiation stays at or under 64 registers with them, without spills (nvcc 13.0,
+// e9c2e614). One unit per thread per step, with the next step's unit prefetched
+// (SinkArgs::prefetch): two or four
 // units per step (all loads issued first) measured slower on the H200 at T=65536, 2F=8192
 // (4b955f61: SwiGLU backward 0.855 -> 1.068 -> 1.302 ms, 1x128 quantized 0.683 -> 0.715
 // -> 0.863 ms): the extra registers cost more occupancy than the loads in flight gain.
@@ -642,7 +643,9 @@ __device__ __forceinline__ void RowKernelBody(const P& p, const SinkArgs<T>& s) 
 }
 
 template <class P, SinkKind kKind, typename T>
-__global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) { RowKernelBody<P, kKind, T>(p, s); }
+__global__ void __launch_bounds__(512) RowKernel(P p, SinkArgs<T> s) {
+  RowKernelBody<P, kKind, T>(p, s);
+}
 
 // RowKernel with registers capped for kMinBlocks resident blocks of 256 threads (launches
 // of at most 256 threads): the activation-gradient producers (GradientMinBlocks), whose 64

@@ -42,18 +42,21 @@ def assert_close(actual, expected, dtype, *, scale=None, msg: str = "") -> None:
   assert error <= rtol(dtype), f"{msg} relative error {error:.3g} > {rtol(dtype):.3g} ({dtype})"
 
 
-def count_primitives(jaxpr, predicate) -> int:
-  """Equations of a (closed) jaxpr, sub-jaxprs included, for which predicate(eqn) holds."""
+def equations(jaxpr):
+  """Every equation of a (closed) jaxpr, those of its sub-jaxprs (scan and cond bodies,
+  custom rules) included, depth first."""
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  count = 0
   for eqn in jaxpr.eqns:
-    if predicate(eqn):
-      count += 1
+    yield eqn
     for param in eqn.params.values():
       for sub in param if isinstance(param, (tuple, list)) else (param,):
         if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
-          count += count_primitives(sub, predicate)
-  return count
+          yield from equations(sub)
+
+
+def count_primitives(jaxpr, predicate) -> int:
+  """Equations of a (closed) jaxpr, sub-jaxprs included, for which predicate(eqn) holds."""
+  return sum(1 for eqn in equations(jaxpr) if predicate(eqn))
 
 
 def ffi_target(name: str):

@@ -72,6 +72,16 @@ def test_quantize_experts_matches_float64_numpy(backend, implementation, dtype):
   assert (np.abs(helpers.as_f64(restored) - w) <= restored_bound + slack + 1e-30).all()
 
 
+def _linear_case(backend, case, seed):
+  """(x, kernel, dy, group_sizes on `backend`, the sizes as a list) of a grouped_linear
+  case of linear_tests.sizes_cases: small on the CPU, 1024 rows on the GPU."""
+  m, k, n = (96, 32, 48) if backend == "cpu" else (1024, 256, 384)
+  sizes = linear_tests.sizes_cases(m)[case]
+  x, kernel = linear_tests.make_inputs(seed, m, k, n, len(sizes), jnp.bfloat16)
+  dy = helpers.random_array(np.random.default_rng(seed + 1), (m, n), jnp.bfloat16)
+  return (*linear_tests.on(backend, x, kernel, dy, jnp.asarray(sizes, jnp.int32)), sizes)
+
+
 @pytest.mark.parametrize("backend, implementation", BACKEND_IMPLEMENTATIONS)
 @pytest.mark.parametrize("recipe", [pytest.param(RECIPE, id="fast"),
                                     pytest.param(PROMOTED, id="promoted")])
@@ -81,12 +91,7 @@ def test_grouped_linear_quantized_kernel_is_the_quantized_16bit_kernel(
     backend, implementation, recipe, case):
   """The quantized kernel's FP8 values are the ones the call would compute from the 16-bit
   kernel, so the result and dx must be bit-identical; the kernel gets no gradient."""
-  m, k, n = (96, 32, 48) if backend == "cpu" else (1024, 256, 384)
-  sizes = linear_tests.sizes_cases(m)[case]
-  x, kernel = linear_tests.make_inputs(7, m, k, n, len(sizes), jnp.bfloat16)
-  dy = helpers.random_array(np.random.default_rng(8), (m, n), jnp.bfloat16)
-  x, kernel, dy, group_sizes = linear_tests.on(backend, x, kernel, dy,
-                                               jnp.asarray(sizes, jnp.int32))
+  x, kernel, dy, group_sizes, sizes = _linear_case(backend, case, 7)
   q = jaxfuse.quantize_experts(kernel, recipe, implementation=implementation)
 
   def loss(x, w, recipe_):
@@ -110,17 +115,22 @@ def test_grouped_linear_quantized_kernel_is_the_quantized_16bit_kernel(
   assert np.abs(helpers.as_f64(out_q) - expected).max() <= 2e-2 * scale
 
 
+def _mlp_case(backend, seed):
+  """(x, kernel1, kernel2, scales, dy, group_sizes) of a SwiGLU grouped MLP with an empty
+  group, on `backend`: small on the CPU, 1024 rows on the GPU."""
+  m, hidden, ffn = (64, 32, 16) if backend == "cpu" else (1024, 512, 256)
+  sizes = mlp_tests.sizes_cases(m)["empty_groups"]
+  x, k1, k2, scales = mlp_tests.make_inputs(seed, m, hidden, ffn, len(sizes), "swiglu",
+                                            jnp.bfloat16)
+  dy = helpers.random_array(np.random.default_rng(seed + 1), (m, hidden), jnp.bfloat16)
+  return mlp_tests.on(backend, x, k1, k2, scales, dy, jnp.asarray(sizes, jnp.int32))
+
+
 @pytest.mark.parametrize("backend, implementation", BACKEND_IMPLEMENTATIONS)
 @pytest.mark.parametrize("quantized", ["both", "kernel1", "kernel2"])
 def test_grouped_mlp_quantized_kernels_are_the_quantized_16bit_kernels(
     backend, implementation, quantized):
-  m, hidden, ffn = (64, 32, 16) if backend == "cpu" else (1024, 512, 256)
-  sizes = mlp_tests.sizes_cases(m)["empty_groups"]
-  x, k1, k2, scales = mlp_tests.make_inputs(11, m, hidden, ffn, len(sizes), "swiglu",
-                                            jnp.bfloat16)
-  dy = helpers.random_array(np.random.default_rng(12), (m, hidden), jnp.bfloat16)
-  x, k1, k2, scales, dy, group_sizes = mlp_tests.on(backend, x, k1, k2, scales, dy,
-                                                    jnp.asarray(sizes, jnp.int32))
+  x, k1, k2, scales, dy, group_sizes = _mlp_case(backend, 11)
   q1 = jaxfuse.quantize_experts(k1, RECIPE, implementation=implementation)
   q2 = jaxfuse.quantize_experts(k2, RECIPE, implementation=implementation)
   a1 = q1 if quantized in ("both", "kernel1") else k1
@@ -173,12 +183,7 @@ def test_grouped_linear_trains_a_trainable_copy_like_the_16bit_kernel(
     backend, implementation, recipe, case):
   """Quantizing in the call or once with trainable=True gives the same FP8 values and the
   same backward, so output, dx and the kernel's gradient are bit-identical."""
-  m, k, n = (96, 32, 48) if backend == "cpu" else (1024, 256, 384)
-  sizes = linear_tests.sizes_cases(m)[case]
-  x, kernel = linear_tests.make_inputs(17, m, k, n, len(sizes), jnp.bfloat16)
-  dy = helpers.random_array(np.random.default_rng(18), (m, n), jnp.bfloat16)
-  x, kernel, dy, group_sizes = linear_tests.on(backend, x, kernel, dy,
-                                               jnp.asarray(sizes, jnp.int32))
+  x, kernel, dy, group_sizes, _ = _linear_case(backend, case, 17)
 
   def loss(x, kernel, trainable):
     w = (jaxfuse.quantize_experts(kernel, recipe, trainable=True,
@@ -200,13 +205,7 @@ def test_grouped_linear_trains_a_trainable_copy_like_the_16bit_kernel(
 @pytest.mark.parametrize("trainable", ["both", "kernel1", "kernel2"])
 def test_grouped_mlp_trains_trainable_copies_like_the_16bit_kernels(
     backend, implementation, trainable):
-  m, hidden, ffn = (64, 32, 16) if backend == "cpu" else (1024, 512, 256)
-  sizes = mlp_tests.sizes_cases(m)["empty_groups"]
-  x, k1, k2, scales = mlp_tests.make_inputs(19, m, hidden, ffn, len(sizes), "swiglu",
-                                            jnp.bfloat16)
-  dy = helpers.random_array(np.random.default_rng(20), (m, hidden), jnp.bfloat16)
-  x, k1, k2, scales, dy, group_sizes = mlp_tests.on(backend, x, k1, k2, scales, dy,
-                                                    jnp.asarray(sizes, jnp.int32))
+  x, k1, k2, scales, dy, group_sizes = _mlp_case(backend, 19)
   copy = lambda k: jaxfuse.quantize_experts(k, RECIPE, trainable=True,  # noqa: E731
                                             implementation=implementation)
 
@@ -228,16 +227,7 @@ def test_grouped_mlp_trains_trainable_copies_like_the_16bit_kernels(
 
 def _scan_bodies(jaxpr):
   """The body jaxprs of every scan in a (closed) jaxpr, nested ones included."""
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  bodies = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "scan":
-      bodies.append(eqn.params["jaxpr"])
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
-          bodies.extend(_scan_bodies(sub))
-  return bodies
+  return [eqn.params["jaxpr"] for eqn in helpers.equations(jaxpr) if eqn.primitive.name == "scan"]
 
 
 @pytest.mark.parametrize("implementation", ["ffi", "xla"])
@@ -329,18 +319,23 @@ def test_errors(call, error, match, implementation, monkeypatch):
     call()
 
 
-@pytest.mark.parametrize("backend, implementation", BACKEND_IMPLEMENTATIONS)
-def test_moe_quantized_experts_are_the_quantized_16bit_experts(backend, implementation):
-  """jaxfuse.moe hands quantized expert kernels to grouped_mlp: the same output and x,
-  router gradients as from the 16-bit kernels under the same recipe, none for the experts."""
+def _moe_case(backend, seed):
+  """(x, router, kernel1, kernel2, dy) of a small top-2 SwiGLU MoE layer on `backend`."""
   tokens, hidden, ffn, experts = (48, 32, 16, 4) if backend == "cpu" else (512, 256, 128, 8)
-  rng = np.random.default_rng(21)
+  rng = np.random.default_rng(seed)
   x = helpers.random_array(rng, (tokens, hidden), jnp.bfloat16)
   router = helpers.random_array(rng, (hidden, experts), jnp.float32, scale=0.5)
   k1 = helpers.random_array(rng, (experts, hidden, 2 * ffn), jnp.bfloat16, scale=hidden**-0.5)
   k2 = helpers.random_array(rng, (experts, ffn, hidden), jnp.bfloat16, scale=ffn**-0.5)
   dy = helpers.random_array(rng, (tokens, hidden), jnp.bfloat16)
-  x, router, k1, k2, dy = linear_tests.on(backend, x, router, k1, k2, dy)
+  return linear_tests.on(backend, x, router, k1, k2, dy)
+
+
+@pytest.mark.parametrize("backend, implementation", BACKEND_IMPLEMENTATIONS)
+def test_moe_quantized_experts_are_the_quantized_16bit_experts(backend, implementation):
+  """jaxfuse.moe hands quantized expert kernels to grouped_mlp: the same output and x,
+  router gradients as from the 16-bit kernels under the same recipe, none for the experts."""
+  x, router, k1, k2, dy = _moe_case(backend, 21)
   q1, q2 = (jaxfuse.quantize_experts(k, RECIPE, implementation=implementation)
             for k in (k1, k2))
 
@@ -362,14 +357,7 @@ def test_moe_quantized_experts_are_the_quantized_16bit_experts(backend, implemen
 def test_moe_trains_trainable_expert_copies_like_the_16bit_experts(backend, implementation):
   """jaxfuse.moe on trainable copies made inside the loss: every gradient (x, router, both
   expert kernels) equals the 16-bit experts' under the same recipe."""
-  tokens, hidden, ffn, experts = (48, 32, 16, 4) if backend == "cpu" else (512, 256, 128, 8)
-  rng = np.random.default_rng(31)
-  x = helpers.random_array(rng, (tokens, hidden), jnp.bfloat16)
-  router = helpers.random_array(rng, (hidden, experts), jnp.float32, scale=0.5)
-  k1 = helpers.random_array(rng, (experts, hidden, 2 * ffn), jnp.bfloat16, scale=hidden**-0.5)
-  k2 = helpers.random_array(rng, (experts, ffn, hidden), jnp.bfloat16, scale=ffn**-0.5)
-  dy = helpers.random_array(rng, (tokens, hidden), jnp.bfloat16)
-  x, router, k1, k2, dy = linear_tests.on(backend, x, router, k1, k2, dy)
+  x, router, k1, k2, dy = _moe_case(backend, 31)
 
   def loss(x, router, k1, k2, trainable):
     if trainable:

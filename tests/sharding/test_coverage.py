@@ -14,6 +14,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse.quantization import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from tests import helpers
 
 pytestmark = pytest.mark.skipif(not jaxfuse.build_info()["available"],
                                 reason="jaxfuse's extension is not built")
@@ -135,16 +136,8 @@ def _unpartitioned_targets(jaxpr, inside=False) -> set[str]:
 
 
 def _ffi_targets(jaxpr) -> set[str]:
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  found = set()
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "ffi_call":
-      found.add(eqn.params["target_name"])
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
-          found |= _ffi_targets(sub)
-  return found
+  return {eqn.params["target_name"] for eqn in helpers.equations(jaxpr)
+          if eqn.primitive.name == "ffi_call"}
 
 
 def test_every_public_name_is_classified():

@@ -225,7 +225,7 @@ def test_grouped_mlp_tokens_sharded(mesh, activation, sharding, fp8):
 @pytest.mark.parametrize("sharding", ["tokens", "tokens_2axes"])
 def test_grouped_linear_and_mlp_on_quantized_kernels(mesh, sharding):
   # Expert weights quantized once (quantize_experts), replicated, with sharded tokens: the
-  # same result and dx (dscales) as unsharded; the kernels are constants.
+  # same result and dx (dscales) as unsharded; the kernels are constants (unless trainable).
   x_spec = GL_SPECS[sharding][0]
   rng = np.random.default_rng(27)
   x = helpers.random_array(rng, (64, 32), jnp.bfloat16)
@@ -234,28 +234,18 @@ def test_grouped_linear_and_mlp_on_quantized_kernels(mesh, sharding):
   q = jaxfuse.quantize_experts(kernel, PER_GROUP, **FFI)
   _check(lambda x, q, s: jaxfuse.grouped_linear(x, q, s, **FFI), (x, q, sizes), mesh,
          (x_spec, P(), P()), jnp.bfloat16, grad_argnums=(0,))
+  # A trainable copy made inside the differentiated function: the kernel's gradient (the
+  # wgrad summed over the token axes) reaches it through the copy's master as unsharded.
+  trainable = lambda x, k, s: jaxfuse.grouped_linear(  # noqa: E731
+      x, jaxfuse.quantize_experts(k, PER_GROUP, trainable=True, **FFI), s, **FFI)
+  _check(trainable, (x, kernel, sizes), mesh, (x_spec, P(), P()), jnp.bfloat16,
+         grad_argnums=(0, 1))
   x, kernel1, kernel2, sizes, scales = grouped_mlp_inputs(
       np.random.default_rng(28), 64, 32, 32, "swiglu", [20, 0, 33, 9])
   q1, q2 = (jaxfuse.quantize_experts(k, PER_GROUP, **FFI) for k in (kernel1, kernel2))
   _check(lambda x, q1, q2, s, sc: jaxfuse.grouped_mlp(x, q1, q2, s, sc, **FFI),
          (x, q1, q2, sizes, scales), mesh, (x_spec, P(), P(), P(), x_spec), jnp.bfloat16,
          grad_argnums=(0, 4))
-
-
-@pytest.mark.parametrize("sharding", ["tokens", "tokens_2axes"])
-def test_grouped_linear_on_a_trainable_quantized_kernel(mesh, sharding):
-  # quantize_experts(..., trainable=True) inside the differentiated function, tokens
-  # sharded: the kernel's gradient (the wgrad summed over the token axes) reaches it
-  # through the copy's master as unsharded.
-  x_spec = GL_SPECS[sharding][0]
-  rng = np.random.default_rng(29)
-  x = helpers.random_array(rng, (64, 32), jnp.bfloat16)
-  kernel = helpers.random_array(rng, (4, 32, 64), jnp.bfloat16, scale=1 / np.sqrt(32))
-  sizes = jnp.array(GL_SIZES["short_with_empty"], jnp.int32)
-  fn = lambda x, k, s: jaxfuse.grouped_linear(  # noqa: E731
-      x, jaxfuse.quantize_experts(k, PER_GROUP, trainable=True, **FFI), s, **FFI)
-  _check(fn, (x, kernel, sizes), mesh, (x_spec, P(), P()), jnp.bfloat16,
-         grad_argnums=(0, 1))
 
 
 # --- FP8 linear_scale_add --------------------------------------------------------------------

@@ -603,10 +603,10 @@ __device__ __forceinline__ void EndRow(const SinkArgs<T>& s, int64_t row, const 
 // RowKernel: launch bounds of 512 threads, the most ThreadsFor() returns; every
 // instantiation stays at or under 64 registers with them, without spills (nvcc 13.0,
 // e9c2e614). One unit per thread per step, with the next step's unit prefetched
-// (SinkArgs::prefetch): two or four
-// units per step (all loads issued first) measured slower on the H200 at T=65536, 2F=8192
-// (4b955f61: SwiGLU backward 0.855 -> 1.068 -> 1.302 ms, 1x128 quantized 0.683 -> 0.715
-// -> 0.863 ms): the extra registers cost more occupancy than the loads in flight gain.
+// (SinkArgs::prefetch): two or four units per step (all loads issued first) measured
+// slower on the H200 at T=65536, 2F=8192 (4b955f61: SwiGLU backward 0.855 -> 1.068 ->
+// 1.302 ms, 1x128 quantized 0.683 -> 0.715 -> 0.863 ms): the extra registers cost more
+// occupancy than the loads in flight gain.
 template <class P, SinkKind kKind, typename T>
 __device__ __forceinline__ void RowKernelBody(const P& p, const SinkArgs<T>& s) {
   const int64_t units = p.Units();

@@ -271,10 +271,10 @@ def _fp8_backward(recipe, varying_axes, saved, d_out):
     d_kernel = fp8_wgrad(x_saved, dy_fp8, group_offsets, dtype)
   else:
     d_kernel = sharding.grouped_gemm(x_saved, d_out, group_offsets, form=ffi.WGRAD)
-  d_kernel = compat.match_varying_axes(d_kernel, varying_axes[1])
   # A trainable quantized kernel's gradient goes to its master.
-  kernel_ct = d_kernel if template is None else reference.kernel_cotangent(template, d_kernel)
-  return compat.match_varying_axes(d_x, varying_axes[0]), kernel_ct, None
+  d_kernel = compat.match_varying_axes(d_kernel, varying_axes[1])
+  return (compat.match_varying_axes(d_x, varying_axes[0]),
+          reference.kernel_cotangent(template, d_kernel), None)
 
 
 grouped_linear_fp8_with_offsets.defvjp(_fp8_forward, _fp8_backward)
@@ -326,8 +326,9 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
   Returns:
     [M, N] in x's dtype (fp32 accumulation, one rounding).
 
-  Differentiable in x and kernel (a trainable quantized kernel's master); the backward pass (dgrad dy @ W_g^T, wgrad x_g^T @ dy_g,
-  zero for empty groups) reuses the forward pass's offsets.
+  Differentiable in x and kernel (a trainable quantized kernel's master); the backward
+  pass (dgrad dy @ W_g^T, wgrad x_g^T @ dy_g, zero for empty groups) reuses the forward
+  pass's offsets.
 
   Raises:
     TypeError: non-float or mixed dtypes, group_sizes not int32, 32-bit x on the FFI path.

@@ -68,38 +68,31 @@ def is_quantized_kernel(kernel) -> bool:
   return isinstance(kernel, recipes.QuantizedArray)
 
 
-def is_trainable_kernel(kernel) -> bool:
-  """Whether `kernel` is a ``quantize_experts(..., trainable=True)`` result: FP8 values
-  that the GEMMs read as they are, whose gradient goes to the 16-bit kernel kept as
-  ``kernel.master``."""
-  return is_quantized_kernel(kernel) and kernel.master is not None
-
-
 def is_frozen_kernel(kernel) -> bool:
   """Whether `kernel` gets no gradient: a quantized kernel without a master."""
   return is_quantized_kernel(kernel) and kernel.master is None
 
 
-def kernel_cotangent(kernel, d_kernel):
-  """The cotangent of a grouped GEMM's kernel argument from the kernel's gradient
-  d_kernel [G, K, N]: d_kernel itself for a 16-bit kernel; for a trainable quantized one
-  the QuantizedArray with d_kernel at ``master`` (no cotangent for the FP8 leaves); None
-  for a frozen one. `kernel` may be the leafless template of ``cotangent_template``."""
-  if not is_quantized_kernel(kernel):
-    return d_kernel
-  if d_kernel is None:
-    return None
-  return dataclasses.replace(kernel, data=None, scale_inv=None, group_offsets=None,
-                             data_untransposed=None, master=d_kernel)
+def gradient_target(kernel):
+  """The array a grouped GEMM kernel's gradient goes to: the kernel itself (16-bit), the
+  master of a ``quantize_experts(..., trainable=True)`` result, or None (frozen)."""
+  return kernel.master if is_quantized_kernel(kernel) else kernel
 
 
 def cotangent_template(kernel):
-  """What a backward pass needs to build ``kernel_cotangent``, as a residual: the kernel's
-  pytree structure and static fields without its arrays (None for a 16-bit kernel)."""
+  """What a backward pass needs to build ``kernel_cotangent``, as a residual: a quantized
+  kernel's pytree structure and static fields without its arrays (None for a 16-bit one)."""
   if not is_quantized_kernel(kernel):
     return None
   return dataclasses.replace(kernel, data=None, scale_inv=None, group_offsets=None,
                              data_untransposed=None, master=None)
+
+
+def kernel_cotangent(template, d_kernel):
+  """The cotangent of a grouped GEMM's kernel argument from its gradient d_kernel
+  [G, K, N] and its ``cotangent_template``: d_kernel for a 16-bit kernel (template None),
+  else the QuantizedArray holding d_kernel at ``master`` (no cotangent for the FP8 leaves)."""
+  return d_kernel if template is None else dataclasses.replace(template, master=d_kernel)
 
 
 def expert_weights(kernel, recipe, implementation: str, untransposed: bool = False):
@@ -164,21 +157,16 @@ def grouped_linear_fp8(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
   offsets = clamped_offsets(group_sizes, m)
   sizes = jnp.diff(offsets)
   x_data, x_scale_inv = quantize_rows(x, recipe, offsets, "forward", "xla")
-  quantized_kernel = is_quantized_kernel(kernel)  # from quantize_experts
   w_t_data, w_scale_inv = expert_weights(kernel, recipe, "xla")
   w_data = jnp.swapaxes(w_t_data, 1, 2).astype(jnp.float32)
   exact, row_group = fp8_products(x_data, x_scale_inv, w_t_data, w_scale_inv, offsets)
-  # The straight-through path, whose gradient the result carries (none for a quantized
-  # kernel: a constant).
+  # The straight-through path, whose gradient the result carries (none for a frozen
+  # quantized kernel: a constant).
   x_scale_row = jnp.concatenate([x_scale_inv, jnp.ones((1,), jnp.float32)])[row_group]
   x_st = _straight_through(x, x_data.astype(jnp.float32) * x_scale_row[:, None])
   w_dequantized = w_data * w_scale_inv[:, None, None]
-  if not quantized_kernel:
-    w_st = _straight_through(kernel, w_dequantized)
-  elif is_trainable_kernel(kernel):  # the gradient goes to the 16-bit master
-    w_st = _straight_through(kernel.master, w_dequantized)
-  else:
-    w_st = w_dequantized
+  target = gradient_target(kernel)  # the kernel, a trainable copy's master, or None
+  w_st = w_dequantized if target is None else _straight_through(target, w_dequantized)
   through = jax.lax.ragged_dot(x_st, w_st, sizes, precision=jax.lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
   out = through + jax.lax.stop_gradient(exact - through)

@@ -222,9 +222,8 @@ class _Fp8:
     def kernel_ct(d_kernel, axes, template):  # a trainable kernel's gradient: its master's
       if d_kernel is None:
         return None
-      d_kernel = compat.match_varying_axes(d_kernel, axes)
-      return d_kernel if template is None else linear_reference.kernel_cotangent(template,
-                                                                                 d_kernel)
+      return linear_reference.kernel_cotangent(template,
+                                               compat.match_varying_axes(d_kernel, axes))
 
     return (compat.match_varying_axes(dx, x_axes), kernel_ct(d_kernel1, k1_axes, templates[0]),
             kernel_ct(d_kernel2, k2_axes, templates[1]), None,
@@ -319,8 +318,8 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
   Returns:
     [M, H] in x's dtype.
 
-  Differentiable in x, kernel1, kernel2 (unless frozen quantized copies) and scales; one custom_vjp whose
-  backward pass reuses the forward pass's offsets (computed once with
+  Differentiable in x, kernel1, kernel2 (unless frozen quantized copies) and scales; one
+  custom_vjp whose backward pass reuses the forward pass's offsets (computed once with
   ``jaxfuse.group_offsets``).
   """
   implementation = implementation_lib.resolve(implementation)

@@ -118,7 +118,8 @@ def _fp8_forward(x, kernel, residual, alpha, recipe, varying_axes, for_backward=
   if for_backward:
     # x's FP8 values in both layouts from one pass: [M, K] for this GEMM and [K, M] (the
     # wgrad's K-major operand) saved, instead of an XLA transpose of the FP8 x later.
-    x_t_fp8, x_scale_inv, x_fp8 = _quantize_both_layouts(x.reshape(-1, k), recipe.forward_format)
+    x_t_fp8, x_scale_inv, x_fp8 = _quantize_both_layouts(x.reshape(-1, k),
+                                                         recipe.forward_format)
   else:
     x_fp8, x_scale_inv = _quantize(x.reshape(-1, k), recipe, "forward")
   out = sharding.linear_scale_add_fp8(x_fp8.reshape(x.shape), kernel_t_fp8[0], residual,

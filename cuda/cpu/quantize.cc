@@ -59,6 +59,13 @@ ffi::Error QuantizeTransposedCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer amax,
   return ffi::Error::Success();
 }
 
+ffi::Error BatchAmaxCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> amax) {
+  BatchAmaxProblem problem;
+  if (auto error = ParseBatchAmax(x, *amax, &problem); error.failure()) return error;
+  BatchAmaxCpu(problem, x, static_cast<float*>(amax->untyped_data()));
+  return ffi::Error::Success();
+}
+
 ffi::Error ActivationQuantizeCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                      ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> data,
                                      ffi::Result<ffi::AnyBuffer> scale_inv,
@@ -177,6 +184,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeTransposedCpu, jaxfuse::QuantizeTra
                                   .Ret<xffi::AnyBuffer>()   // data fp8 [B, C, R]
                                   .Ret<xffi::AnyBuffer>()   // scale_inv float32 [B]
                                   .Ret<xffi::AnyBuffer>()); // data_untransposed [B, R, C] or [0]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseBatchAmaxCpu, jaxfuse::BatchAmaxCpuImpl,
+                              xffi::Ffi::Bind()
+                                  .Arg<xffi::AnyBuffer>()   // x [B, R, C]
+                                  .Ret<xffi::AnyBuffer>()); // amax float32 [B]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledActivationQuantizeCpu,
                               jaxfuse::ActivationQuantizeCpuImpl,

@@ -217,7 +217,6 @@ struct MatmulState {
   // failure (no memory, a candidate that errors) falls back to the heuristic's order.
   int FastestCandidate(int device, const Algorithm& algorithm,
                        const cublasLtMatmulHeuristicResult_t* results, int count) const {
-    if (fp8) return 0;  // its scale pointers would need scratch too: the heuristic is kept
     int previous_device = 0;
     cudaGetDevice(&previous_device);
     if (previous_device != device) cudaSetDevice(device);
@@ -233,10 +232,21 @@ struct MatmulState {
         cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
         cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess) {
       ScratchBuffer a(a_bytes, stream), b(b_bytes, stream), out(out_bytes, stream),
-          workspace(workspace_bytes, stream);
+          workspace(workspace_bytes, stream), scales(2 * sizeof(float), stream);
       const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+      // FP8: the scale pointers on the descriptor point at scratch (finite 0x3C3C3C3C
+      // floats) while timing; Execute sets the real ones before every product.
+      bool ready = a.data && b.data && out.data && workspace.data && scales.data;
+      if (ready && fp8) {
+        const void* a_scale = scales.data;
+        const void* b_scale = static_cast<const float*>(scales.data) + 1;
+        ready = api->MatmulDescSetAttribute(algorithm.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                            &a_scale, sizeof(a_scale)) == CUBLAS_STATUS_SUCCESS &&
+                api->MatmulDescSetAttribute(algorithm.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                            &b_scale, sizeof(b_scale)) == CUBLAS_STATUS_SUCCESS;
+      }
       float best_ms = 0.0f;
-      for (int i = 0; a.data && b.data && out.data && workspace.data && i < count; ++i) {
+      for (int i = 0; ready && i < count; ++i) {
         auto run = [&] {
           return api->Matmul(algorithm.handle, algorithm.desc, &alpha, b.data, layout_a, a.data,
                              layout_b, &beta, out.data, layout_c, out.data, layout_c,

@@ -26,6 +26,7 @@
 #include "jaxfuse/fp8.h"
 #include "jaxfuse/quantize.h"
 #include "jaxfuse/scaled_activation.h"
+#include "occupancy.cuh"
 #include "rowwise.cuh"
 
 namespace jaxfuse {
@@ -109,6 +110,91 @@ GroupAmaxKernel(const T* __restrict__ x, const int32_t* __restrict__ offsets, in
     }
     const int64_t g = GroupOfRow(offsets, num_groups, row, rows);
     if (lane == 0 && g < num_groups) gpu::AtomicMaxNonNegative(amax + g, local);
+  }
+}
+
+// --- the per-batch amax of a plain tensor (pass 1 of per-tensor current scaling) --------
+
+constexpr int kBatchAmaxThreads = 512;
+constexpr int kBatchAmaxLoads = 8;  // 16-byte loads in flight per thread
+
+// Running max |v| of the 8 elements in `raw` (16 bytes of x). 16-bit types stay packed:
+// HMNMX2 takes two elements per instruction and returns the other operand for a NaN (so a
+// NaN counts as 0, as in every quantize kernel); the max of bf16/f16 values is exact.
+__device__ __forceinline__ void AccumulateAbsMax(const uint4& raw, __nv_bfloat162 (&acc)[4]) {
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] = __hmax2(acc[i], __habs2(pairs[i]));
+}
+__device__ __forceinline__ void AccumulateAbsMax(const uint4& raw, __half2 (&acc)[4]) {
+  const __half2* pairs = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] = __hmax2(acc[i], __habs2(pairs[i]));
+}
+__device__ __forceinline__ void AccumulateAbsMax(const uint4& raw, float (&acc)[4]) {
+  const float* values = reinterpret_cast<const float*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] = gpu::MaxAbs(acc[i], values[i]);  // fmaxf drops NaN
+}
+__device__ __forceinline__ float Widen(__nv_bfloat162 v) {
+  return fmaxf(__low2float(v), __high2float(v));
+}
+__device__ __forceinline__ float Widen(__half2 v) { return fmaxf(__low2float(v), __high2float(v)); }
+__device__ __forceinline__ float Widen(float v) { return v; }
+__device__ __forceinline__ void Zero(__nv_bfloat162& v) { v = __float2bfloat162_rn(0.0f); }
+__device__ __forceinline__ void Zero(__half2& v) { v = __float2half2_rn(0.0f); }
+__device__ __forceinline__ void Zero(float& v) { v = 0.0f; }
+
+template <typename T>
+using AbsMaxLane = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162,
+                                      std::conditional_t<std::is_same_v<T, __half>, __half2, float>>;
+
+// amax[b] = max |x[b]| over batch b's `elements` elements (amax zeroed before the launch).
+// Blocks (blockIdx.x) stride over a batch's 16-byte units with kBatchAmaxLoads raw loads
+// in flight per thread; batches go by blockIdx.y (strided past 65535). `vector`: every
+// batch starts 16-byte aligned; the elements after the last whole unit (and every element
+// when not `vector`) are read one by one. One atomicMax per block and batch.
+template <typename T>
+__global__ void __launch_bounds__(kBatchAmaxThreads)
+BatchAmaxKernel(const T* __restrict__ x, int64_t batch, int64_t elements, bool vector,
+                float* __restrict__ amax) {
+  constexpr int kPerUnit = 16 / static_cast<int>(sizeof(T));
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * kBatchAmaxThreads;
+  const int64_t thread = static_cast<int64_t>(blockIdx.x) * kBatchAmaxThreads + threadIdx.x;
+  for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
+    const T* begin = x + b * elements;
+    AbsMaxLane<T> lanes[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) Zero(lanes[i]);
+    const int64_t units = vector ? elements / kPerUnit : 0;
+    const uint4* raw_units = reinterpret_cast<const uint4*>(begin);
+    int64_t base = static_cast<int64_t>(blockIdx.x) * kBatchAmaxThreads * kBatchAmaxLoads +
+                   threadIdx.x;
+    // Whole rounds without bounds checks, so that the compiler issues every load before
+    // any max (with a check per load it keeps only two in flight); then one checked round.
+    for (; base + (kBatchAmaxLoads - 1) * kBatchAmaxThreads < units;
+         base += threads * kBatchAmaxLoads) {
+      uint4 raw[kBatchAmaxLoads];
+#pragma unroll
+      for (int i = 0; i < kBatchAmaxLoads; ++i) raw[i] = __ldg(raw_units + base + i * kBatchAmaxThreads);
+#pragma unroll
+      for (int i = 0; i < kBatchAmaxLoads; ++i) AccumulateAbsMax(raw[i], lanes);
+    }
+    if (base < units) {
+#pragma unroll
+      for (int i = 0; i < kBatchAmaxLoads; ++i) {
+        const int64_t u = base + i * kBatchAmaxThreads;
+        if (u < units) AccumulateAbsMax(__ldg(raw_units + u), lanes);
+      }
+    }
+    float local = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) local = fmaxf(local, Widen(lanes[i]));
+    for (int64_t i = units * kPerUnit + thread; i < elements; i += threads) {
+      local = gpu::MaxAbs(local, gpu::LoadOne(begin + i));
+    }
+    const float reduced = gpu::BlockReduceMaxSum(local, 0.0f).x;
+    if (threadIdx.x == 0 && reduced > 0.0f) gpu::AtomicMaxNonNegative(amax + b, reduced);
   }
 }
 
@@ -503,6 +589,38 @@ ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer of
   });
 }
 
+ffi::Error BatchAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> amax) {
+  BatchAmaxProblem problem;
+  if (auto error = ParseBatchAmax(x, *amax, &problem); error.failure()) return error;
+  if (problem.batch == 0) return ffi::Error::Success();
+  float* pamax = static_cast<float*>(amax->untyped_data());
+  if (cudaMemsetAsync(pamax, 0, problem.batch * sizeof(float), stream) != cudaSuccess) {
+    return Internal("zeroing the amax failed");
+  }
+  if (problem.elements == 0) return ffi::Error::Success();
+  return gpu::DispatchFloat(x.element_type(), [&](auto zero) -> ffi::Error {
+    using T = decltype(zero);
+    const T* px = static_cast<const T*>(x.untyped_data());
+    constexpr int64_t kPerUnit = 16 / sizeof(T);
+    const bool vector =
+        PointerAligned16(px) && (problem.batch == 1 || problem.elements % kPerUnit == 0);
+    // A persistent grid: the resident blocks spread over the batches; a batch never gets
+    // more blocks than it has rounds of loads.
+    const int64_t resident = gpu::ResidentBlocks(reinterpret_cast<const void*>(
+                                                     &BatchAmaxKernel<T>),
+                                                 kBatchAmaxThreads);
+    const int64_t rounds =
+        CeilDiv(CeilDiv(problem.elements, kPerUnit), int64_t{kBatchAmaxThreads} * kBatchAmaxLoads);
+    const int64_t batch_rows = std::min<int64_t>(problem.batch, 65535);
+    const int64_t per_batch =
+        std::max<int64_t>(1, std::min<int64_t>(rounds, CeilDiv(resident, batch_rows)));
+    const dim3 grid(static_cast<unsigned>(per_batch), static_cast<unsigned>(batch_rows));
+    BatchAmaxKernel<T><<<grid, kBatchAmaxThreads, 0, stream>>>(px, problem.batch,
+                                                                problem.elements, vector, pamax);
+    return gpu::LaunchError("batch amax kernel");
+  });
+}
+
 ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax,
                                   ffi::Result<ffi::AnyBuffer> data,
                                   ffi::Result<ffi::AnyBuffer> scale_inv,
@@ -802,6 +920,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeTransposedCuda, jaxfuse::QuantizeTr
                                   .Ret<xffi::AnyBuffer>()  // data fp8 [B, C, R]
                                   .Ret<xffi::AnyBuffer>()  // scale_inv float32 [B]
                                   .Ret<xffi::AnyBuffer>(), // data_untransposed [B, R, C] or [0]
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseBatchAmaxCuda, jaxfuse::BatchAmaxCuda,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::AnyBuffer>()   // x [B, R, C]
+                                  .Ret<xffi::AnyBuffer>(),  // amax float32 [B]
                               {xffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledActivationQuantizeCuda,

@@ -425,6 +425,53 @@ def test_experts_transposed_kernel_matches_the_reference_bit_for_bit(backend, dt
   assert np.isnan(np.asarray(data, np.float32)[~finite & np.isnan(transposed)]).all()
 
 
+# --- batch_amax (pass 1 of per-tensor current scaling) --------------------------------------
+
+# (B, R, C): one aligned batch; unaligned single batch (vector body + scalar tail); several
+# batches whose starts are not 16-byte aligned (scalar path); many rounds of loads per block;
+# more batches than the grid's y dimension holds (65535); an empty batch dimension / batch.
+AMAX_SHAPES = [(1, 16, 64), (1, 37, 41), (3, 5, 7), (2, 1024, 1032), (70001, 1, 8),
+               (0, 4, 8), (2, 0, 8)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", AMAX_SHAPES, ids=str)
+def test_batch_amax_matches_numpy(backend, dtype, shape):
+  from jaxfuse._src.ops.quantize import ffi as quantize_ffi  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(hash(shape) % 2**32)
+  values = rng.standard_normal(shape) * np.exp2(rng.integers(-8, 8, shape))
+  flat = values.reshape(shape[0], shape[1] * shape[2])
+  if flat.size:
+    # Each batch's largest magnitude somewhere random, negative in odd batches; batch 0
+    # gets a NaN (counted as 0) and, with several batches, batch 1 an inf and the last
+    # one only zeros.
+    cols = rng.integers(0, flat.shape[1], shape[0])
+    flat[np.arange(shape[0]), cols] = np.where(np.arange(shape[0]) % 2, -1, 1) * 1000.0
+    flat[0, (cols[0] + 1) % flat.shape[1]] = np.nan
+    if shape[0] > 2:
+      flat[1, 0] = np.inf
+      flat[-1] = 0.0
+  x, = on(backend, jnp.asarray(flat.reshape(shape), dtype))
+  amax = jax.jit(quantize_ffi.batch_amax)(x)
+  assert amax.shape == (shape[0],) and amax.dtype == jnp.float32
+  magnitude = np.abs(np.asarray(helpers.as_f64(x)).reshape(shape[0], shape[1] * shape[2]))
+  expected = np.where(np.isnan(magnitude), 0.0, magnitude).max(axis=1, initial=0.0)
+  np.testing.assert_array_equal(np.asarray(amax, np.float64), expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_amax_rejects_bad_inputs(backend):
+  from jaxfuse._src.ops.quantize import ffi as quantize_ffi  # pylint: disable=g-import-not-at-top
+  integers, matrix = on(backend, jnp.ones((2, 4, 8), jnp.int32), jnp.ones((4, 8), jnp.float32))
+  with pytest.raises(Exception, match=r"batch_amax: x must be a float32/bfloat16/float16 "
+                                      r"array \[B, R, C\], got int32"):
+    jax.block_until_ready(quantize_ffi.batch_amax(integers))
+  with pytest.raises(Exception,
+                     match=r"batch_amax: x must be .* \[B, R, C\], got float32 \[4, 8\]"):
+    jax.block_until_ready(quantize_ffi.batch_amax(matrix))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_transposed_quantization_of_empty_experts_still_writes_the_scales(backend):
   from jaxfuse._src.ops.quantize import ffi as quantize_ffi  # pylint: disable=g-import-not-at-top

@@ -91,6 +91,21 @@ def test_quantize_without_pmax_would_differ(mesh):
   assert not np.array_equal(np.asarray(local)[0], np.asarray(global_)[0])
 
 
+# --- batch_amax (per-tensor current scaling of quantize_batches_transposed) -----------------
+
+BATCH_AMAX_SPECS = {"batches": P("data"), "rows": P(None, "model"),
+                    "rows_and_cols": P(None, "data", "model"), "all": P("data", None, "model")}
+
+
+@pytest.mark.parametrize("sharding", list(BATCH_AMAX_SPECS))
+def test_batch_amax(mesh, sharding):
+  from jaxfuse._src.ops.quantize import sharding as quantize_sharding  # pylint: disable=g-import-not-at-top
+  x = helpers.random_array(np.random.default_rng(31), (4, 16, 32), jnp.bfloat16)
+  x = x.at[1, 13, 29].set(-50.0)  # batch 1's amax lives on one shard: a missing pmax fails
+  _assert_bitwise(quantize_sharding.batch_amax, (x,), mesh, (BATCH_AMAX_SPECS[sharding],))
+  assert float(quantize_sharding.batch_amax(x)[1]) == 50.0
+
+
 # --- scaled_activation_quantize / scaled_dactivation_quantize --------------------------------
 
 ACT_RECIPES = {"per_tensor": PER_TENSOR, "per_group": PER_GROUP,

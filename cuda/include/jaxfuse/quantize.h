@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -112,8 +113,8 @@ inline ffi::Error CheckQuantizeOutputs(QuantizeProblem& problem, const ffi::AnyB
 // Transposed quantization with given amaxes (the FP8 forward weights of the grouped GEMM:
 // kernel [G, K, N] -> K-major [G, N, K]): x [B, R, C] float -> data [B, C, R] FP8 with
 // data[b, c, r] = fp8(x[b, r, c] * scale[b]), scale[b] = ScaleFromAmax(amax[b]) and
-// scale_inv[b] = 1 / scale[b]. The amaxes come from the caller (a plain max reduction
-// that XLA partitions like any other), which keeps this kernel free of reductions.
+// scale_inv[b] = 1 / scale[b]. The amaxes come from the caller (batch_amax below, its own
+// op so that it is partitioned as a reduction), which keeps this kernel free of them.
 // Optionally the same FP8 values untransposed too, [B, R, C] (the grouped GEMM's FP8 dgrad
 // takes the weight that way): one more byte written per element instead of an XLA
 // transpose of the FP8 data later (a byte read and a byte written).
@@ -171,6 +172,32 @@ inline ffi::Error ParseQuantizeTransposed(const ffi::AnyBuffer& x, const ffi::An
                            "] or [0] in data's dtype, got ",
                            DataTypeName(data_untransposed.element_type()), " ",
                            ShapeString(straight_dims));
+  }
+  return ffi::Error::Success();
+}
+
+// Per-batch amax of x [B, R, C] float -> amax float32 [B]: max |x[b]| over the batch's
+// R x C elements, NaN counted as 0 (as in every quantize kernel), 0 for an empty batch.
+// Pass 1 of per-tensor current scaling for quantize_transposed, as its own op so that
+// XLA partitions it like a reduction (a sharded R or C is combined with pmax).
+struct BatchAmaxProblem {
+  int64_t batch = 0, elements = 0;  // elements per batch: R * C
+};
+
+inline ffi::Error ParseBatchAmax(const ffi::AnyBuffer& x, const ffi::AnyBuffer& amax,
+                                 BatchAmaxProblem* problem) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 3 || !IsFloatType(x.element_type())) {
+    return InvalidArgument("batch_amax: x must be a float32/bfloat16/float16 array [B, R, C], "
+                           "got ", DataTypeName(x.element_type()), " ", ShapeString(dims));
+  }
+  problem->batch = dims[0];
+  problem->elements = dims[1] * dims[2];
+  const auto amax_dims = amax.dimensions();
+  if (amax.element_type() != ffi::DataType::F32 || amax_dims.size() != 1 ||
+      amax_dims[0] != problem->batch) {
+    return InvalidArgument("batch_amax: amax must be float32 [B = ", problem->batch, "], got ",
+                           DataTypeName(amax.element_type()), " ", ShapeString(amax_dims));
   }
   return ffi::Error::Success();
 }
@@ -316,6 +343,18 @@ inline void QuantizeCpu(const QuantizeProblem& p, const float* values, const int
       }
       for (int64_t c = c0; c < c1; ++c) data[r * cols + c] = quantize(values[r * cols + c], scale);
     }
+  }
+}
+// The per-batch amax above, on the host.
+inline void BatchAmaxCpu(const BatchAmaxProblem& p, const ffi::AnyBuffer& x, float* amax) {
+  for (int64_t b = 0; b < p.batch; ++b) {
+    float value = 0.0f;
+    for (int64_t i = 0; i < p.elements; ++i) {
+      const float magnitude =
+          std::fabs(LoadAsFloat(x.untyped_data(), x.element_type(), b * p.elements + i));
+      if (magnitude > value) value = magnitude;  // false for NaN: it counts as 0
+    }
+    amax[b] = value;
   }
 }
 // The transposed quantization above, on the host.

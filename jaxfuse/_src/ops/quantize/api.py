@@ -114,14 +114,13 @@ def quantize_batches_transposed(x: jax.Array, fmt: str, *, untransposed: bool = 
 
   Returns (data [B, C, R] FP8 in ``fmt``, scale_inv float32 [B]) and, with
   ``untransposed``, a third result: the same FP8 values in x's layout [B, R, C]. Batch b
-  gets one scale from its own amax, computed by XLA (one read of x; NaN counts as 0, as
-  in every quantize kernel); then one kernel pass quantizes and transposes with it. The
-  values equal quantizing each transposed batch with per-tensor current scaling, without
-  XLA's transpose of x or a second amax pass. The FP8 weights of the GEMMs come from here:
-  [N, K] (K-major) for the forward, [K, N] for the dgrad.
+  gets one scale from its own amax (``batch_amax``: one streaming read of x; NaN counts as
+  0, as in every quantize kernel); then one kernel pass quantizes and transposes with it.
+  The values equal quantizing each transposed batch with per-tensor current scaling,
+  without XLA's transpose of x or a second amax pass. The FP8 weights of the GEMMs come
+  from here: [N, K] (K-major) for the forward, [K, N] for the dgrad.
   """
-  magnitude = jnp.abs(x).astype(jnp.float32)
-  amax = jnp.max(jnp.where(jnp.isnan(magnitude), 0.0, magnitude), axis=(1, 2), initial=0.0)
+  amax = sharding.batch_amax(x)
   data, scale_inv, straight = sharding.quantize_transposed(x, amax, fmt=fmt,
                                                            untransposed=untransposed)
   return (data, scale_inv, straight) if untransposed else (data, scale_inv)

@@ -87,6 +87,17 @@ def scaled_dactivation_quantize(dy, x, scales, offsets, *, activation, limit, al
           compat.vary_like(dscales, *inputs))
 
 
+def batch_amax(x):
+  """x [B, R, C] (float32/bfloat16/float16) -> amax float32 [B]: max |x[b]| over each
+  batch, NaN counted as 0, 0 for an empty batch. Pass 1 of per-tensor current scaling
+  (quantize_transposed takes its result); the CUDA kernel streams x once at close to the
+  DRAM bandwidth, where XLA's reduction of the same jnp expression reads at ~3.3 TB/s."""
+  ffi_registry.ensure_registered()
+  out_type = jax.ShapeDtypeStruct((x.shape[0],), jnp.float32)
+  amax = jax.ffi.ffi_call("jaxfuse_batch_amax", out_type, vmap_method="sequential")(x)
+  return compat.vary_like(amax, x)
+
+
 def quantize_transposed(x, amax, *, fmt, untransposed=False):
   """x [B, R, C] (float32/bfloat16/float16) -> (data [B, C, R] FP8, scale_inv float32 [B],
   data_untransposed: [B, R, C] FP8 with ``untransposed``, else an empty [0] array).

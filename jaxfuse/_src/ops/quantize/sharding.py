@@ -20,9 +20,11 @@
   rows gathered back) around the kernel. Unsharded, the kernel runs alone.
 * "block_2d" (128 x 128 tiles of [R, K]): tiles span rows; x is kept replicated.
 
+``batch_amax`` (x [B, R, C] -> amax float32 [B]): B may be sharded with no communication;
+a sharded R or C gives each device its block's amax, combined with ``pmax``.
 ``quantize_transposed`` (x [B, R, C] -> data [B, C, R] with a given amax [B]): every
-dimension may be sharded; each device quantizes its block with the given amax, so nothing
-is communicated (the caller's amax reduction is what XLA partitions).
+dimension may be sharded; each device quantizes its block with the given (global) amax,
+so nothing is communicated.
 
 ``scaled_activation_quantize`` / ``scaled_dactivation_quantize``: rows may be sharded (x,
 scales, dy, dx, dscales and the data keep the row sharding). The feature dimension may be
@@ -243,6 +245,28 @@ def scaled_dactivation_quantize(dy, x, scales, offsets, **attrs):
   attrs["return_dx"] = bool(attrs["return_dx"])
   data, scale_inv, dx, dscales = fn(dy, x, scales, offsets, **attrs)
   return data, scale_inv, (dx if attrs["return_dx"] else None), dscales
+
+
+# --- batch_amax ------------------------------------------------------------------------
+
+
+def _amax_rule(attrs, in_ranks, out_ranks):
+  del attrs, in_ranks, out_ranks
+  return [["b", "r", "c"]], [["b"]]
+
+
+def _amax_local(reduce_axes, x):
+  return jax.lax.pmax(ffi.batch_amax(x), reduce_axes)
+
+
+_batch_amax = sharding.partitioned(ffi.batch_amax, _amax_rule, reduction=("r", "c"),
+                                   local=_amax_local)
+
+
+def batch_amax(x):
+  """ffi.batch_amax with its sharding rule: a sharded R or C gives each device the amax of
+  its block, combined with ``pmax`` (what XLA does for the jnp reduction)."""
+  return _batch_amax(x)
 
 
 # --- quantize_transposed ---------------------------------------------------------------

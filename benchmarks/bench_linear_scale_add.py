@@ -98,6 +98,7 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true", help="two small shapes, few calls")
   parser.add_argument("--fp8-only", action="store_true", help="the FP8 rows alone")
+  parser.add_argument("--tag", default="", help="suffix of the results file names (a knob sweep)")
   args = parser.parse_args()
   shapes = SHAPES[:2] if args.quick else SHAPES
   rounds = 2 if args.quick else 12  # chunks per variant, alternating (common.CHUNK calls)
@@ -122,13 +123,14 @@ def main():
   if rows:
     common.print_table(rows, ["tokens", "features", "pass", "jaxfuse_ms", "xla_ms",
                               "jaxfuse_tflops", "xla_tflops", "speedup_vs_xla", "paired_speedup"])
-    common.write_results("linear_scale_add", rows, alpha=ALPHA, dtype="bfloat16",
+    common.write_results("linear_scale_add", rows, tag=args.tag, alpha=ALPHA, dtype="bfloat16",
                          baseline="XLA lowering of residual + alpha * (x @ kernel) in bf16, "
                                   "same run")
   fp8_rows = time_fp8(FP8_SHAPES[:1] if args.quick else FP8_SHAPES, rounds)
   common.print_table(fp8_rows, ["tokens", "features", "pass", "jaxfuse_fp8_ms", "xla_bf16_ms",
                                 "jaxfuse_fp8_tflops", "fp8_speedup_vs_xla_bf16", "paired_speedup"])
-  common.write_results("linear_scale_add_fp8", fp8_rows, alpha=ALPHA, recipe=repr(FP8_RECIPE),
+  common.write_results("linear_scale_add_fp8", fp8_rows, tag=args.tag, alpha=ALPHA,
+                       recipe=repr(FP8_RECIPE),
                        baseline="XLA lowering of residual + alpha * (x @ kernel) in bf16, "
                                 "same run")
 

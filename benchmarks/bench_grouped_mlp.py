@@ -10,8 +10,11 @@ output against jaxfuse's bf16 output on the same inputs.
 jaxfuse_fp8_* columns: the same op with recipe=Float8CurrentScaling(per_group=True)
 (quantization kernels included; every GEMM in FP8, the wgrads from column-wise copies);
 jaxfuse_fp8_wgrad16_*: the same recipe with fp8_wgrad=False (16-bit wgrads);
-jaxfuse_fp8_quantized_kernels_* (forward only, as for inference): the FP8 op on weights
-quantized once by jaxfuse.quantize_experts. All timed in
+jaxfuse_fp8_quantized_kernels_*: the FP8 op on weights quantized once, outside the timed
+calls: the forward on jaxfuse.quantize_experts copies (inference), the forward + backward on
+trainable copies (quantize_experts(..., trainable=True), the gradients going to their
+masters): a micro-batch's step when the weights are quantized once per optimizer step and
+shared by its micro-batches. All timed in
 alternating chunks with the bf16 op (common.time_alternating), after 2 s of warm-up; a
 chunk holds ~10 ms of calls (5 to 200, calls_per_sync), so that one sync's latency is not
 charged to a few short steps.
@@ -141,19 +144,21 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls, tokamax=None):
   chunk = calls_per_sync(tokens, hidden, ffn)
   out["calls_per_sync"] = chunk
   tokamax_steps, out["tokamax_max_rel_error"] = tokamax_variants(tokamax, bf16_fns, arg_sets)
-  # Inference: the weights quantized once, outside the timed calls.
-  quantized_sets = [(x, jaxfuse.quantize_experts(k1, FP8_RECIPE),
-                     jaxfuse.quantize_experts(k2, FP8_RECIPE), s, sizes_, dy)
-                    for x, k1, k2, s, sizes_, dy in arg_sets]
-  quantized_fwd = jax_fns("ffi", FP8_RECIPE)["fwd"]
+  # The weights quantized once, outside the timed calls: plain copies for the forward
+  # (inference), trainable ones for the forward + backward (a micro-batch's step).
+  quantized_sets = {
+      pass_name: [(x, jaxfuse.quantize_experts(k1, FP8_RECIPE, trainable=trainable),
+                   jaxfuse.quantize_experts(k2, FP8_RECIPE, trainable=trainable), s, sizes_, dy)
+                  for x, k1, k2, s, sizes_, dy in arg_sets]
+      for pass_name, trainable in (("fwd", False), ("fwd+bwd", True))}
   for pass_name in bf16_fns:
     variants = {"jaxfuse": common.rotating(bf16_fns[pass_name], arg_sets),
                 "jaxfuse_fp8": common.rotating(fp8_fns[pass_name], arg_sets),
                 "jaxfuse_fp8_wgrad16": common.rotating(fp8_wgrad16_fns[pass_name], arg_sets)}
     if pass_name in tokamax_steps:
       variants["tokamax"] = tokamax_steps[pass_name]
-    if pass_name == "fwd":
-      variants["jaxfuse_fp8_quantized_kernels"] = common.rotating(quantized_fwd, quantized_sets)
+    variants["jaxfuse_fp8_quantized_kernels"] = common.rotating(fp8_fns[pass_name],
+                                                                quantized_sets[pass_name])
     stats = common.time_alternating(variants, rounds=max(2, calls // common.CHUNK), chunk=chunk)
     for name, timing in stats.items():
       out[name][pass_name] = timing["median_ms"]

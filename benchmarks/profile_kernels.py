@@ -133,12 +133,14 @@ def linear_scale_add_fp8_case(tokens, features):
   return step, (x, kernel, residual)
 
 
-def linear_scale_add_fp8_backward_case(tokens, features, xla=False):
-  """bench_linear_scale_add's FP8 fwd+bwd step (residual donated, fed back), or its bf16
-  XLA baseline: the three GEMMs against the quantizing passes."""
+def linear_scale_add_fp8_backward_case(tokens, features, xla=False, residual_cotangent=True):
+  """bench_linear_scale_add's FP8 fwd+bwd step (residual donated, fed back; with
+  ``residual_cotangent=False`` the step does not return d_out as the residual's
+  cotangent), or its bf16 XLA baseline: the three GEMMs against the quantizing passes."""
   x, kernel, d_out = bench_linear_scale_add.operands(tokens, features, 1)
   recipe = None if xla else jaxfuse.quantization.Float8CurrentScaling(per_group=False)
-  step = bench_linear_scale_add.make_step("xla" if xla else "ffi", backward=True, recipe=recipe)
+  step = bench_linear_scale_add.make_step("xla" if xla else "ffi", backward=True, recipe=recipe,
+                                          residual_cotangent=residual_cotangent)
   residual = jnp.copy(d_out)  # its own buffer: the step donates it
   return step, (x, kernel, residual, d_out), lambda args, out: (args[0], args[1], out[0], args[3])
 
@@ -193,6 +195,11 @@ CASES = {
         8192, 8192, xla=True),
     "linear_scale_add fp8 65536x4096 fwd+bwd": lambda: linear_scale_add_fp8_backward_case(
         65536, 4096),
+    "linear_scale_add fp8 65536x4096 fwd+bwd, d_residual passed on":
+        lambda: linear_scale_add_fp8_backward_case(65536, 4096, residual_cotangent=False),
+    "xla bf16 linear_scale_add 65536x4096 fwd+bwd, d_residual passed on":
+        lambda: linear_scale_add_fp8_backward_case(65536, 4096, xla=True,
+                                                   residual_cotangent=False),
 }
 for _groups, _rows in ((8, 8192), (64, 512), (128, 512)):
   for _form in ("fwd", "dgrad", "wgrad"):

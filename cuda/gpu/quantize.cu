@@ -115,8 +115,8 @@ GroupAmaxKernel(const T* __restrict__ x, const int32_t* __restrict__ offsets, in
 
 // --- the per-batch amax of a plain tensor (pass 1 of per-tensor current scaling) --------
 
-constexpr int kBatchAmaxThreads = 512;
-constexpr int kBatchAmaxLoads = 8;  // 16-byte loads in flight per thread
+constexpr int kBatchAmaxThreads = 256;
+constexpr int kBatchAmaxLoads = 8;  // 16-byte loads per thread and round
 
 // Running max |v| of the 8 elements in `raw` (16 bytes of x). 16-bit types stay packed:
 // HMNMX2 takes two elements per instruction and returns the other operand for a NaN (so a
@@ -150,8 +150,9 @@ using AbsMaxLane = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfl
                                       std::conditional_t<std::is_same_v<T, __half>, __half2, float>>;
 
 // amax[b] = max |x[b]| over batch b's `elements` elements (amax zeroed before the launch).
-// Blocks (blockIdx.x) stride over a batch's 16-byte units with kBatchAmaxLoads raw loads
-// in flight per thread; batches go by blockIdx.y (strided past 65535). `vector`: every
+// A round is kBatchAmaxLoads raw 16-byte loads per thread, all issued before any max;
+// blocks (blockIdx.x) stride over a batch's rounds, batches go by blockIdx.y (strided past
+// 65535). The max of 16-bit values stays packed (AccumulateAbsMax). `vector`: every
 // batch starts 16-byte aligned; the elements after the last whole unit (and every element
 // when not `vector`) are read one by one. One atomicMax per block and batch.
 template <typename T>
@@ -176,7 +177,9 @@ BatchAmaxKernel(const T* __restrict__ x, int64_t batch, int64_t elements, bool v
          base += threads * kBatchAmaxLoads) {
       uint4 raw[kBatchAmaxLoads];
 #pragma unroll
-      for (int i = 0; i < kBatchAmaxLoads; ++i) raw[i] = __ldg(raw_units + base + i * kBatchAmaxThreads);
+      for (int i = 0; i < kBatchAmaxLoads; ++i) {
+        raw[i] = __ldg(raw_units + base + i * kBatchAmaxThreads);
+      }
 #pragma unroll
       for (int i = 0; i < kBatchAmaxLoads; ++i) AccumulateAbsMax(raw[i], lanes);
     }
@@ -604,16 +607,22 @@ ffi::Error BatchAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi:
     constexpr int64_t kPerUnit = 16 / sizeof(T);
     const bool vector =
         PointerAligned16(px) && (problem.batch == 1 || problem.elements % kPerUnit == 0);
-    // A persistent grid: the resident blocks spread over the batches; a batch never gets
-    // more blocks than it has rounds of loads.
-    const int64_t resident = gpu::ResidentBlocks(reinterpret_cast<const void*>(
-                                                     &BatchAmaxKernel<T>),
-                                                 kBatchAmaxThreads);
+    // Two rounds of loads (64 KB of 16-bit input) per block by default, like
+    // GroupAmaxKernel; JAXFUSE_BATCH_AMAX_ROUNDS sets the rounds per block and
+    // JAXFUSE_BATCH_AMAX_PERSISTENT=1 spreads the resident blocks over the batches instead
+    // (benchmark knobs for A/B, read once).
+    static const int rounds_per_block = gpu::EnvInt("JAXFUSE_BATCH_AMAX_ROUNDS", 2);
+    static const bool persistent = gpu::EnvInt("JAXFUSE_BATCH_AMAX_PERSISTENT", 0) == 1;
     const int64_t rounds =
         CeilDiv(CeilDiv(problem.elements, kPerUnit), int64_t{kBatchAmaxThreads} * kBatchAmaxLoads);
     const int64_t batch_rows = std::min<int64_t>(problem.batch, 65535);
-    const int64_t per_batch =
-        std::max<int64_t>(1, std::min<int64_t>(rounds, CeilDiv(resident, batch_rows)));
+    int64_t per_batch = CeilDiv(rounds, rounds_per_block);
+    if (persistent) {
+      const int64_t resident = gpu::ResidentBlocks(
+          reinterpret_cast<const void*>(&BatchAmaxKernel<T>), kBatchAmaxThreads);
+      per_batch = std::min<int64_t>(rounds, CeilDiv(resident, batch_rows));
+    }
+    per_batch = std::clamp<int64_t>(per_batch, 1, int64_t{1} << 20);  // blocks then stride
     const dim3 grid(static_cast<unsigned>(per_batch), static_cast<unsigned>(batch_rows));
     BatchAmaxKernel<T><<<grid, kBatchAmaxThreads, 0, stream>>>(px, problem.batch,
                                                                 problem.elements, vector, pamax);

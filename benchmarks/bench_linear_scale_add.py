@@ -6,7 +6,12 @@ and forward + backward, at 4096-65536 tokens x 4096-8192 features. Residuals are
 and each call's output is the next call's residual, as in a training step that updates
 the residual stream; the two variants run in alternating chunks (common.time_alternating).
 
-    python benchmarks/bench_linear_scale_add.py [--quick]
+FP8 rows (issue 3's shapes, against the same bf16 XLA step): the FP8 op with per-tensor
+current scaling, forward and fwd+bwd; fwd+bwd without returning the residual's cotangent
+(see make_step); and on a kernel quantized once (jaxfuse.quantize_kernel): the forward on a
+frozen copy, fwd+bwd on a trainable one.
+
+    python benchmarks/bench_linear_scale_add.py [--quick] [--fp8-only] [--tag TAG]
 """
 
 from __future__ import annotations
@@ -67,12 +72,14 @@ def operands(tokens, features, seed):
 
 def time_pair(steps: dict, x, kernel, d_out, backward, rounds) -> dict[str, dict]:
   """common.time_alternating over `steps` (label -> jitted step): each step's residual is
-  donated and replaced by its output, as a residual stream is updated in training."""
+  donated and replaced by its output, as a residual stream is updated in training.
+  `kernel`: one for every step, or {label: kernel}."""
   tokens, features = d_out.shape
   variants = {}
   for index, (label, step) in enumerate(steps.items()):
     residual = jax.random.normal(jax.random.key(index), (tokens, features), jnp.bfloat16)
-    args = (x, kernel, residual, d_out) if backward else (x, kernel, residual)
+    kernel_ = kernel[label] if isinstance(kernel, dict) else kernel
+    args = (x, kernel_, residual, d_out) if backward else (x, kernel_, residual)
     advance = lambda args, outputs: (*args[:2], outputs[0] if backward else outputs,
                                      *args[3:])
     variants[label] = (step, args, advance)
@@ -85,17 +92,25 @@ def time_fp8(shapes, rounds) -> list[dict]:
   for tokens, features in shapes:
     x, kernel, d_out = operands(tokens, features, tokens * 7 + features)
     flops = 2 * tokens * features * features
-    # The last pass: fwd+bwd whose residual cotangent is not returned (make_step: no copy
-    # of d_out, as inside a training step).
-    for backward, returned in ((False, True), (True, True), (True, False)):
-      row = {"tokens": tokens, "features": features,
-             "pass": "fwd" if not backward else
-                     "fwd+bwd" if returned else "fwd+bwd, d_residual passed on"}
+    # fwd+bwd whose residual cotangent is not returned (make_step: no copy of d_out, as
+    # inside a training step); then the FP8 op on the kernel quantized once, outside the
+    # timed calls (jaxfuse.quantize_kernel): a frozen copy for the forward (inference), a
+    # trainable one for fwd+bwd (a micro-batch's step, the weights quantized once per
+    # optimizer step). The XLA bf16 step is the same in every pass.
+    frozen = jaxfuse.quantize_kernel(kernel, FP8_RECIPE)
+    trainable = jaxfuse.quantize_kernel(kernel, FP8_RECIPE, trainable=True)
+    passes = (("fwd", False, True, kernel), ("fwd+bwd", True, True, kernel),
+              ("fwd+bwd, d_residual passed on", True, False, kernel),
+              ("fwd, kernel quantized once", False, True, frozen),
+              ("fwd+bwd, trainable kernel copy", True, True, trainable))
+    for pass_name, backward, returned, fp8_kernel in passes:
+      row = {"tokens": tokens, "features": features, "pass": pass_name}
       with common.GpuMonitor() as gpu:
         timing = time_pair({"xla_bf16": make_step("xla", backward, residual_cotangent=returned),
                             "jaxfuse_fp8": make_step("ffi", backward, FP8_RECIPE,
                                                      residual_cotangent=returned)},
-                           x, kernel, d_out, backward, rounds)
+                           x, {"xla_bf16": kernel, "jaxfuse_fp8": fp8_kernel}, d_out,
+                           backward, rounds)
       row["gpu"] = gpu.summary
       for label, stats in timing.items():
         row[f"{label}_ms"] = stats["median_ms"]

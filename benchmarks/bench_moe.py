@@ -2,9 +2,11 @@
 jaxfuse.moe vs the same layer built from the references (argsort / scatter permutation,
 jax.lax.ragged_dot experts, jnp SwiGLU, gather unpermute), in one process on one GPU, and
 jaxfuse.moe with recipe=Float8CurrentScaling(per_group=True) (jaxfuse_fp8_*: the experts'
-GEMMs in FP8, quantization included; same bf16 parameters and inputs), and its forward on
-expert weights quantized once by jaxfuse.quantize_experts (jaxfuse_fp8_quantized_kernels_*:
-inference).
+GEMMs in FP8, quantization included; same bf16 parameters and inputs), and the same on
+expert weights quantized once, outside the timed calls (jaxfuse_fp8_quantized_kernels_*):
+the forward on jaxfuse.quantize_experts copies (inference), the forward + backward on
+trainable copies (quantize_experts(..., trainable=True): a micro-batch's step when the
+weights are quantized once per optimizer step).
 
 Cases: Mixtral-like (8 experts, top-2, H=4096, F=14336) and DeepSeek-like (64 experts,
 top-6, H=2048, F=1408), 16384 tokens each. TFLOP/s count the experts' GEMMs over the T*k
@@ -79,14 +81,16 @@ def main():
         except Exception as error:  # e.g. the dense ragged_dot expansion running out of memory
           print(f"{label} {pass_name} failed: {type(error).__name__}: {str(error)[:200]}")
           times[(label, pass_name)] = None
-    # Inference: the expert weights quantized once, outside the timed calls.
+    # The expert weights quantized once, outside the timed calls: plain copies for the
+    # forward (inference), trainable ones for the forward + backward.
     x, router, k1, k2, dy = arguments
-    quantized = (x, router, jaxfuse.quantize_experts(k1, FP8_RECIPE),
-                 jaxfuse.quantize_experts(k2, FP8_RECIPE), dy)
-    times[("jaxfuse_fp8_quantized_kernels", "fwd")] = common.time_fn(
-        step("ffi", top_k, FP8_RECIPE)["fwd"], [quantized] * (calls + 3))["median_ms"]
-    times[("jaxfuse_fp8_quantized_kernels", "fwd+bwd")] = None
-    del x, router, k1, k2, dy, quantized
+    for pass_name, trainable in (("fwd", False), ("fwd+bwd", True)):
+      quantized = (x, router, jaxfuse.quantize_experts(k1, FP8_RECIPE, trainable=trainable),
+                   jaxfuse.quantize_experts(k2, FP8_RECIPE, trainable=trainable), dy)
+      times[("jaxfuse_fp8_quantized_kernels", pass_name)] = common.time_fn(
+          step("ffi", top_k, FP8_RECIPE)[pass_name], [quantized] * (calls + 3))["median_ms"]
+      del quantized
+    del x, router, k1, k2, dy
     for pass_name in ("fwd", "fwd+bwd"):
       flops = moe_api.flops(tokens, hidden, ffn, experts, top_k,
                             backward=pass_name == "fwd+bwd")

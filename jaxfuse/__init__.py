@@ -15,6 +15,7 @@ from jaxfuse._src.ops.group_offsets.api import group_offsets
 from jaxfuse._src.ops.grouped_linear.api import grouped_linear
 from jaxfuse._src.ops.grouped_linear.api import quantize_experts
 from jaxfuse._src.ops.linear_scale_add.api import linear_scale_add
+from jaxfuse._src.ops.linear_scale_add.api import quantize_kernel
 from jaxfuse._src.ops.quantize.api import dequantize
 from jaxfuse._src.ops.quantize.api import quantize
 from jaxfuse._src.ops.quantize.api import scaled_activation_quantize
@@ -64,5 +65,5 @@ def build_info() -> dict:
 
 __all__ = ["EXPORT_DISABLED_CHECKS", "add_rms_norm", "build_info", "dequantize", "group_offsets", "grouped_linear",
            "grouped_mlp", "linear_scale_add", "moe", "moe_permute", "moe_router",
-           "moe_unpermute", "quantization", "quantize", "quantize_experts", "register_handlers", "rms_norm", "scaled_activation",
+           "moe_unpermute", "quantization", "quantize", "quantize_experts", "quantize_kernel", "register_handlers", "rms_norm", "scaled_activation",
            "scaled_activation_quantize", "scaled_dactivation_quantize", "sharding_rules"]

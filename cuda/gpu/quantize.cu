@@ -26,7 +26,6 @@
 #include "jaxfuse/fp8.h"
 #include "jaxfuse/quantize.h"
 #include "jaxfuse/scaled_activation.h"
-#include "occupancy.cuh"
 #include "rowwise.cuh"
 
 namespace jaxfuse {
@@ -607,22 +606,17 @@ ffi::Error BatchAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi:
     constexpr int64_t kPerUnit = 16 / sizeof(T);
     const bool vector =
         PointerAligned16(px) && (problem.batch == 1 || problem.elements % kPerUnit == 0);
-    // Two rounds of loads (64 KB of 16-bit input) per block by default, like
-    // GroupAmaxKernel; JAXFUSE_BATCH_AMAX_ROUNDS sets the rounds per block and
-    // JAXFUSE_BATCH_AMAX_PERSISTENT=1 spreads the resident blocks over the batches instead
-    // (benchmark knobs for A/B, read once).
-    static const int rounds_per_block = gpu::EnvInt("JAXFUSE_BATCH_AMAX_ROUNDS", 2);
-    static const bool persistent = gpu::EnvInt("JAXFUSE_BATCH_AMAX_PERSISTENT", 0) == 1;
+    // Two rounds of loads (64 KB of 16-bit input) per block, like GroupAmaxKernel. A
+    // persistent grid (the resident blocks spread over the batches) measured the same:
+    // 263 against 262 us for the three amaxes of the FP8 linear_scale_add step at 65536 x
+    // 4096 (profile_kernels_s24{persistent,amax2}_*.json under benchmarks/results/).
+    constexpr int64_t kRoundsPerBlock = 2;
     const int64_t rounds =
         CeilDiv(CeilDiv(problem.elements, kPerUnit), int64_t{kBatchAmaxThreads} * kBatchAmaxLoads);
     const int64_t batch_rows = std::min<int64_t>(problem.batch, 65535);
-    int64_t per_batch = CeilDiv(rounds, rounds_per_block);
-    if (persistent) {
-      const int64_t resident = gpu::ResidentBlocks(
-          reinterpret_cast<const void*>(&BatchAmaxKernel<T>), kBatchAmaxThreads);
-      per_batch = std::min<int64_t>(rounds, CeilDiv(resident, batch_rows));
-    }
-    per_batch = std::clamp<int64_t>(per_batch, 1, int64_t{1} << 20);  // blocks then stride
+    // Past 2^20 blocks per batch the blocks stride.
+    const int64_t per_batch =
+        std::clamp<int64_t>(CeilDiv(rounds, kRoundsPerBlock), 1, int64_t{1} << 20);
     const dim3 grid(static_cast<unsigned>(per_batch), static_cast<unsigned>(batch_rows));
     BatchAmaxKernel<T><<<grid, kBatchAmaxThreads, 0, stream>>>(px, problem.batch,
                                                                 problem.elements, vector, pamax);

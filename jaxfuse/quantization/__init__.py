@@ -20,7 +20,9 @@ Recipes are frozen (hashable) dataclasses, so they can be static arguments:
 ``jaxfuse.quantize_experts(kernel, Float8CurrentScaling(...))`` quantizes grouped-GEMM
 weights [G, K, N] once, one scale per expert (scaling_mode "per_expert", data [G, N, K]):
 ``grouped_linear``, ``grouped_mlp``, ``moe`` and the Flax modules take the result as a
-kernel and skip the per-call quantization of the weights.
+kernel and skip the per-call quantization of the weights. ``jaxfuse.quantize_kernel(kernel,
+Float8CurrentScaling(per_group=False))`` does the same for a dense kernel [K, N] and
+``linear_scale_add`` (scaling_mode "per_kernel", data [N, K]).
 """
 
 from jaxfuse.quantization.recipes import Float8BlockScaling

@@ -103,16 +103,20 @@ class QuantizedArray:
       group_offsets[g]:group_offsets[g+1]; rows past group_offsets[G] hold zeros);
       "per_expert" (``jaxfuse.quantize_experts``): float32 [G] for data [G, N, K], expert
       g's kernel [K, N] transposed (the K-major layout of the FP8 grouped GEMMs);
+      "per_kernel" (``jaxfuse.quantize_kernel``): float32 [1] for data [N, K], a dense
+      kernel [K, N] transposed (the K-major layout of the FP8 linear_scale_add);
       "block_1d": float32 [..., ceil(K / block)]; "block_2d": float32
       [..., ceil(R / block), ceil(K / block)] for data [..., R, K]; "mxfp8": uint8
       [..., ceil(K / block)] biased exponents (2^(e - 127)).
     group_offsets: int32 [G + 1] for "per_group", else None.
-    data_untransposed: for a trainable "per_expert" array, the same FP8 values in the
-      kernel's layout [G, K, N] (what the FP8 dgrad reads), else None.
-    master: for a trainable "per_expert" array (``quantize_experts(..., trainable=True)``),
-      the 16-bit kernel [G, K, N] the values were quantized from: the ops that take the
-      array send the kernel's gradient there (the wgrad does not read the weights), so
-      one quantization can serve many calls that still train the kernel. Else None.
+    data_untransposed: for a trainable "per_expert" / "per_kernel" array, the same FP8
+      values in the kernel's layout [G, K, N] / [K, N] (what the FP8 dgrad reads), else
+      None.
+    master: for a trainable "per_expert" / "per_kernel" array (``quantize_experts`` /
+      ``quantize_kernel`` with ``trainable=True``), the 16-bit kernel the values were
+      quantized from: the ops that take the array send the kernel's gradient there (the
+      wgrad does not read the weights), so one quantization can serve many calls that
+      still train the kernel. Else None.
   Static fields: recipe, scaling_mode, block_size, dtype (the original dtype, which
   dequantize returns), role ("forward" or "gradient").
   """
@@ -130,10 +134,13 @@ class QuantizedArray:
   @property
   def shape(self):
     """The shape of the array it represents (what ``dequantize`` returns): data's, or for
-    "per_expert" data [G, N, K] the kernel's [G, K, N]."""
+    "per_expert" data [G, N, K] the kernel's [G, K, N] ("per_kernel": [N, K] -> [K, N])."""
     if self.scaling_mode == "per_expert":
       groups, n, k = self.data.shape
       return (groups, k, n)
+    if self.scaling_mode == "per_kernel":
+      n, k = self.data.shape
+      return (k, n)
     return self.data.shape
 
   @property

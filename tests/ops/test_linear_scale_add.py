@@ -3,6 +3,7 @@ gradients, in-place HLO, vmap, shard_map, errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -464,3 +465,139 @@ def test_fp8_errors(recipe, shapes, match):
   residual = jnp.ones((x_shape[0], k_shape[1]), jnp.bfloat16)
   with pytest.raises(ValueError, match=match):
     jaxfuse.linear_scale_add(x, kernel, residual, recipe=recipe, implementation="ffi")
+
+
+# --- FP8 weights quantized once (quantize_kernel) ---------------------------------------
+
+
+def _fp8_loss(implementation):
+  def loss(x, kernel, residual, d_out):
+    out = jaxfuse.linear_scale_add(x, kernel, residual, -1.5, recipe=FP8_RECIPE,
+                                   implementation=implementation)
+    return jnp.sum(out.astype(jnp.float32) * d_out)
+  return loss
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("implementation", ["ffi", "xla"])
+@pytest.mark.parametrize("trainable", [False, True])
+def test_quantized_kernel_gives_the_results_of_quantizing_in_the_call(backend, implementation,
+                                                                     trainable):
+  """The same FP8 values, so the same bits: the output, dx, dresidual, and for a trainable
+  copy the kernel's gradient (at its master); a frozen copy's cotangent is zero."""
+  x, kernel, residual = make_inputs(31, (4, 16), 48, 32, jnp.bfloat16)
+  d_out = helpers.random_array(np.random.default_rng(32), (4, 16, 32), jnp.float32)
+  x, kernel, residual, d_out = on(backend, x, kernel, residual, d_out)
+  q = jaxfuse.quantize_kernel(kernel, FP8_RECIPE, trainable=trainable,
+                              implementation=implementation)
+  forward = jax.jit(lambda x, k, r: jaxfuse.linear_scale_add(
+      x, k, r, -1.5, recipe=FP8_RECIPE, implementation=implementation))
+  np.testing.assert_array_equal(np.asarray(forward(x, q, residual)),
+                                np.asarray(forward(x, kernel, residual)))
+  grad = jax.jit(jax.grad(_fp8_loss(implementation), argnums=(0, 1, 2)))
+  want_dx, want_dkernel, want_dresidual = grad(x, kernel, residual, d_out)
+  dx, dq, dresidual = grad(x, q, residual, d_out)
+  np.testing.assert_array_equal(np.asarray(dx), np.asarray(want_dx))
+  np.testing.assert_array_equal(np.asarray(dresidual), np.asarray(want_dresidual))
+  assert isinstance(dq, jaxfuse.quantization.QuantizedArray)
+  if trainable:
+    np.testing.assert_array_equal(np.asarray(dq.master), np.asarray(want_dkernel))
+    assert float(jnp.max(jnp.abs(want_dkernel.astype(jnp.float32)))) > 0
+  else:
+    assert dq.master is None
+    for leaf in jax.tree.leaves(dq):
+      assert not np.any(np.asarray(leaf, np.float32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_quantize_kernel_values_against_float64(backend):
+  """data [N, K] = E4M3(kernel.T / scale_inv) with scale_inv = amax / 448 (NaN ignored),
+  every value within E4M3's half ulp (2^-4 relative); data_untransposed its transpose;
+  dequantize gives [K, N]; an all-zero kernel gets scale_inv 1."""
+  rng = np.random.default_rng(33)
+  values = rng.standard_normal((40, 24)) * np.exp2(rng.integers(-6, 6, (40, 24)))
+  values[3, 5] = -900.0
+  values[7, 1] = np.nan
+  kernel, zeros = on(backend, jnp.asarray(values, jnp.bfloat16), jnp.zeros((16, 32), jnp.float16))
+  q = jax.jit(lambda k: jaxfuse.quantize_kernel(k, FP8_RECIPE, trainable=True,
+                                                implementation="ffi"))(kernel)
+  assert q.scaling_mode == "per_kernel" and q.shape == (40, 24) and q.dtype == jnp.bfloat16
+  assert q.data.shape == (24, 40) and q.data.dtype == jnp.float8_e4m3fn
+  np.testing.assert_array_equal(np.asarray(q.data_untransposed).view(np.uint8),
+                                np.asarray(q.data).T.view(np.uint8))
+  k64 = helpers.as_f64(kernel)
+  amax = np.nanmax(np.abs(k64))
+  np.testing.assert_allclose(float(q.scale_inv[0]), amax / 448.0, rtol=1e-6)
+  dequantized = helpers.as_f64(jaxfuse.dequantize(q))
+  assert dequantized.shape == (40, 24)
+  finite = np.isfinite(k64)
+  np.testing.assert_allclose(dequantized[finite], k64[finite], rtol=2.0 ** -4,
+                             atol=amax / 448.0 * 2.0 ** -9)
+  assert np.isnan(dequantized[~finite]).all()
+  zero = jaxfuse.quantize_kernel(zeros, FP8_RECIPE, implementation="ffi")
+  np.testing.assert_array_equal(np.asarray(zero.scale_inv), [1.0])
+  assert zero.data_untransposed is None and zero.master is None
+
+
+def _ffi_calls(fn, *args):
+  """How many custom calls of each quantizing / backward-GEMM target the compiled fn runs."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  return {target: len(re.findall(f'custom_call_target="{target}"', text))
+          for target in ("jaxfuse_batch_amax", "jaxfuse_quantize_transposed",
+                         "jaxfuse_quantize", "jaxfuse_scaled_matmul_fp8")}
+
+
+def test_quantized_kernel_skips_the_weight_passes():
+  """With the 16-bit kernel a training step quantizes x, the kernel and dy (three amaxes,
+  three two-layout passes) and runs two backward GEMMs; with a trainable copy the kernel's
+  passes are gone; with a frozen one there is no wgrad GEMM, and x and dy are quantized in
+  one layout each (the row-wise quantize)."""
+  x, kernel, residual = make_inputs(34, (32,), 32, 48, jnp.bfloat16)
+  d_out = jnp.ones((32, 48), jnp.float32)
+  # value_and_grad: the forward GEMM and x's quantization stay in the program.
+  grad = jax.value_and_grad(_fp8_loss("ffi"), argnums=(0, 1, 2))
+  assert _ffi_calls(grad, x, kernel, residual, d_out) == {
+      "jaxfuse_batch_amax": 3, "jaxfuse_quantize_transposed": 3, "jaxfuse_quantize": 0,
+      "jaxfuse_scaled_matmul_fp8": 2}
+  trainable = jaxfuse.quantize_kernel(kernel, FP8_RECIPE, trainable=True, implementation="ffi")
+  assert _ffi_calls(grad, x, trainable, residual, d_out) == {
+      "jaxfuse_batch_amax": 2, "jaxfuse_quantize_transposed": 2, "jaxfuse_quantize": 0,
+      "jaxfuse_scaled_matmul_fp8": 2}
+  frozen = jaxfuse.quantize_kernel(kernel, FP8_RECIPE, implementation="ffi")
+  assert _ffi_calls(grad, x, frozen, residual, d_out) == {
+      "jaxfuse_batch_amax": 0, "jaxfuse_quantize_transposed": 0, "jaxfuse_quantize": 2,
+      "jaxfuse_scaled_matmul_fp8": 1}
+
+
+def test_quantize_kernel_errors():
+  kernel = jnp.ones((32, 48), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"quantize_kernel takes recipe=Float8CurrentScaling\("
+                                       r"per_group=False\)"):
+    jaxfuse.quantize_kernel(kernel, jaxfuse.quantization.Float8CurrentScaling())
+  with pytest.raises(ValueError, match=r"forward_format must be 'e4m3', got 'e5m2'"):
+    jaxfuse.quantize_kernel(kernel, jaxfuse.quantization.Float8CurrentScaling(
+        per_group=False, forward_format="e5m2"))
+  with pytest.raises(ValueError, match=r"kernel must have rank 2 \(\[K, N\]\)"):
+    jaxfuse.quantize_kernel(jnp.ones((2, 32, 48), jnp.bfloat16), FP8_RECIPE)
+  with pytest.raises(TypeError, match=r"kernel"):
+    jaxfuse.quantize_kernel(jnp.ones((32, 48), jnp.int32), FP8_RECIPE)
+
+
+def test_linear_scale_add_rejects_bad_quantized_kernels():
+  x, kernel, residual = make_inputs(35, (32,), 32, 48, jnp.bfloat16)
+  q = jaxfuse.quantize_kernel(kernel, FP8_RECIPE, trainable=True, implementation="ffi")
+  call = lambda k, **kw: jaxfuse.linear_scale_add(x, k, residual, implementation="ffi", **kw)
+  other = jaxfuse.quantization.Float8CurrentScaling(per_group=False,
+                                                    forward_fast_accumulation=False)
+  with pytest.raises(ValueError, match=r"cannot run with recipe="):
+    call(q, recipe=other)
+  experts = jaxfuse.quantize_experts(kernel[None], jaxfuse.quantization.Float8CurrentScaling())
+  with pytest.raises(TypeError, match=r"must come from jaxfuse.quantize_kernel"):
+    call(experts)
+  with pytest.raises(ValueError, match=r"master must have shape \(32, 48\)"):
+    call(dataclasses.replace(q, master=kernel[:16]))
+  with pytest.raises(TypeError, match=r"master must have its dtype bfloat16"):
+    call(dataclasses.replace(q, master=kernel.astype(jnp.float32)))
+  with pytest.raises(ValueError, match=r"x's last dimension \(16\) must equal kernel.shape\[0\] "
+                                       r"\(32\)"):
+    jaxfuse.linear_scale_add(x[:, :16], q, residual, implementation="ffi")

@@ -61,6 +61,9 @@ CASES = {
         ("fp8", lambda x, k, r: jaxfuse.linear_scale_add(x, k, r, 0.5, recipe=PER_TENSOR,
                                                          **FFI),
          (_a((64, 32), BF16), _a((32, 32), BF16), _a((64, 32), BF16)), (0, 1, 2)),
+        ("fp8 trainable quantized kernel", lambda x, k, r: jaxfuse.linear_scale_add(
+            x, jaxfuse.quantize_kernel(k, PER_TENSOR, trainable=True, **FFI), r, 0.5, **FFI),
+         (_a((64, 32), BF16), _a((32, 32), BF16), _a((64, 32), BF16)), (0, 1, 2)),
     ],
     "rms_norm": [("f32", lambda x, g: jaxfuse.rms_norm(x, g, **FFI),
                   (_a((8, 32)), _a((32,))), (0, 1))],
@@ -82,6 +85,10 @@ CASES = {
     "quantize_experts": [
         ("per_expert", lambda k: jaxfuse.quantize_experts(k, PER_GROUP, **FFI).data,
          (_a((4, 32, 48), BF16),), None)],
+    "quantize_kernel": [
+        ("per_kernel", lambda k: jaxfuse.quantize_kernel(k, PER_TENSOR, trainable=True,
+                                                         **FFI).data_untransposed,
+         (_a((32, 48), BF16),), None)],
     "grouped_mlp": [
         (name, lambda x, k1, k2, s, sc, recipe=recipe: jaxfuse.grouped_mlp(
             x, k1, k2, s, sc, "swiglu", recipe=recipe, **FFI),

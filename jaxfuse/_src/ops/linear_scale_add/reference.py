@@ -24,17 +24,27 @@ def linear_scale_add_fp8(x: jax.Array, kernel: jax.Array, residual: jax.Array, a
 
   Gradients pass straight through the quantization (d(dequantized x)/dx = 1), so the
   reference stays differentiable; the FFI backward quantizes the gradients instead.
+  `kernel` may be a ``quantize_kernel`` QuantizedArray: its FP8 values are used as they
+  are, and it gets no gradient unless it is trainable (then its master does).
   """
+  from jaxfuse._src.ops.grouped_linear import reference as kernel_helpers  # pylint: disable=g-import-not-at-top
   from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
 
-  def straight_through(value):
-    q = quantize_api.quantize(value, recipe, role="forward", implementation="xla")
-    dequantized = q.data.astype(jnp.float32) * q.scale_inv[0]
+  def straight_through(value, dequantized=None):
+    if dequantized is None:
+      q = quantize_api.quantize(value, recipe, role="forward", implementation="xla")
+      dequantized = q.data.astype(jnp.float32) * q.scale_inv[0]
     return value.astype(jnp.float32) + jax.lax.stop_gradient(
         dequantized - value.astype(jnp.float32))
 
-  k = kernel.shape[0]
-  product = jnp.matmul(straight_through(x.reshape(-1, k)), straight_through(kernel),
+  if kernel_helpers.is_quantized_kernel(kernel):
+    w = jax.lax.stop_gradient(kernel.data.T.astype(jnp.float32) * kernel.scale_inv[0])
+    target = kernel_helpers.gradient_target(kernel)  # its master, or None (frozen)
+    w = w if target is None else straight_through(target, w)
+  else:
+    w = straight_through(kernel)
+  k = w.shape[0]
+  product = jnp.matmul(straight_through(x.reshape(-1, k)), w,
                        preferred_element_type=jnp.float32)
   out = residual.astype(jnp.float32) + alpha * product.reshape(*x.shape[:-1], -1)
   return out.astype(residual.dtype)

@@ -132,6 +132,8 @@ def dequantize(q) -> jax.Array:
     out = data * jnp.repeat(scale_inv, block, axis=-1)[..., :data.shape[-1]]
   elif mode == "per_expert":  # quantize_experts: data [G, N, K] of a kernel [G, K, N]
     out = jnp.swapaxes(data * q.scale_inv[:, None, None], 1, 2)
+  elif mode == "per_kernel":  # quantize_kernel: data [N, K] of a dense kernel [K, N]
+    out = (data * q.scale_inv[0]).T
   elif mode == "block_2d":
     s = jnp.repeat(jnp.repeat(q.scale_inv, block, axis=-1), block, axis=-2)
     out = data * s[..., :data.shape[-2], :data.shape[-1]]

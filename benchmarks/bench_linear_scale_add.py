@@ -8,8 +8,9 @@ the residual stream; the two variants run in alternating chunks (common.time_alt
 
 FP8 rows (issue 3's shapes, against the same bf16 XLA step): the FP8 op with per-tensor
 current scaling, forward and fwd+bwd; fwd+bwd without returning the residual's cotangent
-(see make_step); and on a kernel quantized once (jaxfuse.quantize_kernel): the forward on a
-frozen copy, fwd+bwd on a trainable one.
+(see make_step); on a kernel quantized once (jaxfuse.quantize_kernel): the forward on a
+frozen copy, fwd+bwd on a trainable one; and per layer of a stack of 8 layers in one jit
+(make_stack_step), as a model's training step runs them.
 
     python benchmarks/bench_linear_scale_add.py [--quick] [--fp8-only] [--tag TAG]
 """
@@ -57,6 +58,38 @@ def make_step(implementation: str, backward: bool, recipe=None, residual_cotange
     out, vjp = jax.vjp(forward, x, kernel, residual)
     dx, dkernel, dresidual = vjp(d_out)
     return (out, dx, dkernel, dresidual) if residual_cotangent else (out, dx, dkernel)
+
+  return jax.jit(forward_backward, donate_argnums=2)
+
+
+# Layers of the stacked FP8 rows: one jit runs this many residual layers (lax.scan).
+STACK_LAYERS = 8
+
+
+def make_stack_step(implementation: str, backward: bool, recipe=None, layers=STACK_LAYERS):
+  """A stack of `layers` residual layers in one jitted step, as in a model's training
+  step: h <- h + alpha * x_l @ kernel_l for l < layers (jax.lax.scan over xs [L, T, K] and
+  kernels [L, K, N], the residual stream h carried and updated in place, h donated). With
+  ``backward`` the VJP of the whole stack: dh flows from layer to layer as it does in
+  training, where no copy of it is made (so the step returns out, dxs and dkernels).
+  Host dispatch is paid once per `layers` layers, not per layer."""
+  def layer(h, operands_l):
+    x, kernel = operands_l
+    if implementation == "xla":
+      return xla_linear_scale_add(x, kernel, h), None
+    return jaxfuse.linear_scale_add(x, kernel, h, ALPHA, recipe=recipe,
+                                    implementation=implementation), None
+
+  def forward(xs, kernels, residual):
+    return jax.lax.scan(layer, residual, (xs, kernels), length=layers)[0]
+
+  if not backward:
+    return jax.jit(forward, donate_argnums=2)
+
+  def forward_backward(xs, kernels, residual, d_out):
+    out, vjp = jax.vjp(forward, xs, kernels, residual)
+    dxs, dkernels, _ = vjp(d_out)
+    return out, dxs, dkernels
 
   return jax.jit(forward_backward, donate_argnums=2)
 
@@ -119,6 +152,36 @@ def time_fp8(shapes, rounds) -> list[dict]:
       row["paired_speedup"] = timing["jaxfuse_fp8"]["paired_speedup_vs_xla_bf16"]
       rows.append(row)
       print(row, flush=True)
+    rows.extend(time_stack(tokens, features, rounds))
+  return rows
+
+
+def time_stack(tokens, features, rounds, layers=STACK_LAYERS) -> list[dict]:
+  """The FP8 and bf16 XLA stacks of make_stack_step (fresh x and kernel per layer), forward
+  and fwd+bwd; times per layer (the step's median over `layers`)."""
+  keys = jax.random.split(jax.random.key(tokens + features), 3)
+  xs = jax.random.normal(keys[0], (layers, tokens, features), jnp.bfloat16)
+  kernels = (jax.random.normal(keys[1], (layers, features, features)) /
+             features**0.5).astype(jnp.bfloat16)
+  d_out = jax.random.normal(keys[2], (tokens, features), jnp.bfloat16)
+  flops = 2 * tokens * features * features
+  rows = []
+  for backward in (False, True):
+    row = {"tokens": tokens, "features": features, "layers": layers,
+           "pass": f"{'fwd+bwd' if backward else 'fwd'}, {layers} layers in one jit (per layer)"}
+    with common.GpuMonitor() as gpu:
+      timing = time_pair({"xla_bf16": make_stack_step("xla", backward, layers=layers),
+                          "jaxfuse_fp8": make_stack_step("ffi", backward, FP8_RECIPE, layers)},
+                         xs, kernels, d_out, backward, rounds)
+    row["gpu"] = gpu.summary
+    for label, stats in timing.items():
+      row[f"{label}_ms"] = stats["median_ms"] / layers
+      row[f"{label}_tflops"] = flops * (3 if backward else 1) / (row[f"{label}_ms"] * 1e-3) / 1e12
+    row["fp8_speedup_vs_xla_bf16"] = row["xla_bf16_ms"] / row["jaxfuse_fp8_ms"]
+    row["paired_speedup"] = timing["jaxfuse_fp8"]["paired_speedup_vs_xla_bf16"]
+    rows.append(row)
+    print(row, flush=True)
+  del xs, kernels
   return rows
 
 

@@ -85,6 +85,24 @@ def linear_scale_add_forward_case(tokens, features, xla=False):
   return step, (x, kernel, residual), lambda args, out: (args[0], args[1], out)
 
 
+def linear_scale_add_stack_case(tokens, features, xla=False, backward=False, layers=8):
+  """bench_linear_scale_add's stack of residual layers in one jit (make_stack_step), the
+  FP8 op or the bf16 XLA baseline: where a scanned step's time goes (per step = `layers`
+  layers)."""
+  keys = jax.random.split(jax.random.key(3), 3)
+  xs = jax.random.normal(keys[0], (layers, tokens, features), jnp.bfloat16)
+  kernels = (jax.random.normal(keys[1], (layers, features, features)) /
+             features**0.5).astype(jnp.bfloat16)
+  residual = jax.random.normal(keys[2], (tokens, features), jnp.bfloat16)
+  recipe = None if xla else jaxfuse.quantization.Float8CurrentScaling(per_group=False)
+  step = bench_linear_scale_add.make_stack_step("xla" if xla else "ffi", backward, recipe,
+                                                layers)
+  if backward:
+    return step, (xs, kernels, residual, jnp.copy(residual)), lambda args, out: (
+        args[0], args[1], out[0], args[3])
+  return step, (xs, kernels, residual), lambda args, out: (args[0], args[1], out)
+
+
 def activation_case(tokens, width, quantize):
   keys = jax.random.split(jax.random.key(2), 3)
   x = jax.random.normal(keys[0], (tokens, width), jnp.bfloat16)
@@ -195,6 +213,14 @@ CASES = {
         8192, 8192, xla=True),
     "linear_scale_add fp8 65536x4096 fwd+bwd": lambda: linear_scale_add_fp8_backward_case(
         65536, 4096),
+    "linear_scale_add fp8 8192^3 fwd, 8-layer stack": lambda: linear_scale_add_stack_case(
+        8192, 8192),
+    "xla bf16 linear_scale_add 8192^3 fwd, 8-layer stack": lambda: linear_scale_add_stack_case(
+        8192, 8192, xla=True),
+    "linear_scale_add fp8 8192^3 fwd+bwd, 8-layer stack":
+        lambda: linear_scale_add_stack_case(8192, 8192, backward=True),
+    "xla bf16 linear_scale_add 8192^3 fwd+bwd, 8-layer stack":
+        lambda: linear_scale_add_stack_case(8192, 8192, xla=True, backward=True),
     "linear_scale_add fp8 65536x4096 fwd+bwd, d_residual passed on":
         lambda: linear_scale_add_fp8_backward_case(65536, 4096, residual_cotangent=False),
     "xla bf16 linear_scale_add 65536x4096 fwd+bwd, d_residual passed on":

@@ -32,6 +32,8 @@ class LinearScaleAdd(nn.Module):
     dtype: compute dtype of x and the kernel (default: promote x and param_dtype).
     param_dtype: dtype of the kernel parameter.
     kernel_init: initializer of the kernel.
+    recipe: None, or ``Float8CurrentScaling(per_group=False)`` for the FP8 op; the kernel
+      may then be a ``quantize_kernel_params`` copy (quantized once).
     implementation: None, "ffi" or "xla" (see ``jaxfuse.linear_scale_add``).
   """
 
@@ -40,14 +42,15 @@ class LinearScaleAdd(nn.Module):
   dtype: Any = None
   param_dtype: Any = jnp.float32
   kernel_init: Initializer = default_kernel_init
+  recipe: Any = None
   implementation: str | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, residual: jax.Array) -> jax.Array:
-    kernel = self.param("kernel", self.kernel_init, (jnp.shape(x)[-1], self.features),
-                        self.param_dtype)
-    x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
-    return linear_scale_add(x, kernel, residual, self.alpha,
+    kernel = _quantizable_param(self, "kernel", self.kernel_init,
+                                (jnp.shape(x)[-1], self.features), self.param_dtype)
+    x, kernel = _experts.promote(nn.dtypes.promote_dtype, x, [kernel], self.dtype)
+    return linear_scale_add(x, kernel, residual, self.alpha, recipe=self.recipe,
                             implementation=self.implementation)
 
 
@@ -355,9 +358,10 @@ def _local_shape(shape, spec, tp):
 from jaxfuse._src.ops.grouped_linear.api import grouped_linear as _grouped_linear  # noqa: E402
 
 
-def _expert_param(module: nn.Module, name: str, init, shape, dtype):
-  """module.param(name, ...), or the QuantizedArray that quantize_expert_params stored under
-  that name (as it is: Flax's shape check compares leaves, and its data is [G, N, K])."""
+def _quantizable_param(module: nn.Module, name: str, init, shape, dtype):
+  """module.param(name, ...), or the QuantizedArray that quantize_expert_params /
+  quantize_kernel_params stored under that name (as it is: Flax's shape check compares
+  leaves, and its data is transposed)."""
   if module.has_variable("params", name):
     value = module.get_variable("params", name)
     if _experts.is_quantized(value):
@@ -405,7 +409,7 @@ class GroupedLinear(nn.Module):
     if jnp.shape(group_sizes) != (self.num_groups,):
       raise ValueError(f"group_sizes must have shape ({self.num_groups},) (num_groups), "
                        f"got {jnp.shape(group_sizes)}")
-    kernel = _expert_param(self, "kernel", self.kernel_init,
+    kernel = _quantizable_param(self, "kernel", self.kernel_init,
                            (self.num_groups, jnp.shape(x)[-1], self.features), self.param_dtype)
     dtype = self.dtype or x.dtype
     if not _experts.is_quantized(kernel):  # a quantize_expert_params kernel runs as it is
@@ -466,9 +470,9 @@ class MoE(nn.Module):
     hidden = jnp.shape(x)[-1]
     width = 2 * self.ffn_features if self.activation != "srelu" else self.ffn_features
     router = self.param("router", self.router_init, (hidden, self.num_experts), self.param_dtype)
-    kernel1 = _expert_param(self, "kernel1", self.kernel_init,
+    kernel1 = _quantizable_param(self, "kernel1", self.kernel_init,
                             (self.num_experts, hidden, width), self.param_dtype)
-    kernel2 = _expert_param(self, "kernel2", self.kernel_init,
+    kernel2 = _quantizable_param(self, "kernel2", self.kernel_init,
                             (self.num_experts, self.ffn_features, hidden), self.param_dtype)
     x, kernel1, kernel2 = _experts.promote(
         lambda *a, dtype: nn.dtypes.promote_dtype(*a, dtype=dtype), x, (kernel1, kernel2),
@@ -506,6 +510,36 @@ def quantize_expert_params(params, recipe, *, dtype=None, names=("kernel1", "ker
   def visit(path, leaf):
     name = getattr(path[-1], "key", None) if path else None
     if name in names and jnp.ndim(leaf) == 3:
+      return _experts.quantize(leaf, recipe, dtype, trainable)
+    return leaf
+
+  return jax.tree_util.tree_map_with_path(visit, params)
+
+
+def quantize_kernel_params(params, recipe, *, dtype=None, names=("kernel",), trainable=False):
+  """A dense FP8 kernel quantized once: `params` with every rank-2 parameter named in
+  `names` quantized (``jaxfuse.quantize_kernel``), for ``LinearScaleAdd`` modules with
+  ``recipe=Float8CurrentScaling(per_group=False)``, which then run on them without
+  quantizing in each call. Pass the subtree of those modules: other modules' rank-2
+  "kernel" parameters (``nn.Dense``) would be replaced too.
+
+  Args:
+    params: a params tree (``variables["params"]``, or a subtree).
+    recipe: the modules' recipe, ``Float8CurrentScaling(per_group=False)``.
+    dtype: the modules' compute dtype (``dtype=``): the kernels are cast to it first, so the
+      FP8 values equal those each call would compute; None keeps the parameters' dtype
+      (which must then be x's).
+    names: parameter names to quantize.
+    trainable: keep each kernel (cast to `dtype`) as its copy's master: differentiated
+      through this call, the parameters get the gradients of the 16-bit modules.
+
+  Returns:
+    The same tree with those leaves replaced by QuantizedArrays: constants (the modules
+    give them no gradient), or trainable copies.
+  """
+  def visit(path, leaf):
+    name = getattr(path[-1], "key", None) if path else None
+    if name in names and jnp.ndim(leaf) == 2:
       return _experts.quantize(leaf, recipe, dtype, trainable)
     return leaf
 

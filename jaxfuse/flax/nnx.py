@@ -35,24 +35,28 @@ class LinearScaleAdd(nnx.Module):
     dtype: compute dtype of x and the kernel (default: promote x and param_dtype).
     param_dtype: dtype of the kernel parameter.
     kernel_init: initializer of the kernel.
+    recipe: None, or ``Float8CurrentScaling(per_group=False)`` for the FP8 op; the kernel
+      may then be quantized once (``quantize_kernel_params``).
     implementation: None, "ffi" or "xla".
     rngs: NNX random streams (``params`` initializes the kernel).
   """
 
   def __init__(self, in_features: int, features: int, *, alpha: float = 1.0,
                dtype: Any = None, param_dtype: Any = jnp.float32,
-               kernel_init: Initializer = default_kernel_init,
+               kernel_init: Initializer = default_kernel_init, recipe: Any = None,
                implementation: str | None = None, rngs: nnx.Rngs):
     self.in_features = in_features
     self.features = features
     self.alpha = alpha
     self.dtype = dtype
+    self.recipe = recipe
     self.implementation = implementation
     self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, features), param_dtype))
 
   def __call__(self, x: jax.Array, residual: jax.Array) -> jax.Array:
-    x, kernel = nnx.nn.dtypes.promote_dtype((x, self.kernel.value), dtype=self.dtype)
-    return linear_scale_add(x, kernel, residual, self.alpha,
+    promote = lambda *arrays, dtype: nnx.nn.dtypes.promote_dtype(arrays, dtype=dtype)
+    x, kernel = _experts.promote(promote, x, [self.kernel.get_value()], self.dtype)
+    return linear_scale_add(x, kernel, residual, self.alpha, recipe=self.recipe,
                             implementation=self.implementation)
 
 
@@ -438,6 +442,29 @@ class MoE(nnx.Module):
                 activation=self.activation, score_function=self.score_function,
                 normalize_topk=self.normalize_topk, recipe=self.recipe,
                 save_activation=self.save_activation, implementation=self.implementation)
+
+
+def quantize_kernel_params(module: nnx.Module, recipe, *, dtype=None) -> nnx.Module:
+  """FP8 dense kernels quantized once: the kernel of every ``LinearScaleAdd`` inside
+  `module` (built with ``recipe=Float8CurrentScaling(per_group=False)``) is replaced by its
+  ``jaxfuse.quantize_kernel`` copy, in place; their calls then skip the weights'
+  quantization passes.
+
+  Args:
+    module: an nnx module (or a model holding such modules).
+    recipe: the modules' recipe.
+    dtype: the modules' compute dtype: the kernels are cast to it first, so the FP8 values
+      equal those each call would compute; None keeps the parameters' dtype.
+
+  Returns:
+    `module`, whose LinearScaleAdd kernel Params now hold QuantizedArrays (constants).
+  """
+  iter_modules = getattr(nnx, "iter_modules", None)  # a function from flax 0.12 on
+  modules = iter_modules(module) if iter_modules is not None else module.iter_modules()
+  for _, sub in modules:
+    if isinstance(sub, LinearScaleAdd):
+      sub.kernel.set_value(_experts.quantize(sub.kernel.get_value(), recipe, dtype))
+  return module
 
 
 def quantize_expert_params(module: nnx.Module, recipe, *, dtype=None) -> nnx.Module:

@@ -470,6 +470,15 @@ def test_fp8_errors(recipe, shapes, match):
 # --- FP8 weights quantized once (quantize_kernel) ---------------------------------------
 
 
+def _same_bits(actual, expected):
+  np.testing.assert_array_equal(np.asarray(actual, np.float32), np.asarray(expected, np.float32))
+
+
+def _within_one_bf16_rounding(actual, expected):
+  np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32),
+                             rtol=2.0 ** -7, atol=0)
+
+
 def _fp8_loss(implementation):
   def loss(x, kernel, residual, d_out):
     out = jaxfuse.linear_scale_add(x, kernel, residual, -1.5, recipe=FP8_RECIPE,
@@ -483,8 +492,10 @@ def _fp8_loss(implementation):
 @pytest.mark.parametrize("trainable", [False, True])
 def test_quantized_kernel_gives_the_results_of_quantizing_in_the_call(backend, implementation,
                                                                      trainable):
-  """The same FP8 values, so the same bits: the output, dx, dresidual, and for a trainable
-  copy the kernel's gradient (at its master); a frozen copy's cotangent is zero."""
+  """The same FP8 values, so the same bits on the FFI path (the GEMMs read the same bytes):
+  the output, dx, dresidual, and for a trainable copy the kernel's gradient (at its
+  master); a frozen copy's cotangent is zero. On the XLA path within one bfloat16 rounding
+  (XLA's float32 dot sums in an order that depends on how it lays out its operands)."""
   x, kernel, residual = make_inputs(31, (4, 16), 48, 32, jnp.bfloat16)
   d_out = helpers.random_array(np.random.default_rng(32), (4, 16, 32), jnp.float32)
   x, kernel, residual, d_out = on(backend, x, kernel, residual, d_out)
@@ -492,16 +503,16 @@ def test_quantized_kernel_gives_the_results_of_quantizing_in_the_call(backend, i
                               implementation=implementation)
   forward = jax.jit(lambda x, k, r: jaxfuse.linear_scale_add(
       x, k, r, -1.5, recipe=FP8_RECIPE, implementation=implementation))
-  np.testing.assert_array_equal(np.asarray(forward(x, q, residual)),
-                                np.asarray(forward(x, kernel, residual)))
+  same = _same_bits if implementation == "ffi" else _within_one_bf16_rounding
+  same(forward(x, q, residual), forward(x, kernel, residual))
   grad = jax.jit(jax.grad(_fp8_loss(implementation), argnums=(0, 1, 2)))
   want_dx, want_dkernel, want_dresidual = grad(x, kernel, residual, d_out)
   dx, dq, dresidual = grad(x, q, residual, d_out)
-  np.testing.assert_array_equal(np.asarray(dx), np.asarray(want_dx))
-  np.testing.assert_array_equal(np.asarray(dresidual), np.asarray(want_dresidual))
+  same(dx, want_dx)
+  same(dresidual, want_dresidual)
   assert isinstance(dq, jaxfuse.quantization.QuantizedArray)
   if trainable:
-    np.testing.assert_array_equal(np.asarray(dq.master), np.asarray(want_dkernel))
+    same(dq.master, want_dkernel)
     assert float(jnp.max(jnp.abs(want_dkernel.astype(jnp.float32)))) > 0
   else:
     assert dq.master is None

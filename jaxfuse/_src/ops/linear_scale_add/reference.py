@@ -30,21 +30,35 @@ def linear_scale_add_fp8(x: jax.Array, kernel: jax.Array, residual: jax.Array, a
   from jaxfuse._src.ops.grouped_linear import reference as kernel_helpers  # pylint: disable=g-import-not-at-top
   from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
 
-  def straight_through(value, dequantized=None):
-    if dequantized is None:
-      q = quantize_api.quantize(value, recipe, role="forward", implementation="xla")
-      dequantized = q.data.astype(jnp.float32) * q.scale_inv[0]
-    return value.astype(jnp.float32) + jax.lax.stop_gradient(
-        dequantized - value.astype(jnp.float32))
+  def dequantized(value):
+    q = quantize_api.quantize(value, recipe, role="forward", implementation="xla")
+    return q.data.astype(jnp.float32) * q.scale_inv[0]
 
+  def straight_through(value, value_dequantized):
+    value = value.astype(jnp.float32)
+    return value + jax.lax.stop_gradient(value_dequantized - value)
+
+  k = x.shape[-1]
+  x_rows = x.reshape(-1, k)
+  x_dequantized = dequantized(x_rows)
+  # The kernel's dequantized values as the FP8 GEMM reads them, [N, K] (K-major): from a
+  # quantize_kernel result's data, or quantized here from kernel^T.
   if kernel_helpers.is_quantized_kernel(kernel):
-    w = jax.lax.stop_gradient(kernel.data.T.astype(jnp.float32) * kernel.scale_inv[0])
+    w_t_dequantized = kernel.data.astype(jnp.float32) * kernel.scale_inv[0]
     target = kernel_helpers.gradient_target(kernel)  # its master, or None (frozen)
-    w = w if target is None else straight_through(target, w)
   else:
-    w = straight_through(kernel)
-  k = w.shape[0]
-  product = jnp.matmul(straight_through(x.reshape(-1, k)), w,
+    w_t_dequantized = dequantized(kernel.T)
+    target = kernel
+  w_t_dequantized = jax.lax.stop_gradient(w_t_dequantized)
+  w_dequantized = w_t_dequantized.T
+  # The value: the product of the dequantized FP8 operands (x [M, K] times [N, K]^T, one
+  # contraction for both kinds of kernel); the gradient: that of the straight-through
+  # product (`through - stop_gradient(through)` is exactly zero).
+  exact = jax.lax.dot_general(jax.lax.stop_gradient(x_dequantized), w_t_dequantized,
+                              (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  w_through = w_dequantized if target is None else straight_through(target, w_dequantized)
+  through = jnp.matmul(straight_through(x_rows, x_dequantized), w_through,
                        preferred_element_type=jnp.float32)
+  product = exact + (through - jax.lax.stop_gradient(through))
   out = residual.astype(jnp.float32) + alpha * product.reshape(*x.shape[:-1], -1)
   return out.astype(residual.dtype)

@@ -6,7 +6,8 @@ GEMMs in FP8, quantization included; same bf16 parameters and inputs), and the s
 expert weights quantized once, outside the timed calls (jaxfuse_fp8_quantized_kernels_*):
 the forward on jaxfuse.quantize_experts copies (inference), the forward + backward on
 trainable copies (quantize_experts(..., trainable=True): a micro-batch's step when the
-weights are quantized once per optimizer step).
+weights are quantized once per optimizer step). The three jaxfuse variants run in
+alternating chunks (common.time_alternating); the reference, ~10x slower, on its own.
 
 Cases: Mixtral-like (8 experts, top-2, H=4096, F=14336) and DeepSeek-like (64 experts,
 top-6, H=2048, F=1408), 16384 tokens each. TFLOP/s count the experts' GEMMs over the T*k
@@ -71,26 +72,31 @@ def main():
   rows = []
   for name, (tokens, hidden, ffn, experts, top_k) in CASES.items():
     arguments = inputs(tokens, hidden, ffn, experts)
-    times = {}
-    for impl, label, n, recipe in (("ffi", "jaxfuse", calls, None),
-                                   ("ffi", "jaxfuse_fp8", calls, FP8_RECIPE),
-                                   ("xla", "reference", baseline_calls, None)):
-      for pass_name, fn in step(impl, top_k, recipe).items():
-        try:
-          times[(label, pass_name)] = common.time_fn(fn, [arguments] * (n + 3))["median_ms"]
-        except Exception as error:  # e.g. the dense ragged_dot expansion running out of memory
-          print(f"{label} {pass_name} failed: {type(error).__name__}: {str(error)[:200]}")
-          times[(label, pass_name)] = None
-    # The expert weights quantized once, outside the timed calls: plain copies for the
-    # forward (inference), trainable ones for the forward + backward.
     x, router, k1, k2, dy = arguments
+    times = {}
+    # jaxfuse's variants in alternating chunks of two calls (common.time_alternating): their
+    # ratios come from runs that saw the same clocks. The expert weights of the last one
+    # are quantized once, outside the timed calls: plain copies for the forward
+    # (inference), trainable ones for the forward + backward.
     for pass_name, trainable in (("fwd", False), ("fwd+bwd", True)):
       quantized = (x, router, jaxfuse.quantize_experts(k1, FP8_RECIPE, trainable=trainable),
                    jaxfuse.quantize_experts(k2, FP8_RECIPE, trainable=trainable), dy)
-      times[("jaxfuse_fp8_quantized_kernels", pass_name)] = common.time_fn(
-          step("ffi", top_k, FP8_RECIPE)[pass_name], [quantized] * (calls + 3))["median_ms"]
+      fp8_step = step("ffi", top_k, FP8_RECIPE)[pass_name]
+      variants = {"jaxfuse": common.rotating(step("ffi", top_k)[pass_name], [arguments]),
+                  "jaxfuse_fp8": common.rotating(fp8_step, [arguments]),
+                  "jaxfuse_fp8_quantized_kernels": common.rotating(fp8_step, [quantized])}
+      stats = common.time_alternating(variants, rounds=max(3, calls // 2), chunk=2)
+      for label, timing in stats.items():
+        times[(label, pass_name)] = timing["median_ms"]
       del quantized
     del x, router, k1, k2, dy
+    for pass_name, fn in step("xla", top_k).items():  # ~10x slower: drift does not matter
+      try:
+        times[("reference", pass_name)] = common.time_fn(
+            fn, [arguments] * (baseline_calls + 3))["median_ms"]
+      except Exception as error:  # e.g. the dense ragged_dot expansion running out of memory
+        print(f"reference {pass_name} failed: {type(error).__name__}: {str(error)[:200]}")
+        times[("reference", pass_name)] = None
     for pass_name in ("fwd", "fwd+bwd"):
       flops = moe_api.flops(tokens, hidden, ffn, experts, top_k,
                             backward=pass_name == "fwd+bwd")

@@ -88,7 +88,7 @@ def jax_fns(implementation, recipe=None):
     # The output is returned too, so XLA cannot drop the forward's last GEMM.
     out, vjp = jax.vjp(lambda x, k1, k2, s: jaxfuse.grouped_mlp(
         x, k1, k2, sizes, s, implementation=implementation, recipe=recipe), x, k1, k2, scales)
-    return out, vjp(dy)
+    return out, common.masters(vjp(dy))  # a trainable copy's gradient: its master's
 
   return {"fwd": jax.jit(forward), "fwd+bwd": jax.jit(forward_backward)}
 

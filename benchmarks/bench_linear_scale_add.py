@@ -56,7 +56,8 @@ def make_step(implementation: str, backward: bool, recipe=None, residual_cotange
 
   def forward_backward(x, kernel, residual, d_out):
     out, vjp = jax.vjp(forward, x, kernel, residual)
-    dx, dkernel, dresidual = vjp(d_out)
+    # A trainable kernel copy's gradient: its master's (common.masters).
+    dx, dkernel, dresidual = common.masters(vjp(d_out))
     return (out, dx, dkernel, dresidual) if residual_cotangent else (out, dx, dkernel)
 
   return jax.jit(forward_backward, donate_argnums=2)

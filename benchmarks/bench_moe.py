@@ -53,7 +53,8 @@ def step(implementation, top_k, recipe=None):
     (out, aux), vjp = jax.vjp(lambda x, r, k1, k2: jaxfuse.moe(
         x, r, k1, k2, top_k=top_k, recipe=recipe, implementation=implementation),
                               x, router, k1, k2)
-    return out, vjp((dy, jnp.ones_like(aux)))
+    # A trainable copy's gradient: its master's (common.masters).
+    return out, common.masters(vjp((dy, jnp.ones_like(aux))))
 
   def forward(x, router, k1, k2, dy):
     del dy

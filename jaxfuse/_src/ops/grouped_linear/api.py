@@ -366,7 +366,8 @@ def quantize_experts(kernel: jax.Array, recipe, *, trainable: bool = False,
   and the output gradient, not the weights) and return it through ``master`` to
   ``kernel``: quantize once per optimizer step, outside a loop over micro-batches
   (TransformerEngine's FP8 weight caching), and the gradients are those of quantizing in
-  every micro-batch.
+  every micro-batch. Use the cotangent's ``.master``: returning the whole cotangent from a
+  jitted step also writes zeros for its FP8 leaves (XLA drops them otherwise).
 
   Args:
     kernel: [G, K, N] float32/bfloat16/float16, ``grouped_linear``'s kernel layout.

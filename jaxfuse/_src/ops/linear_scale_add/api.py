@@ -297,8 +297,10 @@ def quantize_kernel(kernel: jax.Array, recipe, *, trainable: bool = False,
   With ``trainable=True`` the result also keeps ``kernel`` (as ``master``) and the FP8
   values in [K, N], from the same pass: linear_scale_add then computes the kernel's
   gradient as from the 16-bit kernel (the wgrad reads x and dy, not the weights) and
-  returns it through ``master`` to ``kernel``. A result without a master is a constant: its
-  backward runs the dgrad alone (no wgrad GEMM, x quantized in one layout).
+  returns it through ``master`` to ``kernel`` (use the cotangent's ``.master``: returning
+  the whole cotangent from a jitted step also writes zeros for its FP8 leaves). A result
+  without a master is a constant: its backward runs the dgrad alone (no wgrad GEMM, x
+  quantized in one layout).
 
   Args:
     kernel: [K, N] float32/bfloat16/float16, linear_scale_add's kernel layout.

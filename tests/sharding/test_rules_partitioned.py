@@ -291,6 +291,26 @@ def test_linear_scale_add_fp8(mesh, sharding):
          grad_argnums=(0, 1, 2))
 
 
+@pytest.mark.parametrize("sharding", ["tokens", "tokens_2d"])
+def test_linear_scale_add_fp8_on_quantized_kernels(mesh, sharding):
+  # A dense kernel quantized once (quantize_kernel), replicated, with sharded tokens: the
+  # same result, dx and dresidual as unsharded; a trainable copy made inside the
+  # differentiated function gets the kernel's gradient (summed over the token axes).
+  rng = np.random.default_rng(29)
+  x = helpers.random_array(rng, (2, 32, 32), jnp.bfloat16)
+  x = x.at[0, 3, 7].set(-9.0)  # the amax lives on one shard
+  kernel = helpers.random_array(rng, (32, 64), jnp.bfloat16, scale=1 / np.sqrt(32))
+  residual = helpers.random_array(rng, (2, 32, 64), jnp.bfloat16)
+  x_spec, _, residual_spec = LSA_FP8_SPECS[sharding]
+  frozen = jaxfuse.quantize_kernel(kernel, PER_TENSOR, **FFI)
+  _check(lambda x, q, r: jaxfuse.linear_scale_add(x, q, r, 0.75, **FFI), (x, frozen, residual),
+         mesh, (x_spec, P(), residual_spec), jnp.bfloat16, grad_argnums=(0, 2))
+  trainable = lambda x, k, r: jaxfuse.linear_scale_add(  # noqa: E731
+      x, jaxfuse.quantize_kernel(k, PER_TENSOR, trainable=True, **FFI), r, 0.75, **FFI)
+  _check(trainable, (x, kernel, residual), mesh, (x_spec, P(), residual_spec), jnp.bfloat16,
+         grad_argnums=(0, 1, 2))
+
+
 # --- moe_permute / moe_unpermute --------------------------------------------------------------
 
 HIDDEN = 48  # distinct from every other dimension: all-gathers of activations end in 48

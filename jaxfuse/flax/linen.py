@@ -507,13 +507,7 @@ def quantize_expert_params(params, recipe, *, dtype=None, names=("kernel1", "ker
     The same tree with those leaves replaced by QuantizedArrays: constants (the modules
     give them no gradient), or trainable copies.
   """
-  def visit(path, leaf):
-    name = getattr(path[-1], "key", None) if path else None
-    if name in names and jnp.ndim(leaf) == 3:
-      return _experts.quantize(leaf, recipe, dtype, trainable)
-    return leaf
-
-  return jax.tree_util.tree_map_with_path(visit, params)
+  return _quantize_named(params, recipe, dtype, names, trainable, rank=3)
 
 
 def quantize_kernel_params(params, recipe, *, dtype=None, names=("kernel",), trainable=False):
@@ -537,9 +531,15 @@ def quantize_kernel_params(params, recipe, *, dtype=None, names=("kernel",), tra
     The same tree with those leaves replaced by QuantizedArrays: constants (the modules
     give them no gradient), or trainable copies.
   """
+  return _quantize_named(params, recipe, dtype, names, trainable, rank=2)
+
+
+def _quantize_named(params, recipe, dtype, names, trainable, rank):
+  """`params` with every parameter of rank `rank` named in `names` quantized once
+  (_experts.quantize: quantize_experts for rank 3, quantize_kernel for rank 2)."""
   def visit(path, leaf):
     name = getattr(path[-1], "key", None) if path else None
-    if name in names and jnp.ndim(leaf) == 2:
+    if name in names and jnp.ndim(leaf) == rank:
       return _experts.quantize(leaf, recipe, dtype, trainable)
     return leaf
 

@@ -517,19 +517,8 @@ def quantize_kernel_params(params, recipe, *, dtype=None, names=("kernel",), tra
   quantizing in each call. Pass the subtree of those modules: other modules' rank-2
   "kernel" parameters (``nn.Dense``) would be replaced too.
 
-  Args:
-    params: a params tree (``variables["params"]``, or a subtree).
-    recipe: the modules' recipe, ``Float8CurrentScaling(per_group=False)``.
-    dtype: the modules' compute dtype (``dtype=``): the kernels are cast to it first, so the
-      FP8 values equal those each call would compute; None keeps the parameters' dtype
-      (which must then be x's).
-    names: parameter names to quantize.
-    trainable: keep each kernel (cast to `dtype`) as its copy's master: differentiated
-      through this call, the parameters get the gradients of the 16-bit modules.
-
-  Returns:
-    The same tree with those leaves replaced by QuantizedArrays: constants (the modules
-    give them no gradient), or trainable copies.
+  Args and result as for ``quantize_expert_params``, with the recipe
+  ``Float8CurrentScaling(per_group=False)``.
   """
   return _quantize_named(params, recipe, dtype, names, trainable, rank=2)
 

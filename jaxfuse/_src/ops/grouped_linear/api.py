@@ -18,6 +18,7 @@ from jaxfuse._src import implementation as implementation_lib
 from jaxfuse._src.ops.grouped_linear import ffi
 from jaxfuse._src.ops.grouped_linear import reference
 from jaxfuse._src.ops.grouped_linear import sharding
+from jaxfuse._src.ops.quantize import kernels as quantized_kernels
 from jaxfuse.quantization import recipes
 
 # TMA (the Hopper copy engine the CUTLASS kernels use) needs 16-byte aligned rows.
@@ -31,7 +32,7 @@ QUANTIZED_DTYPE_HINT = ("; quantize the kernel in x's dtype (quantize_experts(ke
                         "dtype=...))")
 
 
-is_quantized_kernel = reference.is_quantized_kernel
+is_quantized_kernel = quantized_kernels.is_quantized_kernel
 
 
 def kernel_facts(name: str, kernel) -> tuple[np.dtype, tuple[int, int, int]]:
@@ -231,10 +232,10 @@ def _fp8_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=Tr
   # The backward's wgrad input: the FP8 x (fp8_wgrad) or the 16-bit one; none for a
   # pre-quantized kernel, which gets no gradient.
   x_saved = (x_data, x_scale_inv) if recipe.fp8_wgrad else x
-  if reference.is_frozen_kernel(kernel):
+  if quantized_kernels.is_frozen_kernel(kernel):
     x_saved = None
   return out, (x_saved, w_data[0] if w_data else None, w_scale_inv, group_offsets,
-               reference.cotangent_template(kernel))
+               quantized_kernels.cotangent_template(kernel))
 
 
 def fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, dtype):
@@ -274,7 +275,7 @@ def _fp8_backward(recipe, varying_axes, saved, d_out):
   # A trainable quantized kernel's gradient goes to its master.
   d_kernel = compat.match_varying_axes(d_kernel, varying_axes[1])
   return (compat.match_varying_axes(d_x, varying_axes[0]),
-          reference.kernel_cotangent(template, d_kernel), None)
+          quantized_kernels.kernel_cotangent(template, d_kernel), None)
 
 
 grouped_linear_fp8_with_offsets.defvjp(_fp8_forward, _fp8_backward)

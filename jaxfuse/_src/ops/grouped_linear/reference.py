@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfuse.quantization import recipes
+from jaxfuse._src.ops.quantize.kernels import gradient_target
+from jaxfuse._src.ops.quantize.kernels import is_quantized_kernel
 
 
 def clamped_offsets(group_sizes: jax.Array, rows: int) -> jax.Array:
@@ -61,38 +60,6 @@ def quantize_experts_t(kernel: jax.Array, recipe, implementation: str,
   if untransposed:
     return q.data, q.scale_inv, jnp.swapaxes(q.data, 1, 2)
   return q.data, q.scale_inv
-
-
-def is_quantized_kernel(kernel) -> bool:
-  """Whether `kernel` is an FP8 expert weight from ``quantize_experts``."""
-  return isinstance(kernel, recipes.QuantizedArray)
-
-
-def is_frozen_kernel(kernel) -> bool:
-  """Whether `kernel` gets no gradient: a quantized kernel without a master."""
-  return is_quantized_kernel(kernel) and kernel.master is None
-
-
-def gradient_target(kernel):
-  """The array a grouped GEMM kernel's gradient goes to: the kernel itself (16-bit), the
-  master of a ``quantize_experts(..., trainable=True)`` result, or None (frozen)."""
-  return kernel.master if is_quantized_kernel(kernel) else kernel
-
-
-def cotangent_template(kernel):
-  """What a backward pass needs to build ``kernel_cotangent``, as a residual: a quantized
-  kernel's pytree structure and static fields without its arrays (None for a 16-bit one)."""
-  if not is_quantized_kernel(kernel):
-    return None
-  return dataclasses.replace(kernel, data=None, scale_inv=None, group_offsets=None,
-                             data_untransposed=None, master=None)
-
-
-def kernel_cotangent(template, d_kernel):
-  """The cotangent of a grouped GEMM's kernel argument from its gradient d_kernel
-  [G, K, N] and its ``cotangent_template``: d_kernel for a 16-bit kernel (template None),
-  else the QuantizedArray holding d_kernel at ``master`` (no cotangent for the FP8 leaves)."""
-  return d_kernel if template is None else dataclasses.replace(template, master=d_kernel)
 
 
 def expert_weights(kernel, recipe, implementation: str, untransposed: bool = False):

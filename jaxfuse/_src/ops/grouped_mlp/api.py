@@ -42,6 +42,7 @@ from jaxfuse._src.ops.grouped_linear import reference as linear_reference
 from jaxfuse._src.ops.grouped_linear import sharding as gemm_sharding
 from jaxfuse._src.ops.grouped_mlp import reference
 from jaxfuse._src.ops.quantize import api as quantize_api
+from jaxfuse._src.ops.quantize import kernels as quantized_kernels
 from jaxfuse._src.ops.scaled_activation import sharding as act_sharding
 from jaxfuse._src.ops.scaled_activation import reference as act_reference
 
@@ -186,7 +187,7 @@ class _Fp8:
     frozen1, frozen2 = config.frozen_kernels
     x_saved = None if frozen1 else x_saved
     a_saved = None if frozen2 else a_saved
-    templates = tuple(linear_reference.cotangent_template(k) for k in (kernel1, kernel2))
+    templates = tuple(quantized_kernels.cotangent_template(k) for k in (kernel1, kernel2))
     return y, (x_saved, w1[0], w1_scale_inv, w2[0], w2_scale_inv, group_offsets, scales, h,
                a_saved, templates)
 
@@ -222,7 +223,7 @@ class _Fp8:
     def kernel_ct(d_kernel, axes, template):  # a trainable kernel's gradient: its master's
       if d_kernel is None:
         return None
-      return linear_reference.kernel_cotangent(template,
+      return quantized_kernels.kernel_cotangent(template,
                                                compat.match_varying_axes(d_kernel, axes))
 
     return (compat.match_varying_axes(dx, x_axes), kernel_ct(d_kernel1, k1_axes, templates[0]),
@@ -334,7 +335,7 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
                                        limit, alpha, linear_offset, recipe)
     return reference.grouped_mlp(x, kernel1, kernel2, group_sizes, scales, activation, limit,
                                  alpha, linear_offset)
-  frozen = tuple(linear_reference.is_frozen_kernel(k) for k in (kernel1, kernel2))
+  frozen = tuple(quantized_kernels.is_frozen_kernel(k) for k in (kernel1, kernel2))
   config = Config(activation, limit, alpha, linear_offset, bool(save_activation), recipe,
                   frozen)
   offsets = offsets_api.group_offsets(group_sizes, implementation="ffi")

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 from jaxfuse._src import checks
 from jaxfuse._src import compat
 from jaxfuse._src import implementation as implementation_lib
-# Kernels quantized once (QuantizedArray): the helpers the grouped GEMMs use for theirs.
-from jaxfuse._src.ops.grouped_linear import reference as kernel_helpers
+from jaxfuse._src.ops.quantize import kernels as quantized_kernels
 from jaxfuse._src.ops.linear_scale_add import reference
 from jaxfuse._src.ops.linear_scale_add import sharding
 from jaxfuse.quantization import recipes
@@ -25,7 +24,7 @@ def _kernel_facts(kernel) -> tuple[jnp.dtype, tuple[int, int]]:
   Raises TypeError for other QuantizedArrays and non-float arrays, ValueError for a rank
   other than 2 or a quantized kernel whose arrays disagree in shape.
   """
-  if not kernel_helpers.is_quantized_kernel(kernel):
+  if not quantized_kernels.is_quantized_kernel(kernel):
     dtype = checks.check_float_array("kernel", kernel)
     checks.check_rank("kernel", kernel, 2, "[K, N]")
     return dtype, tuple(kernel.shape)
@@ -54,7 +53,7 @@ def _kernel_facts(kernel) -> tuple[jnp.dtype, tuple[int, int]]:
 def _recipe_for(recipe, kernel):
   """The call's FP8 recipe: `recipe`, or for a quantized kernel and recipe=None the one it
   was made with (which an explicit recipe must equal)."""
-  if not kernel_helpers.is_quantized_kernel(kernel):
+  if not quantized_kernels.is_quantized_kernel(kernel):
     return recipe
   if recipe is None:
     return kernel.recipe
@@ -155,7 +154,7 @@ def _linear_scale_add_fp8(x, kernel, residual, alpha, recipe, varying_axes):
 def _fp8_forward(x, kernel, residual, alpha, recipe, varying_axes, for_backward=True):
   del varying_axes
   k = x.shape[-1]
-  frozen = kernel_helpers.is_frozen_kernel(kernel)
+  frozen = quantized_kernels.is_frozen_kernel(kernel)
   kernel_t_fp8, kernel_scale_inv, kernel_fp8 = _kernel_fp8(kernel, recipe, for_backward)
   if for_backward and not frozen:
     # x's FP8 values in both layouts from one pass: [M, K] for this GEMM and [K, M] (the
@@ -172,7 +171,7 @@ def _fp8_forward(x, kernel, residual, alpha, recipe, varying_axes, for_backward=
   if not for_backward:
     return out, None
   saved = (x_t_fp8, x_scale_inv, kernel_fp8, kernel_scale_inv, jnp.zeros((0,), x.dtype),
-           kernel_helpers.cotangent_template(kernel))
+           quantized_kernels.cotangent_template(kernel))
   return out, saved
 
 
@@ -181,7 +180,7 @@ def _kernel_fp8(kernel, recipe, for_backward):
   None): the kernel's E4M3 values, quantized now from a 16-bit kernel in one pass that
   writes both layouts, or those of a ``quantize_kernel`` result as they are (gradient
   stopped; a frozen copy's [K, N] layout is its [N, K] data transposed)."""
-  if not kernel_helpers.is_quantized_kernel(kernel):
+  if not quantized_kernels.is_quantized_kernel(kernel):
     from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
     data_t, scale_inv, *data = quantize_api.quantize_batches_transposed(
         kernel[None], recipe.forward_format, untransposed=for_backward)
@@ -224,7 +223,7 @@ def _fp8_backward(alpha, recipe, varying_axes, saved, d_out):
   d_kernel = sharding.scaled_matmul_fp8(x_t_fp8, dy_t_fp8, x_scale_inv, dy_scale_inv,
                                         alpha=alpha, out_dtype=x_like.dtype)
   d_kernel = compat.match_varying_axes(d_kernel, varying_axes[1])
-  return d_x, kernel_helpers.kernel_cotangent(template, d_kernel), d_residual
+  return d_x, quantized_kernels.kernel_cotangent(template, d_kernel), d_residual
 
 
 _linear_scale_add_fp8.defvjp(_fp8_forward, _fp8_backward)
@@ -275,7 +274,7 @@ def linear_scale_add(x: jax.Array, kernel: jax.Array, residual: jax.Array,
     return reference.linear_scale_add(x, kernel, residual, alpha)
   # shard_map's varying-axes types of the operands, for the backward pass (static).
   varying_axes = tuple(compat.varying_axes(a) for a in
-                       (x, kernel.data if kernel_helpers.is_quantized_kernel(kernel) else kernel,
+                       (x, kernel.data if quantized_kernels.is_quantized_kernel(kernel) else kernel,
                         residual))
   if recipe is not None:
     return _linear_scale_add_fp8(x, kernel, residual, alpha, recipe, varying_axes)

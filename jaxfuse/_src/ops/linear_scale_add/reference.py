@@ -27,7 +27,7 @@ def linear_scale_add_fp8(x: jax.Array, kernel: jax.Array, residual: jax.Array, a
   `kernel` may be a ``quantize_kernel`` QuantizedArray: its FP8 values are used as they
   are, and it gets no gradient unless it is trainable (then its master does).
   """
-  from jaxfuse._src.ops.grouped_linear import reference as kernel_helpers  # pylint: disable=g-import-not-at-top
+  from jaxfuse._src.ops.quantize import kernels as quantized_kernels  # pylint: disable=g-import-not-at-top
   from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
 
   def dequantized(value):
@@ -43,9 +43,9 @@ def linear_scale_add_fp8(x: jax.Array, kernel: jax.Array, residual: jax.Array, a
   x_dequantized = dequantized(x_rows)
   # The kernel's dequantized values as the FP8 GEMM reads them, [N, K] (K-major): from a
   # quantize_kernel result's data, or quantized here from kernel^T.
-  if kernel_helpers.is_quantized_kernel(kernel):
+  if quantized_kernels.is_quantized_kernel(kernel):
     w_t_dequantized = kernel.data.astype(jnp.float32) * kernel.scale_inv[0]
-    target = kernel_helpers.gradient_target(kernel)  # its master, or None (frozen)
+    target = quantized_kernels.gradient_target(kernel)  # its master, or None (frozen)
   else:
     w_t_dequantized = dequantized(kernel.T)
     target = kernel

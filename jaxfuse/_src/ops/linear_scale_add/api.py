@@ -11,9 +11,9 @@ import jax.numpy as jnp
 from jaxfuse._src import checks
 from jaxfuse._src import compat
 from jaxfuse._src import implementation as implementation_lib
-from jaxfuse._src.ops.quantize import kernels as quantized_kernels
 from jaxfuse._src.ops.linear_scale_add import reference
 from jaxfuse._src.ops.linear_scale_add import sharding
+from jaxfuse._src.ops.quantize import kernels as quantized_kernels
 from jaxfuse.quantization import recipes
 
 

@@ -149,11 +149,12 @@ using AbsMaxLane = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfl
                                       std::conditional_t<std::is_same_v<T, __half>, __half2, float>>;
 
 // amax[b] = max |x[b]| over batch b's `elements` elements (amax zeroed before the launch).
-// A round is kBatchAmaxLoads raw 16-byte loads per thread, all issued before any max;
-// blocks (blockIdx.x) stride over a batch's rounds, batches go by blockIdx.y (strided past
-// 65535). The max of 16-bit values stays packed (AccumulateAbsMax). `vector`: every
-// batch starts 16-byte aligned; the elements after the last whole unit (and every element
-// when not `vector`) are read one by one. One atomicMax per block and batch.
+// A round is kBatchAmaxLoads raw 16-byte loads per thread; blocks (blockIdx.x) stride
+// over a batch's rounds, batches go by blockIdx.y (strided past 65535). The max of 16-bit
+// values stays packed (AccumulateAbsMax). `vector`: every batch starts 16-byte aligned;
+// the elements after the last whole unit (and every element when not `vector`) are read
+// one by one. One atomicMax per block and batch. Unlike GroupAmaxKernel it needs no
+// offsets array: the batches are equal runs of R * C elements.
 template <typename T>
 __global__ void __launch_bounds__(kBatchAmaxThreads)
 BatchAmaxKernel(const T* __restrict__ x, int64_t batch, int64_t elements, bool vector,
@@ -170,8 +171,9 @@ BatchAmaxKernel(const T* __restrict__ x, int64_t batch, int64_t elements, bool v
     const uint4* raw_units = reinterpret_cast<const uint4*>(begin);
     int64_t base = static_cast<int64_t>(blockIdx.x) * kBatchAmaxThreads * kBatchAmaxLoads +
                    threadIdx.x;
-    // Whole rounds without bounds checks, so that the compiler issues every load before
-    // any max (with a check per load it keeps only two in flight); then one checked round.
+    // Whole rounds without bounds checks, so that the compiler keeps loads in flight ahead
+    // of the maxes (SASS: four 16-byte loads per thread; with a check per load it kept
+    // two); then one checked round.
     for (; base + (kBatchAmaxLoads - 1) * kBatchAmaxThreads < units;
          base += threads * kBatchAmaxLoads) {
       uint4 raw[kBatchAmaxLoads];

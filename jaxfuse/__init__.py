@@ -63,7 +63,8 @@ def build_info() -> dict:
   return dict(_build_info())
 
 
-__all__ = ["EXPORT_DISABLED_CHECKS", "add_rms_norm", "build_info", "dequantize", "group_offsets", "grouped_linear",
-           "grouped_mlp", "linear_scale_add", "moe", "moe_permute", "moe_router",
-           "moe_unpermute", "quantization", "quantize", "quantize_experts", "quantize_kernel", "register_handlers", "rms_norm", "scaled_activation",
+__all__ = ["EXPORT_DISABLED_CHECKS", "add_rms_norm", "build_info", "dequantize", "group_offsets",
+           "grouped_linear", "grouped_mlp", "linear_scale_add", "moe", "moe_permute",
+           "moe_router", "moe_unpermute", "quantization", "quantize", "quantize_experts",
+           "quantize_kernel", "register_handlers", "rms_norm", "scaled_activation",
            "scaled_activation_quantize", "scaled_dactivation_quantize", "sharding_rules"]

@@ -144,9 +144,11 @@ __device__ __forceinline__ void Zero(__nv_bfloat162& v) { v = __float2bfloat162_
 __device__ __forceinline__ void Zero(__half2& v) { v = __float2half2_rn(0.0f); }
 __device__ __forceinline__ void Zero(float& v) { v = 0.0f; }
 
+// The packed accumulator of AccumulateAbsMax for elements of type T.
 template <typename T>
-using AbsMaxLane = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162,
-                                      std::conditional_t<std::is_same_v<T, __half>, __half2, float>>;
+using AbsMaxLane =
+    std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162,
+                       std::conditional_t<std::is_same_v<T, __half>, __half2, float>>;
 
 // amax[b] = max |x[b]| over batch b's `elements` elements (amax zeroed before the launch).
 // A round is kBatchAmaxLoads raw 16-byte loads per thread; blocks (blockIdx.x) stride

@@ -3,9 +3,10 @@ the Flax modules.
 
 The MoE, GroupedLinear and LinearScaleAdd modules of ``jaxfuse.flax.linen`` and
 ``jaxfuse.flax.nnx`` take a kernel parameter that holds a QuantizedArray instead of an
-array: the weights are quantized once (``quantize_expert_params`` / ``quantize_kernel_params``
-in either module) and the call skips their quantization passes. These helpers keep the modules' dtype handling for the
-16-bit kernels and pass the quantized ones through.
+array: the weights are quantized once (``quantize_expert_params`` /
+``quantize_kernel_params`` in either module) and the call skips their quantization passes.
+These helpers keep the modules' dtype handling for the 16-bit kernels and pass the
+quantized ones through.
 """
 
 from __future__ import annotations

@@ -145,16 +145,22 @@ def time_fp8(shapes, rounds) -> list[dict]:
                                                      residual_cotangent=returned)},
                            x, {"xla_bf16": kernel, "jaxfuse_fp8": fp8_kernel}, d_out,
                            backward, rounds)
-      row["gpu"] = gpu.summary
-      for label, stats in timing.items():
-        row[f"{label}_ms"] = stats["median_ms"]
-        row[f"{label}_tflops"] = flops * (3 if backward else 1) / (stats["median_ms"] * 1e-3) / 1e12
-      row["fp8_speedup_vs_xla_bf16"] = row["xla_bf16_ms"] / row["jaxfuse_fp8_ms"]
-      row["paired_speedup"] = timing["jaxfuse_fp8"]["paired_speedup_vs_xla_bf16"]
-      rows.append(row)
-      print(row, flush=True)
+      rows.append(_fp8_row(row, timing, gpu, flops * (3 if backward else 1)))
     rows.extend(time_stack(tokens, features, rounds))
   return rows
+
+
+def _fp8_row(row, timing, gpu, flops, layers=1) -> dict:
+  """`row` completed from a time_pair of "xla_bf16" and "jaxfuse_fp8": ms (per layer of a
+  `layers`-layer step), TFLOP/s of `flops` per layer, the speedups, the GPU's clocks."""
+  row["gpu"] = gpu.summary
+  for label, stats in timing.items():
+    row[f"{label}_ms"] = stats["median_ms"] / layers
+    row[f"{label}_tflops"] = flops / (row[f"{label}_ms"] * 1e-3) / 1e12
+  row["fp8_speedup_vs_xla_bf16"] = row["xla_bf16_ms"] / row["jaxfuse_fp8_ms"]
+  row["paired_speedup"] = timing["jaxfuse_fp8"]["paired_speedup_vs_xla_bf16"]
+  print(row, flush=True)
+  return row
 
 
 def time_stack(tokens, features, rounds, layers=STACK_LAYERS) -> list[dict]:
@@ -174,14 +180,7 @@ def time_stack(tokens, features, rounds, layers=STACK_LAYERS) -> list[dict]:
       timing = time_pair({"xla_bf16": make_stack_step("xla", backward, layers=layers),
                           "jaxfuse_fp8": make_stack_step("ffi", backward, FP8_RECIPE, layers)},
                          xs, kernels, d_out, backward, rounds)
-    row["gpu"] = gpu.summary
-    for label, stats in timing.items():
-      row[f"{label}_ms"] = stats["median_ms"] / layers
-      row[f"{label}_tflops"] = flops * (3 if backward else 1) / (row[f"{label}_ms"] * 1e-3) / 1e12
-    row["fp8_speedup_vs_xla_bf16"] = row["xla_bf16_ms"] / row["jaxfuse_fp8_ms"]
-    row["paired_speedup"] = timing["jaxfuse_fp8"]["paired_speedup_vs_xla_bf16"]
-    rows.append(row)
-    print(row, flush=True)
+    rows.append(_fp8_row(row, timing, gpu, flops * (3 if backward else 1), layers))
   del xs, kernels
   return rows
 

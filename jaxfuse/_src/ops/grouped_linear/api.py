@@ -56,15 +56,7 @@ def kernel_facts(name: str, kernel) -> tuple[np.dtype, tuple[int, int, int]]:
   if tuple(kernel.scale_inv.shape) != (groups,):
     raise ValueError(f"a quantized {name} needs scale_inv float32 [{groups}] (one per expert), "
                      f"got {tuple(kernel.scale_inv.shape)}")
-  for field in ("data_untransposed", "master"):  # a trainable copy's [G, K, N] arrays
-    value = getattr(kernel, field)
-    if value is not None and tuple(value.shape) != (groups, k, n):
-      raise ValueError(f"a quantized {name}'s {field} must have shape {(groups, k, n)} (its "
-                       f"data {tuple(kernel.data.shape)} transposed per expert), got "
-                       f"{tuple(value.shape)}")
-  if kernel.master is not None and jnp.dtype(kernel.master.dtype) != jnp.dtype(kernel.dtype):
-    raise TypeError(f"a quantized {name}'s master must have its dtype {jnp.dtype(kernel.dtype)}, "
-                    f"got {kernel.master.dtype}")
+  quantized_kernels.check_copy_arrays(name, kernel, (groups, k, n), "transposed per expert")
   return jnp.dtype(kernel.dtype), (groups, k, n)
 
 

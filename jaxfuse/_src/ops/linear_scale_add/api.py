@@ -39,14 +39,7 @@ def _kernel_facts(kernel) -> tuple[jnp.dtype, tuple[int, int]]:
   if tuple(kernel.scale_inv.shape) != (1,):
     raise ValueError("a quantized kernel needs scale_inv float32 [1] (one per tensor), got "
                      f"{tuple(kernel.scale_inv.shape)}")
-  for field in ("data_untransposed", "master"):  # a trainable copy's [K, N] arrays
-    value = getattr(kernel, field)
-    if value is not None and tuple(value.shape) != (k, n):
-      raise ValueError(f"a quantized kernel's {field} must have shape {(k, n)} (its data "
-                       f"{tuple(kernel.data.shape)} transposed), got {tuple(value.shape)}")
-  if kernel.master is not None and jnp.dtype(kernel.master.dtype) != jnp.dtype(kernel.dtype):
-    raise TypeError(f"a quantized kernel's master must have its dtype {jnp.dtype(kernel.dtype)}, "
-                    f"got {kernel.master.dtype}")
+  quantized_kernels.check_copy_arrays("kernel", kernel, (k, n), "transposed")
   return jnp.dtype(kernel.dtype), (k, n)
 
 

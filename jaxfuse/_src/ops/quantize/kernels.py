@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from jaxfuse.quantization import recipes
 
 
@@ -21,6 +23,22 @@ def is_quantized_kernel(kernel) -> bool:
 def is_frozen_kernel(kernel) -> bool:
   """Whether `kernel` gets no gradient: a quantized kernel without a master."""
   return is_quantized_kernel(kernel) and kernel.master is None
+
+
+def check_copy_arrays(name: str, kernel, shape: tuple[int, ...], layout: str) -> None:
+  """A trainable copy's kernel-layout arrays (data_untransposed, master) must have the
+  kernel's logical `shape` (its data `layout`), and the master the copy's dtype.
+
+  Raises ValueError (shape) or TypeError (dtype), naming the argument and the field.
+  """
+  for field in ("data_untransposed", "master"):
+    value = getattr(kernel, field)
+    if value is not None and tuple(value.shape) != tuple(shape):
+      raise ValueError(f"a quantized {name}'s {field} must have shape {tuple(shape)} (its data "
+                       f"{tuple(kernel.data.shape)} {layout}), got {tuple(value.shape)}")
+  if kernel.master is not None and jnp.dtype(kernel.master.dtype) != jnp.dtype(kernel.dtype):
+    raise TypeError(f"a quantized {name}'s master must have its dtype {jnp.dtype(kernel.dtype)}, "
+                    f"got {kernel.master.dtype}")
 
 
 def gradient_target(kernel):

@@ -12,9 +12,18 @@
 namespace jaxfuse {
 namespace {
 
+// The column-wise copy, when asked for, from the row-wise FP8 data just written.
+void WriteColumnwiseCpu(bool wanted, const ColumnwiseProblem& copy, const ffi::AnyBuffer& data,
+                        const ffi::AnyBuffer& offsets, ffi::AnyBuffer& columnwise) {
+  if (!wanted) return;
+  ColumnwiseCpu(copy, static_cast<const uint8_t*>(data.untyped_data()),
+                offsets.typed_data<int32_t>(), static_cast<uint8_t*>(columnwise.untyped_data()));
+}
+
 ffi::Error QuantizeCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer offsets,
                            ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scale_inv,
-                           ffi::Result<ffi::AnyBuffer> amax, int32_t mode, int32_t block) {
+                           ffi::Result<ffi::AnyBuffer> amax,
+                           ffi::Result<ffi::AnyBuffer> columnwise, int32_t mode, int32_t block) {
   const auto dims = x.dimensions();
   if (dims.size() == 0 || !IsFloatType(x.element_type())) {
     return InvalidArgument("quantize: x must be a float32/bfloat16/float16 array, got ",
@@ -35,10 +44,17 @@ ffi::Error QuantizeCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer offsets,
     return error;
   }
   if (data->element_count() != x.element_count()) return InvalidArgument("data must have x's shape");
+  ColumnwiseProblem copy;
+  bool copy_wanted = false;
+  if (auto error = CheckColumnwiseOutput(problem, *data, *columnwise, &copy, &copy_wanted);
+      error.failure()) {
+    return error;
+  }
   const std::vector<float> values = ToFloatVector(x);
   QuantizeCpu(problem, values.data(), static_cast<const int32_t*>(offsets.untyped_data()),
               static_cast<uint8_t*>(data->untyped_data()), scale_inv->untyped_data(),
               static_cast<float*>(amax->untyped_data()));
+  WriteColumnwiseCpu(copy_wanted, copy, *data, offsets, *columnwise);
   return ffi::Error::Success();
 }
 
@@ -69,7 +85,8 @@ ffi::Error BatchAmaxCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> amax) 
 ffi::Error ActivationQuantizeCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                      ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> data,
                                      ffi::Result<ffi::AnyBuffer> scale_inv,
-                                     ffi::Result<ffi::AnyBuffer> amax, int32_t activation,
+                                     ffi::Result<ffi::AnyBuffer> amax,
+                                     ffi::Result<ffi::AnyBuffer> columnwise, int32_t activation,
                                      float limit, float alpha, float linear_offset, int32_t mode,
                                      int32_t block) {
   ActivationProblem act;
@@ -90,6 +107,12 @@ ffi::Error ActivationQuantizeCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scales,
   if (data->element_count() != static_cast<size_t>(act.rows * act.out_cols)) {
     return InvalidArgument("data must be [rows, F]");
   }
+  ColumnwiseProblem copy;
+  bool copy_wanted = false;
+  if (auto error = CheckColumnwiseOutput(problem, *data, *columnwise, &copy, &copy_wanted);
+      error.failure()) {
+    return error;
+  }
   const int64_t f = act.out_cols, w = act.in_cols;
   const bool glu = IsGlu(act.params.kind);
   std::vector<float> values(act.rows * f);
@@ -104,6 +127,7 @@ ffi::Error ActivationQuantizeCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scales,
   QuantizeCpu(problem, values.data(), static_cast<const int32_t*>(offsets.untyped_data()),
               static_cast<uint8_t*>(data->untyped_data()), scale_inv->untyped_data(),
               static_cast<float*>(amax->untyped_data()));
+  WriteColumnwiseCpu(copy_wanted, copy, *data, offsets, *columnwise);
   return ffi::Error::Success();
 }
 
@@ -112,7 +136,8 @@ ffi::Error DactivationQuantizeCpuImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::
                                       ffi::Result<ffi::AnyBuffer> scale_inv,
                                       ffi::Result<ffi::AnyBuffer> dx,
                                       ffi::Result<ffi::AnyBuffer> dscales,
-                                      ffi::Result<ffi::AnyBuffer> amax, int32_t activation,
+                                      ffi::Result<ffi::AnyBuffer> amax,
+                                      ffi::Result<ffi::AnyBuffer> columnwise, int32_t activation,
                                       float limit, float alpha, float linear_offset, int32_t mode,
                                       int32_t block) {
   ActivationProblem act;
@@ -120,6 +145,12 @@ ffi::Error DactivationQuantizeCpuImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::
   if (auto error = ParseDactivationQuantize(dy, x, scales, offsets, *data, *scale_inv, *dx,
                                             *dscales, *amax, activation, limit, alpha,
                                             linear_offset, mode, block, &act, &problem);
+      error.failure()) {
+    return error;
+  }
+  ColumnwiseProblem copy;
+  bool copy_wanted = false;
+  if (auto error = CheckColumnwiseOutput(problem, *data, *columnwise, &copy, &copy_wanted);
       error.failure()) {
     return error;
   }
@@ -151,6 +182,7 @@ ffi::Error DactivationQuantizeCpuImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::
   QuantizeCpu(problem, values.data(), static_cast<const int32_t*>(offsets.untyped_data()),
               static_cast<uint8_t*>(data->untyped_data()), scale_inv->untyped_data(),
               static_cast<float*>(amax->untyped_data()));
+  WriteColumnwiseCpu(copy_wanted, copy, *data, offsets, *columnwise);
   return ffi::Error::Success();
 }
 
@@ -174,6 +206,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeCpu, jaxfuse::QuantizeCpuImpl,
                                   .Ret<xffi::AnyBuffer>()  // data fp8, x's shape
                                   .Ret<xffi::AnyBuffer>()  // scale_inv
                                   .Ret<xffi::AnyBuffer>()  // amax float32 [G] (scratch)
+                                  .Ret<xffi::AnyBuffer>()  // columnwise FP8 [K, W] or [0]
                                   .Attr<int32_t>("mode")
                                   .Attr<int32_t>("block"));
 
@@ -199,6 +232,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledActivationQuantizeCpu,
                                   .Ret<xffi::AnyBuffer>()  // data fp8 [R, F]
                                   .Ret<xffi::AnyBuffer>()  // scale_inv
                                   .Ret<xffi::AnyBuffer>()  // amax float32 [G] (scratch)
+                                  .Ret<xffi::AnyBuffer>()  // columnwise FP8 [K, W] or [0]
                                   .Attr<int32_t>("activation")
                                   .Attr<float>("limit")
                                   .Attr<float>("alpha")
@@ -218,6 +252,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledDactivationQuantizeCpu,
                                   .Ret<xffi::AnyBuffer>()  // dx [R, W] in x's dtype, or [0]
                                   .Ret<xffi::AnyBuffer>()  // dscales float32 [R]
                                   .Ret<xffi::AnyBuffer>()  // amax float32 [G] (scratch)
+                                  .Ret<xffi::AnyBuffer>()  // columnwise FP8 [K, W] or [0]
                                   .Attr<int32_t>("activation")
                                   .Attr<float>("limit")
                                   .Attr<float>("alpha")

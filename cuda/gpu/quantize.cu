@@ -223,10 +223,22 @@ void LaunchAmaxPass(const P& p, const SinkArgs<T>& s, int64_t units, cudaStream_
   gpu::LaunchRowKernel<P, SinkKind::kAmax, T>(p, s, units, stream);
 }
 
-// Runs the quantization chain of `problem` for producer p (units per row: units).
+// Where a current-scaling chain also writes the column-wise copy (none: out == nullptr).
+struct ColumnwiseTarget {
+  uint8_t* out = nullptr;
+  ColumnwiseProblem copy;
+};
+
+// Pass 2 of current scaling with the column-wise copy (defined below the byte tiles).
+template <class P, typename T>
+ffi::Error LaunchCurrentWithColumnwise(const P& p, const SinkArgs<T>& s, int64_t units,
+                                       const ColumnwiseTarget& target, cudaStream_t stream);
+
+// Runs the quantization chain of `problem` for producer p (units per row: units), writing
+// the column-wise copy of the result too when `target` names one (current scaling only).
 template <class P, typename T>
 ffi::Error LaunchRows(cudaStream_t stream, const P& p, SinkArgs<T> s, int64_t units,
-                      const QuantizeProblem& problem) {
+                      const QuantizeProblem& problem, const ColumnwiseTarget& target = {}) {
   if (problem.mode == ScalingMode::kCurrent) {
     if (problem.num_groups > 0 &&
         cudaMemsetAsync(s.amax, 0, problem.num_groups * sizeof(float), stream) != cudaSuccess) {
@@ -236,6 +248,10 @@ ffi::Error LaunchRows(cudaStream_t stream, const P& p, SinkArgs<T> s, int64_t un
     SinkArgs<T> second = s;
     second.out = nullptr;   // dx (if any) and dscales were written by pass 1
     second.side = nullptr;
+    if (target.out != nullptr) {
+      if (auto error = gpu::LaunchError("current-scaling amax pass"); error.failure()) return error;
+      return LaunchCurrentWithColumnwise(p, second, units, target, stream);
+    }
     if (s.rows > 0) {
       gpu::LaunchRowKernel<P, SinkKind::kCurrent, T>(p, second, units, stream);
     } else if (problem.num_groups > 0) {  // no rows: the scales of the zero amaxes only
@@ -545,9 +561,22 @@ bool TransposedGeneralForced() {
 
 // --- handlers ----------------------------------------------------------------------------
 
+// The column-wise copy a handler was asked for (CheckColumnwiseOutput), as a launch target.
+ffi::Error ParseColumnwiseTarget(const QuantizeProblem& problem, const ffi::AnyBuffer& data,
+                                 ffi::AnyBuffer& columnwise, ColumnwiseTarget* target) {
+  bool wanted = false;
+  if (auto error = CheckColumnwiseOutput(problem, data, columnwise, &target->copy, &wanted);
+      error.failure()) {
+    return error;
+  }
+  target->out = wanted ? static_cast<uint8_t*>(columnwise.untyped_data()) : nullptr;
+  return ffi::Error::Success();
+}
+
 ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer offsets,
                         ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scale_inv,
-                        ffi::Result<ffi::AnyBuffer> amax, int32_t mode, int32_t block) {
+                        ffi::Result<ffi::AnyBuffer> amax,
+                        ffi::Result<ffi::AnyBuffer> columnwise, int32_t mode, int32_t block) {
   const auto dims = x.dimensions();
   if (dims.size() == 0 || !IsFloatType(x.element_type())) {
     return InvalidArgument("quantize: x must be a float32/bfloat16/float16 array, got ",
@@ -568,6 +597,10 @@ ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer of
     return error;
   }
   if (data->element_count() != x.element_count()) return InvalidArgument("data must have x's shape");
+  ColumnwiseTarget target;
+  if (auto error = ParseColumnwiseTarget(problem, *data, *columnwise, &target); error.failure()) {
+    return error;
+  }
   return gpu::DispatchFloat(x.element_type(), [&](auto zero) -> ffi::Error {
     using T = decltype(zero);
     const T* px = static_cast<const T*>(x.untyped_data());
@@ -591,7 +624,7 @@ ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer of
     p.cols = problem.cols;
     p.vector = problem.cols % 8 == 0 && PointerAligned16(px);
     SinkArgs<T> s = MakeSink<T>(problem, offsets, *data, *scale_inv, *amax);
-    return LaunchRows(stream, p, s, CeilDiv(problem.cols, 8), problem);
+    return LaunchRows(stream, p, s, CeilDiv(problem.cols, 8), problem, target);
   });
 }
 
@@ -725,6 +758,35 @@ __device__ void ClampedOffsetsToShared(const int32_t* offsets, int count, int64_
   __syncthreads();
 }
 
+// The source row of each of a tile's kColumnwiseTileCols columns (from col0; -1: padding)
+// and the storage block [begin, end) of each 16-column part, from the clamped offsets in
+// shared memory (threads below kColumnwiseTileCols; the caller synchronizes).
+__device__ __forceinline__ void ColumnwiseTileColumns(const int32_t* clamped, int groups,
+                                                      int64_t width, int64_t col0,
+                                                      int64_t* source_row, int64_t* part_begin,
+                                                      int64_t* part_end) {
+  if (threadIdx.x >= kColumnwiseTileCols) return;
+  const int64_t col = col0 + threadIdx.x;
+  // Last group g with ColumnwiseStart(c_g, g) <= col (starts strictly increase in g).
+  int lo = 0, hi = groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (ColumnwiseStart(clamped[mid], mid) <= col) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int64_t row = clamped[lo] + (col - ColumnwiseStart(clamped[lo], lo));
+  source_row[threadIdx.x] = col < width && row >= clamped[lo] && row < clamped[lo + 1] ? row : -1;
+  if (threadIdx.x % 16 == 0) {
+    const int64_t tail_begin = ColumnwiseStart(clamped[groups], groups);
+    const bool tail = lo == groups - 1 && col >= tail_begin;  // block G: after the last group
+    part_begin[threadIdx.x / 16] = tail ? tail_begin : ColumnwiseBlockBegin(clamped[lo], lo);
+    part_end[threadIdx.x / 16] = tail ? width : ColumnwiseStart(clamped[lo + 1], lo + 1);
+  }
+}
+
 __global__ void __launch_bounds__(kColumnwiseThreads)
 ColumnwiseKernel(const uint8_t* __restrict__ data, const int32_t* __restrict__ offsets,
                  int groups, int64_t rows, int64_t cols, int64_t width,
@@ -739,27 +801,7 @@ ColumnwiseKernel(const uint8_t* __restrict__ data, const int32_t* __restrict__ o
   ClampedOffsetsToShared(offsets, groups + 1, rows, clamped);
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kColumnwiseTileCols;
   const int64_t k0 = static_cast<int64_t>(blockIdx.y) * kColumnwiseTileK;
-  if (threadIdx.x < kColumnwiseTileCols) {
-    const int64_t col = col0 + threadIdx.x;
-    // Last group g with ColumnwiseStart(c_g, g) <= col (starts strictly increase in g).
-    int lo = 0, hi = groups - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (ColumnwiseStart(clamped[mid], mid) <= col) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-    const int64_t row = clamped[lo] + (col - ColumnwiseStart(clamped[lo], lo));
-    source_row[threadIdx.x] = col < width && row >= clamped[lo] && row < clamped[lo + 1] ? row : -1;
-    if (threadIdx.x % 16 == 0) {
-      const int64_t tail_begin = ColumnwiseStart(clamped[groups], groups);
-      const bool tail = lo == groups - 1 && col >= tail_begin;  // block G: after the last group
-      part_begin[threadIdx.x / 16] = tail ? tail_begin : ColumnwiseBlockBegin(clamped[lo], lo);
-      part_end[threadIdx.x / 16] = tail ? width : ColumnwiseStart(clamped[lo + 1], lo + 1);
-    }
-  }
+  ColumnwiseTileColumns(clamped, groups, width, col0, source_row, part_begin, part_end);
   __syncthreads();
 #pragma unroll
   for (int step = 0; step < kSteps; ++step) {
@@ -814,10 +856,188 @@ ffi::Error ColumnwiseCuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuff
   return gpu::LaunchError("columnwise copy kernel");
 }
 
+// --- current scaling's second pass with the column-wise copy (cast + transpose) ---------
+//
+// QuantizeColumnwiseKernel stands for RowKernel<kCurrent> followed by ColumnwiseKernel when
+// the FP8 wgrad needs the column-wise copy of what is quantized (TransformerEngine's cast +
+// transpose): the same bytes, with one read of the producer's inputs and no second pass
+// over the FP8 data. One block per tile: kByteTile columns of the copy (source rows of one
+// group, or padding) x kColumnwiseUnits units (128 values) of each of the producer's chunks.
+// Each thread computes eight (row, unit) values through the producer and quantizes them as
+// RowKernel<kCurrent> would (the scale of GroupOfRow's group; zeros for rows of no group),
+// stores them row-wise (8 bytes) and into its chunk's swizzled byte tile; the store phase
+// writes the tiles transposed, as ColumnwiseKernel does. Rows that no column covers (before
+// c_0 or from c_G: rows past the groups) are quantized row-wise by a grid-stride loop.
+constexpr int kColumnwiseUnits = kByteTile / gpu::kUnit;
+constexpr int kColumnwiseRowStep = kByteTileThreads / kColumnwiseUnits;  // 16 rows per step
+
+__device__ __forceinline__ uint2 PackFp8x8(const float (&v)[8], float scale, Fp8Format format) {
+  uint16_t pairs[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pairs[i] = gpu::Fp8x2(v[2 * i] * scale, v[2 * i + 1] * scale, format);
+  return make_uint2(pairs[0] | (static_cast<uint32_t>(pairs[1]) << 16),
+                    pairs[2] | (static_cast<uint32_t>(pairs[3]) << 16));
+}
+
+template <class P, typename T>
+__device__ __forceinline__ void QuantizeUncoveredRows(const P& p, const SinkArgs<T>& s,
+                                                      int64_t first_covered,
+                                                      int64_t end_covered, float fp8_max) {
+  const int64_t units = p.Units();
+  const int64_t uncovered = first_covered + (s.rows - end_covered);
+  const int64_t items = uncovered * units;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * gridDim.y * blockDim.x;
+  const int64_t block = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  for (int64_t i = block * blockDim.x + threadIdx.x; i < items; i += stride) {
+    const int64_t index = i / units, u = i % units;
+    const int64_t row = index < first_covered ? index : end_covered + (index - first_covered);
+    const int64_t g = GroupOfRow(s.offsets, s.num_groups, row, s.rows);
+    float v[P::kChunks][8] = {};
+    float side = 0.0f;
+    const bool live = g < s.num_groups;
+    if (live) p.Compute(row, u, p.RowScale(row), v, side);
+    const float scale = live ? ScaleFromAmax(s.amax[g], fp8_max) : 1.0f;
+#pragma unroll
+    for (int c = 0; c < P::kChunks; ++c) {
+      if (p.Valid(c, u) == 0) continue;
+      *reinterpret_cast<uint2*>(s.data + row * s.cols + p.Col(c, u)) =
+          live ? PackFp8x8(v[c], scale, s.format) : make_uint2(0, 0);
+    }
+  }
+}
+
+template <class P, typename T>
+__global__ void __launch_bounds__(kByteTileThreads)
+QuantizeColumnwiseKernel(P p, SinkArgs<T> s, int64_t width, uint8_t* __restrict__ out) {
+  extern __shared__ __align__(16) unsigned char shared[];
+  constexpr int kTileBytes = kByteTile * kByteTile;
+  uint8_t* tiles = shared;  // [P::kChunks][kByteTile source rows][kByteTile bytes]
+  int32_t* clamped = reinterpret_cast<int32_t*>(shared + P::kChunks * kTileBytes);  // [G + 1]
+  constexpr int kParts = kByteTile / 16;
+  __shared__ int64_t source_row[kByteTile];
+  __shared__ float row_scale[kByteTile];
+  __shared__ bool row_zero[kByteTile];
+  __shared__ int64_t part_begin[kParts], part_end[kParts];
+  const float fp8_max = Fp8Max(s.format);
+  const int groups = static_cast<int>(s.num_groups);
+  const int64_t units = p.Units();
+  if (blockIdx.x == 0 && blockIdx.y == 0) {
+    float* scale_inv = static_cast<float*>(s.scale_inv);
+    for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+      scale_inv[g] = 1.0f / ScaleFromAmax(s.amax[g], fp8_max);
+    }
+  }
+  ClampedOffsetsToShared(s.offsets, groups + 1, s.rows, clamped);
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kByteTile;
+  const int64_t u0 = static_cast<int64_t>(blockIdx.y) * kColumnwiseUnits;
+  ColumnwiseTileColumns(clamped, groups, width, col0, source_row, part_begin, part_end);
+  if (threadIdx.x < kByteTile) {  // source_row[threadIdx.x] was written by this thread
+    const int64_t row = source_row[threadIdx.x];
+    const int64_t g = row >= 0 ? GroupOfRow(s.offsets, s.num_groups, row, s.rows) : s.num_groups;
+    row_zero[threadIdx.x] = g >= s.num_groups;
+    row_scale[threadIdx.x] = g < s.num_groups ? ScaleFromAmax(s.amax[g], fp8_max) : 1.0f;
+  }
+  __syncthreads();
+  const int uu = threadIdx.x % kColumnwiseUnits;
+  const int64_t u = u0 + uu;
+  const bool unit_in = u < units;
+#pragma unroll 2
+  for (int step = 0; step < kByteTile / kColumnwiseRowStep; ++step) {
+    const int q = threadIdx.x / kColumnwiseUnits + step * kColumnwiseRowStep;
+    const int64_t row = source_row[q];
+    const bool live = unit_in && row >= 0 && !row_zero[q];
+    float v[P::kChunks][8] = {};
+    float side = 0.0f;
+    if (live) p.Compute(row, u, p.RowScale(row), v, side);
+#pragma unroll
+    for (int c = 0; c < P::kChunks; ++c) {
+      const uint2 packed = live ? PackFp8x8(v[c], row_scale[q], s.format) : make_uint2(0, 0);
+      if (unit_in && row >= 0 && p.Valid(c, u) > 0) {
+        *reinterpret_cast<uint2*>(s.data + row * s.cols + p.Col(c, u)) = packed;
+      }
+      *reinterpret_cast<uint2*>(tiles + c * kTileBytes + q * kByteTile +
+                                SwizzledChunk(q, uu / 2) * 16 + (uu % 2) * 8) = packed;
+    }
+  }
+  __syncthreads();
+  const int part = ByteTilePart(), i0 = ByteTileFirstOutputRow();
+  const int64_t rows_in_tile = units - u0 < kColumnwiseUnits ? (units - u0) * gpu::kUnit : kByteTile;
+  if (col0 + part * 16 < width) {
+    const int64_t begin = part_begin[part], end = part_end[part];
+#pragma unroll
+    for (int c = 0; c < P::kChunks; ++c) {
+      if (p.Valid(c, u0) == 0) continue;  // the chunk has no columns (srelu's second)
+      uint32_t source[16];
+      LoadTransposeSources(tiles + c * kTileBytes, part, i0, source);
+      const int64_t k_first = p.Col(c, u0);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        if (i0 + r >= rows_in_tile) break;
+        *reinterpret_cast<uint4*>(out + ColumnwiseIndex(s.cols, begin, end, k_first + i0 + r,
+                                                        col0 + part * 16)) =
+            TransposedRow(source, r);
+      }
+    }
+  }
+  QuantizeUncoveredRows(p, s, clamped[0], clamped[groups], fp8_max);
+}
+
+// JAXFUSE_COLUMNWISE_FUSED=0 runs RowKernel<kCurrent> and ColumnwiseKernel instead of the
+// fused kernel (a benchmark knob: same bytes). Read once.
+inline bool ColumnwiseFusedEnabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("JAXFUSE_COLUMNWISE_FUSED");
+    return value == nullptr || value[0] != '0';
+  }();
+  return enabled;
+}
+
+template <class P, typename T>
+ffi::Error LaunchCurrentWithColumnwise(const P& p, const SinkArgs<T>& s, int64_t units,
+                                       const ColumnwiseTarget& target, cudaStream_t stream) {
+  const ColumnwiseProblem& copy = target.copy;
+  const int64_t unit_tiles = CeilDiv(units, kColumnwiseUnits);
+  const bool fusable = p.vector && s.data_vector && PointerAligned16(target.out) && units > 0 &&
+                       unit_tiles <= 65535 && copy.width > 0;
+  if (fusable && ColumnwiseFusedEnabled()) {
+    const size_t shared = static_cast<size_t>(P::kChunks) * kByteTile * kByteTile +
+                          static_cast<size_t>(copy.groups + 1) * sizeof(int32_t);
+    const void* kernel = reinterpret_cast<const void*>(&QuantizeColumnwiseKernel<P, T>);
+    if (shared > 48 * 1024) gpu::AllowStagedSharedMemory(kernel, static_cast<int>(shared));
+    const dim3 grid(static_cast<unsigned>(CeilDiv(copy.width, kByteTile)),
+                    static_cast<unsigned>(unit_tiles));
+    QuantizeColumnwiseKernel<P, T><<<grid, kByteTileThreads, shared, stream>>>(
+        p, s, copy.width, target.out);
+    return gpu::LaunchError("fused quantization + column-wise copy kernel");
+  }
+  // The two kernels: the row-wise pass, then the copy of its FP8 bytes.
+  if (s.rows > 0) {
+    gpu::LaunchRowKernel<P, SinkKind::kCurrent, T>(p, s, units, stream);
+  } else {
+    CurrentScaleInvKernel<<<1, 256, 0, stream>>>(s.amax, static_cast<float*>(s.scale_inv),
+                                                 s.num_groups, s.format);
+  }
+  if (copy.cols == 0 || copy.width == 0) return gpu::LaunchError("current-scaling quantization");
+  if (copy.cols % kColumnwiseAlign != 0 || !s.data_vector || !PointerAligned16(target.out)) {
+    return InvalidArgument("columnwise: the column-wise copy needs K (the last dimension, ",
+                           copy.cols, ") to be a multiple of ", kColumnwiseAlign,
+                           " and 16-byte aligned buffers on GPU");
+  }
+  const dim3 grid(static_cast<unsigned>(CeilDiv(copy.width, kColumnwiseTileCols)),
+                  static_cast<unsigned>(CeilDiv(copy.cols, kColumnwiseTileK)));
+  if (grid.y > 65535) return InvalidArgument("columnwise: K = ", copy.cols, " is too large");
+  const size_t shared = static_cast<size_t>(copy.groups + 1) * sizeof(int32_t);
+  ColumnwiseKernel<<<grid, kColumnwiseThreads, shared, stream>>>(
+      s.data, s.offsets, static_cast<int>(copy.groups), copy.rows, copy.cols, copy.width,
+      target.out);
+  return gpu::LaunchError("current-scaling quantization + column-wise copy kernels");
+}
+
 ffi::Error ActivationQuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                   ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> data,
                                   ffi::Result<ffi::AnyBuffer> scale_inv,
-                                  ffi::Result<ffi::AnyBuffer> amax, int32_t activation,
+                                  ffi::Result<ffi::AnyBuffer> amax,
+                                  ffi::Result<ffi::AnyBuffer> columnwise, int32_t activation,
                                   float limit, float alpha, float linear_offset, int32_t mode,
                                   int32_t block) {
   ActivationProblem act;
@@ -838,6 +1058,10 @@ ffi::Error ActivationQuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
   if (data->element_count() != static_cast<size_t>(act.rows * act.out_cols)) {
     return InvalidArgument("data must be [rows, F]");
   }
+  ColumnwiseTarget target;
+  if (auto error = ParseColumnwiseTarget(problem, *data, *columnwise, &target); error.failure()) {
+    return error;
+  }
   return gpu::DispatchFloat(x.element_type(), [&](auto zero) -> ffi::Error {
     using T = decltype(zero);
     gpu::ActProducer<T> p;
@@ -849,7 +1073,7 @@ ffi::Error ActivationQuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
     p.w = act.in_cols;
     p.vector = act.out_cols % 8 == 0 && PointerAligned16(p.x);
     SinkArgs<T> s = MakeSink<T>(problem, offsets, *data, *scale_inv, *amax);
-    return LaunchRows(stream, p, s, CeilDiv(act.out_cols, 8), problem);
+    return LaunchRows(stream, p, s, CeilDiv(act.out_cols, 8), problem, target);
   });
 }
 
@@ -859,7 +1083,8 @@ ffi::Error DactivationQuantizeCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::
                                    ffi::Result<ffi::AnyBuffer> scale_inv,
                                    ffi::Result<ffi::AnyBuffer> dx,
                                    ffi::Result<ffi::AnyBuffer> dscales,
-                                   ffi::Result<ffi::AnyBuffer> amax, int32_t activation,
+                                   ffi::Result<ffi::AnyBuffer> amax,
+                                   ffi::Result<ffi::AnyBuffer> columnwise, int32_t activation,
                                    float limit, float alpha, float linear_offset, int32_t mode,
                                    int32_t block) {
   ActivationProblem act;
@@ -868,6 +1093,10 @@ ffi::Error DactivationQuantizeCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::
                                             *dscales, *amax, activation, limit, alpha,
                                             linear_offset, mode, block, &act, &problem);
       error.failure()) {
+    return error;
+  }
+  ColumnwiseTarget target;
+  if (auto error = ParseColumnwiseTarget(problem, *data, *columnwise, &target); error.failure()) {
     return error;
   }
   const bool write_dx = dx->element_count() != 0;
@@ -892,13 +1121,13 @@ ffi::Error DactivationQuantizeCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::
       gpu::DActPairProducer<T> p{pdy, px, scales.untyped_data(),
                                  scales.element_type() == ffi::DataType::F32, act.params,
                                  act.out_cols, act.in_cols, vector};
-      return LaunchRows(stream, p, s, CeilDiv(act.out_cols, 8), problem);
+      return LaunchRows(stream, p, s, CeilDiv(act.out_cols, 8), problem, target);
     }
     // Blocks straddle the two halves of dx: walk dx's columns in order instead.
     gpu::DActFlatProducer<T> p{pdy, px, scales.untyped_data(),
                                scales.element_type() == ffi::DataType::F32, act.params,
                                act.out_cols, act.in_cols, vector};
-    return LaunchRows(stream, p, s, CeilDiv(act.in_cols, 8), problem);
+    return LaunchRows(stream, p, s, CeilDiv(act.in_cols, 8), problem, target);
   });
 }
 
@@ -915,6 +1144,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeCuda, jaxfuse::QuantizeCuda,
                                   .Ret<xffi::AnyBuffer>()  // data fp8
                                   .Ret<xffi::AnyBuffer>()  // scale_inv
                                   .Ret<xffi::AnyBuffer>()  // amax float32 (scratch)
+                                  .Ret<xffi::AnyBuffer>()  // columnwise FP8 [K, W] or [0]
                                   .Attr<int32_t>("mode")
                                   .Attr<int32_t>("block"),
                               {xffi::Traits::kCmdBufferCompatible});
@@ -946,6 +1176,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledActivationQuantizeCuda,
                                   .Ret<xffi::AnyBuffer>()  // data fp8 [R, F]
                                   .Ret<xffi::AnyBuffer>()  // scale_inv
                                   .Ret<xffi::AnyBuffer>()  // amax float32 (scratch)
+                                  .Ret<xffi::AnyBuffer>()  // columnwise FP8 [K, W] or [0]
                                   .Attr<int32_t>("activation")
                                   .Attr<float>("limit")
                                   .Attr<float>("alpha")
@@ -967,6 +1198,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseScaledDactivationQuantizeCuda,
                                   .Ret<xffi::AnyBuffer>()  // dx [R, W] or [0]
                                   .Ret<xffi::AnyBuffer>()  // dscales float32 [R]
                                   .Ret<xffi::AnyBuffer>()  // amax float32 (scratch)
+                                  .Ret<xffi::AnyBuffer>()  // columnwise FP8 [K, W] or [0]
                                   .Attr<int32_t>("activation")
                                   .Attr<float>("limit")
                                   .Attr<float>("alpha")

@@ -75,6 +75,17 @@ def match_varying_axes(cotangent, primal_axes: frozenset):
   return cotangent
 
 
+def all_mesh_axes_manual() -> bool:
+  """Whether tracing happens inside shard_map with every mesh axis manual (per-device code:
+  nothing traced here is partitioned further). False outside shard_map."""
+  get_abstract_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+  if get_abstract_mesh is None:
+    return False
+  axis_types = tuple(getattr(get_abstract_mesh(), "axis_types", ()))
+  manual = getattr(jax.sharding.AxisType, "Manual", None)
+  return bool(axis_types) and all(axis_type == manual for axis_type in axis_types)
+
+
 def traced_bool_flag(name: str, default: bool, help_text: str):
   """A jax config flag that is part of the jit and trace caches' keys (private jax API).
 

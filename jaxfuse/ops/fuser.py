@@ -622,7 +622,7 @@ def _aqgl8_backward(act, recipe, implementation, varying_axes, saved, dy):
       # FP8 wgrad as grouped_linear's: the saved FP8 activation (the unfused GroupedLinear
       # re-quantizes the Quantize op's output to the same values) and the FP8 dy.
       d_kernel = grouped_linear_api.fp8_wgrad((q.data, q.scale_inv), dy_fp8, offsets,
-                                              x.dtype)
+                                              x.dtype, rows=dy.shape[0])
     else:
       # 16-bit wgrad from the FP8 activation dequantized (what the unfused op saves).
       h = quantize_api.dequantize(q).astype(x.dtype)
@@ -740,7 +740,8 @@ def _glact_backward(act, recipe, varying_axes, saved, da):
     dx = grouped_linear_api.fp8_gemm(dh_q.data, dh_q.scale_inv, w, w_scale_inv, offsets,
                                      ffi.DGRAD, dtype, recipe)
     if recipe.fp8_wgrad:
-      d_kernel = grouped_linear_api.fp8_wgrad(x, (dh_q.data, dh_q.scale_inv), offsets, dtype)
+      d_kernel = grouped_linear_api.fp8_wgrad(x, (dh_q.data, dh_q.scale_inv), offsets, dtype,
+                                              rows=h.shape[0])
     else:
       d_kernel = grouped_linear_sharding.grouped_gemm(x, dh, offsets, form=ffi.WGRAD)
   return (*_match((dx, d_kernel, d_scales.astype(scales.dtype)), varying_axes), None)

@@ -14,6 +14,7 @@ import jaxfuse
 from jaxfuse._src import ffi as ffi_registry
 from jaxfuse._src.ops.grouped_linear import ffi as gemm_ffi
 from jaxfuse._src.ops.grouped_linear import reference
+from jaxfuse._src.ops.quantize import columnwise as quantize_columnwise
 from jaxfuse._src.ops.quantize import ffi as quantize_ffi
 from tests import helpers
 from tests.ops.test_grouped_linear import BACKENDS, make_inputs, on, sizes_cases
@@ -220,20 +221,24 @@ def test_gradients_of_empty_groups_and_uncovered_rows_are_zero(backend, case):
   assert_within_accumulation_bound(d_x, want, abs_sum, "dx")
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["transposing_kernels", "fused_copies"])
 @pytest.mark.parametrize("fp8_wgrad", [True, False])
-def test_fp8_gemms_forward_dgrad_and_wgrad(fp8_wgrad):
+def test_fp8_gemms_forward_dgrad_and_wgrad(fp8_wgrad, fused):
   x, kernel = make_inputs(16, 32, 32, 16, 2, jnp.bfloat16)
   group_sizes = jnp.asarray([20, 12], jnp.int32)
   recipe = jaxfuse.quantization.Float8CurrentScaling(per_group=True, fp8_wgrad=fp8_wgrad)
   loss = lambda x, w: jnp.sum(fp8_linear("ffi", recipe)(x, w, group_sizes)
                               .astype(jnp.float32))
-  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, kernel)
+  with quantize_columnwise.fused(fused, everywhere=True):
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, kernel)
   count = lambda target: helpers.count_primitives(jaxpr, helpers.ffi_target(target))
   # platform_dependent lowers a cpu and a cuda branch: each GEMM appears twice.
   assert count("jaxfuse_grouped_gemm_fp8") == 2 * 2
-  # FP8 wgrad: the column-wise copies of the forward's FP8 x and the dgrad's FP8 dy.
+  # FP8 wgrad: the column-wise copies of the forward's FP8 x and the dgrad's FP8 dy, by a
+  # transposing kernel each or written by their quantization passes.
   assert count("jaxfuse_grouped_gemm_fp8_wgrad") == 2 * fp8_wgrad
-  assert count("jaxfuse_group_columnwise") == 2 * fp8_wgrad
+  assert count("jaxfuse_group_columnwise") == 2 * fp8_wgrad * (not fused)
+  assert count("jaxfuse_quantize") == 2
   assert count("jaxfuse_grouped_gemm") == 2 * (not fp8_wgrad)
   # Offsets computed once: x's and dy's quantization and all three GEMMs share them.
   assert helpers.count_primitives(jaxpr, lambda e: e.primitive.name == "cumsum") == 1
@@ -581,3 +586,26 @@ def test_shard_map_tokens_sharded_kernel_replicated():
   want = jax.jit(jax.grad(loss("xla"), argnums=(0, 1)))(x, kernel)
   for name, g, w in zip(("dx", "dkernel"), got, want):
     assert relative_error(g, w) < 0.1, name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["uniform", "empty_groups", "sum_less_than_rows", "skewed",
+                                  "many_groups"])
+def test_fused_columnwise_copies_give_identical_gradients(backend, case):
+  """The wgrad on the copies its quantizations wrote (quantize/columnwise.py) against the
+  transposing kernels' copies: the same FP8 bytes, so bit-identical results."""
+  m, k, n = (64, 32, 48) if backend == "cpu" else (1000, 272, 144)
+  sizes = sizes_cases(m)[case]
+  x, kernel = make_inputs(60, m, k, n, len(sizes), jnp.bfloat16)
+  d_out = helpers.random_array(np.random.default_rng(61), (m, n), jnp.bfloat16)
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+  x, kernel, d_out, group_sizes = on(backend, x, kernel, d_out, group_sizes)
+  results = []
+  for fused in (False, True):
+    with quantize_columnwise.fused(fused, everywhere=True):
+      out, vjp = jax.vjp(lambda x, w: fp8_linear("ffi")(x, w, group_sizes), x, kernel)
+      results.append((out, *vjp(d_out)))
+  for name, unfused, fused in zip(("out", "dx", "dkernel"), *results):
+    np.testing.assert_array_equal(np.asarray(fused, np.float32),
+                                  np.asarray(unfused, np.float32), err_msg=name)
+  assert np.abs(np.asarray(results[0][2], np.float32)).max() > 0  # a real wgrad

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jaxfuse
+from jaxfuse._src.ops.quantize import columnwise as quantize_columnwise
 from tests import helpers
 from tests.ops.test_grouped_mlp import (ACTIVATIONS, ALPHA, BACKENDS, LIMIT, LINEAR_OFFSET,
                                         group_rows, make_inputs, on, sizes_cases)
@@ -119,24 +120,27 @@ def test_save_activation_gives_identical_gradients():
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["transposing_kernels", "fused_copies"])
 @pytest.mark.parametrize("fp8_wgrad", [True, False])
-def test_fp8_gemms_and_fused_quantization_run(fp8_wgrad):
+def test_fp8_gemms_and_fused_quantization_run(fp8_wgrad, fused):
   x, k1, k2, scales = make_inputs(34, 32, 16, 16, 4, "swiglu", jnp.bfloat16)
   sizes = jnp.asarray([8, 0, 16, 8], jnp.int32)
   recipe = jaxfuse.quantization.Float8CurrentScaling(per_group=True, fp8_wgrad=fp8_wgrad)
   loss = lambda *a: jnp.sum(call("ffi", "swiglu", recipe)(*a[:3], sizes, a[3])
                             .astype(jnp.float32))
-  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, k1, k2, scales)
+  with quantize_columnwise.fused(fused, everywhere=True):
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, k1, k2, scales)
   count = lambda predicate: helpers.count_primitives(jaxpr, predicate)
   name_is = lambda *names: lambda e: e.primitive.name in names
   assert count(helpers.ffi_target("jaxfuse_group_offsets")) == 1
   assert count(name_is("cumsum")) == 0
   # FC1 fwd, FC2 fwd, FC2 dgrad, FC1 dgrad in FP8; each in both platform branches of
   # platform_dependent. The two wgrads: FP8 from four column-wise copies (x, a, dy, dh),
-  # or 16-bit.
+  # by a transposing kernel each or written by their quantizing passes; or 16-bit.
   assert count(helpers.ffi_target("jaxfuse_grouped_gemm_fp8")) == 4 * 2
   assert count(helpers.ffi_target("jaxfuse_grouped_gemm_fp8_wgrad")) == 2 * 2 * fp8_wgrad
-  assert count(helpers.ffi_target("jaxfuse_group_columnwise")) == 4 * fp8_wgrad
+  assert count(helpers.ffi_target("jaxfuse_group_columnwise")) == 4 * fp8_wgrad * (not fused)
+  assert count(helpers.ffi_target("jaxfuse_quantize")) == 2
   assert count(helpers.ffi_target("jaxfuse_grouped_gemm")) == 2 * 2 * (not fp8_wgrad)
   assert count(helpers.ffi_target("jaxfuse_scaled_activation_quantize")) == 1
   assert count(helpers.ffi_target("jaxfuse_scaled_dactivation_quantize")) == 1
@@ -190,3 +194,31 @@ def test_fp8_wgrad_group_limit():
     jaxfuse.grouped_mlp(*args, "swiglu", recipe=RECIPE, implementation="ffi")
   jax.eval_shape(lambda *a: jaxfuse.grouped_mlp(*a, "swiglu", recipe=RECIPE,
                                                 implementation="xla"), *args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("case", ["uniform", "empty_groups", "sum_less_than_rows",
+                                  "negative_sizes"])
+def test_fused_columnwise_copies_give_identical_gradients(backend, activation, case):
+  """The wgrads on the copies that the quantizing passes wrote (x, the activation, dy, and
+  dh from the dact kernel) against the transposing kernels' copies: bit-identical."""
+  m, hidden, ffn = (64, 32, 16) if backend == "cpu" else (1000, 272, 144)
+  sizes = sizes_cases(m)[case]
+  x, k1, k2, scales = make_inputs(62, m, hidden, ffn, len(sizes), activation, jnp.bfloat16)
+  d_out = helpers.random_array(np.random.default_rng(63), (m, hidden), jnp.bfloat16)
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+  args = on(backend, x, k1, k2, scales, d_out, group_sizes)
+  x, k1, k2, scales, d_out, group_sizes = args
+  results = []
+  for fused in (False, True):
+    with quantize_columnwise.fused(fused, everywhere=True):
+      out, vjp = jax.vjp(lambda x, k1, k2, s: call("ffi", activation)(x, k1, k2, group_sizes, s),
+                         x, k1, k2, scales)
+      results.append((out, *vjp(d_out)))
+  names = ("out", "dx", "dkernel1", "dkernel2", "dscales")
+  for name, unfused, fused in zip(names, *results):
+    np.testing.assert_array_equal(np.asarray(fused, np.float32),
+                                  np.asarray(unfused, np.float32), err_msg=name)
+  for name, grad in zip(names[2:4], results[0][2:4]):
+    assert np.abs(np.asarray(grad, np.float32)).max() > 0, name

@@ -246,6 +246,40 @@ inline ffi::Error ParseColumnwise(const ffi::AnyBuffer& data, const ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// The column-wise copy that a current-scaling quantization writes besides its row-wise
+// data when asked (`columnwise` not empty): the FP8 wgrad's operand, the same bytes as
+// group_columnwise(data, offsets) would make of the row-wise result, without that second
+// pass over the FP8 data. Sets *wanted; requires per-group current scaling of [rows, cols]
+// values (batch 1) and columnwise of data's dtype, [cols, ColumnwiseWidth(rows, G)].
+inline ffi::Error CheckColumnwiseOutput(const QuantizeProblem& problem,
+                                        const ffi::AnyBuffer& data,
+                                        const ffi::AnyBuffer& columnwise,
+                                        ColumnwiseProblem* copy, bool* wanted) {
+  *wanted = columnwise.element_count() != 0;
+  if (!*wanted) return ffi::Error::Success();
+  if (problem.mode != ScalingMode::kCurrent || problem.batch != 1) {
+    return InvalidArgument("columnwise: the column-wise copy is written by current scaling "
+                           "only (scaling mode per_tensor or per_group)");
+  }
+  if (problem.num_groups < 1 || problem.num_groups > kColumnwiseMaxGroups) {
+    return InvalidArgument("columnwise: needs 1 to ", kColumnwiseMaxGroups, " groups, got ",
+                           problem.num_groups);
+  }
+  copy->rows = problem.rows;
+  copy->cols = problem.cols;
+  copy->groups = problem.num_groups;
+  copy->width = ColumnwiseWidth(problem.rows, problem.num_groups);
+  const auto dims = columnwise.dimensions();
+  if (columnwise.element_type() != data.element_type() || dims.size() != 2 ||
+      dims[0] != copy->cols || dims[1] != copy->width) {
+    return InvalidArgument("columnwise must be ", DataTypeName(data.element_type()),
+                           " [K, ColumnwiseWidth(M, G)] = [", copy->cols, ", ", copy->width,
+                           "] (or empty), got ", DataTypeName(columnwise.element_type()), " ",
+                           ShapeString(dims));
+  }
+  return ffi::Error::Success();
+}
+
 #if !defined(__CUDACC__)
 // --- CPU reference implementation (plain loops) ------------------------------------
 

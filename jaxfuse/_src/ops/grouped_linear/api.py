@@ -18,6 +18,7 @@ from jaxfuse._src import implementation as implementation_lib
 from jaxfuse._src.ops.grouped_linear import ffi
 from jaxfuse._src.ops.grouped_linear import reference
 from jaxfuse._src.ops.grouped_linear import sharding
+from jaxfuse._src.ops.quantize import columnwise as quantize_columnwise
 from jaxfuse._src.ops.quantize import kernels as quantized_kernels
 from jaxfuse.quantization import recipes
 
@@ -213,9 +214,22 @@ def grouped_linear_fp8_with_offsets(x, kernel, group_offsets, recipe,
   return _fp8_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=False)[0]
 
 
+def _fuse_columnwise(recipe) -> bool:
+  """Whether the quantize kernels write the FP8 wgrad's column-wise copies (quantize/
+  columnwise.py): FP8 weight gradients, and no partitioning of the calls to follow."""
+  return recipe.fp8_wgrad and quantize_columnwise.fusion_enabled()
+
+
 def _fp8_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=True):
   del varying_axes
-  x_data, x_scale_inv = reference.quantize_rows(x, recipe, group_offsets, "forward", "ffi")
+  # x's column-wise copy (the wgrad's operand) from the same pass when a wgrad follows.
+  fuse = (for_backward and _fuse_columnwise(recipe) and
+          not quantized_kernels.is_frozen_kernel(kernel))
+  if fuse:
+    x_data, x_scale_inv, x_columnwise = quantize_columnwise.quantize_rows(
+        x, recipe, group_offsets, "forward")
+  else:
+    x_data, x_scale_inv = reference.quantize_rows(x, recipe, group_offsets, "forward", "ffi")
   # The weight's FP8 values in both layouts from one pass when the backward needs them:
   # [G, N, K] for the forward, [G, K, N] saved for dgrad (a pre-quantized kernel's as given).
   w_t_data, w_scale_inv, *w_data = expert_weights(kernel, recipe, untransposed=for_backward)
@@ -224,30 +238,48 @@ def _fp8_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=Tr
   # The backward's wgrad input: the FP8 x (fp8_wgrad) or the 16-bit one; none for a
   # pre-quantized kernel, which gets no gradient.
   x_saved = (x_data, x_scale_inv) if recipe.fp8_wgrad else x
+  if fuse:
+    x_saved = x_columnwise
   if quantized_kernels.is_frozen_kernel(kernel):
     x_saved = None
   return out, (x_saved, w_data[0] if w_data else None, w_scale_inv, group_offsets,
                quantized_kernels.cotangent_template(kernel))
 
 
-def fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, dtype):
+def fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, dtype, columnwise=False):
   """The FP8 dgrad: d_out quantized per group in the recipe's gradient format (E5M2 by
   default) times the saved FP8 kernel [G, K, N] (the forward's values and scales).
 
-  Returns (dx in `dtype`, (dy_data, dy_scale_inv)): the FP8 output gradient, which the FP8
-  wgrad reads too.
+  Returns (dx in `dtype`, the FP8 output gradient for the FP8 wgrad): (dy_data,
+  dy_scale_inv), or with ``columnwise`` its quantize_columnwise.Columnwise copy, written by
+  the same quantization pass.
   """
-  dy_data, dy_scale_inv = reference.quantize_rows(d_out, recipe, group_offsets, "gradient",
-                                                  "ffi")
+  if columnwise:
+    dy_data, dy_scale_inv, dy_fp8 = quantize_columnwise.quantize_rows(
+        d_out, recipe, group_offsets, "gradient")
+  else:
+    dy_data, dy_scale_inv = reference.quantize_rows(d_out, recipe, group_offsets, "gradient",
+                                                    "ffi")
+    dy_fp8 = (dy_data, dy_scale_inv)
   d_x = fp8_gemm(dy_data, dy_scale_inv, w_data, w_scale_inv, group_offsets, ffi.DGRAD,
                  dtype, recipe)
-  return d_x, (dy_data, dy_scale_inv)
+  return d_x, dy_fp8
 
 
-def fp8_wgrad(x_fp8, dy_fp8, group_offsets, dtype):
-  """The FP8 wgrad dw[g] = x_g^T @ dy_g from (data, scale_inv [G]) pairs: x in E4M3, dy in
-  E4M3 or E5M2, both quantized per group over `group_offsets` (the kernels transpose them
-  column-wise; promoted fp32 accumulation). Returns [G, K, N] in `dtype`."""
+def fp8_wgrad(x_fp8, dy_fp8, group_offsets, dtype, *, rows: int):
+  """The FP8 wgrad dw[g] = x_g^T @ dy_g of `rows` grouped rows. Each operand is a (data
+  [rows, ·], scale_inv [G]) pair or its quantize_columnwise.Columnwise copy: x in E4M3, dy
+  in E4M3 or E5M2, both quantized per group over `group_offsets` (promoted fp32
+  accumulation). Pairs go through the sharded grouped GEMM, which transposes them
+  column-wise; copies straight to the kernel (the quantize kernels wrote them only where
+  nothing is partitioned). Returns [G, K, N] in `dtype`."""
+  if isinstance(x_fp8, quantize_columnwise.Columnwise) or isinstance(
+      dy_fp8, quantize_columnwise.Columnwise):
+    x_t = quantize_columnwise.to_columnwise(x_fp8, group_offsets)
+    dy_t = quantize_columnwise.to_columnwise(dy_fp8, group_offsets)
+    out = ffi.fp8_wgrad_columnwise(x_t.data, dy_t.data, group_offsets, x_t.scale_inv,
+                                   dy_t.scale_inv, rows=rows)
+    return out.astype(dtype)
   (x_data, x_scale_inv), (dy_data, dy_scale_inv) = x_fp8, dy_fp8
   out = sharding.grouped_gemm(x_data, dy_data, group_offsets, form=ffi.WGRAD,
                               a_scale_inv=x_scale_inv, b_scale_inv=dy_scale_inv)
@@ -257,11 +289,13 @@ def fp8_wgrad(x_fp8, dy_fp8, group_offsets, dtype):
 def _fp8_backward(recipe, varying_axes, saved, d_out):
   x_saved, w_data, w_scale_inv, group_offsets, template = saved
   dtype = d_out.dtype  # the output's, which is x's
-  d_x, dy_fp8 = fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, dtype)
+  fuse = isinstance(x_saved, quantize_columnwise.Columnwise)  # the forward's choice
+  d_x, dy_fp8 = fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, dtype,
+                          columnwise=fuse)
   if x_saved is None:  # a frozen pre-quantized kernel: a constant, no weight gradient
     return compat.match_varying_axes(d_x, varying_axes[0]), None, None
   if recipe.fp8_wgrad:
-    d_kernel = fp8_wgrad(x_saved, dy_fp8, group_offsets, dtype)
+    d_kernel = fp8_wgrad(x_saved, dy_fp8, group_offsets, dtype, rows=d_out.shape[0])
   else:
     d_kernel = sharding.grouped_gemm(x_saved, d_out, group_offsets, form=ffi.WGRAD)
   # A trainable quantized kernel's gradient goes to its master.

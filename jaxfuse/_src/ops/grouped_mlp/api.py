@@ -42,6 +42,7 @@ from jaxfuse._src.ops.grouped_linear import reference as linear_reference
 from jaxfuse._src.ops.grouped_linear import sharding as gemm_sharding
 from jaxfuse._src.ops.grouped_mlp import reference
 from jaxfuse._src.ops.quantize import api as quantize_api
+from jaxfuse._src.ops.quantize import columnwise as quantize_columnwise
 from jaxfuse._src.ops.quantize import kernels as quantized_kernels
 from jaxfuse._src.ops.scaled_activation import sharding as act_sharding
 from jaxfuse._src.ops.scaled_activation import reference as act_reference
@@ -152,6 +153,12 @@ class _Fp8:
   """
 
   @staticmethod
+  def fuse_columnwise(recipe) -> bool:
+    """Whether the quantizing passes write the FP8 wgrads' column-wise copies (x, the
+    activation, dy, dh) instead of a transposing kernel per wgrad operand."""
+    return recipe.fp8_wgrad and quantize_columnwise.fusion_enabled()
+
+  @staticmethod
   def check(recipe, hidden: int, width: int, ffn: int, groups: int) -> None:
     linear_api.validate_fp8(recipe, hidden, width, "grouped_mlp",
                             ("H (x.shape[1])", "kernel1.shape[2]"), groups)
@@ -161,30 +168,44 @@ class _Fp8:
   @staticmethod
   def forward(x, kernel1, kernel2, group_offsets, scales, config, for_backward=True):
     recipe = config.recipe
-    x_data, x_scale_inv = linear_reference.quantize_rows(x, recipe, group_offsets, "forward",
-                                                         "ffi")
+    frozen1, frozen2 = config.frozen_kernels
+    # The wgrads' column-wise copies of x and the activation from the quantizing passes
+    # (quantize/columnwise.py) when a backward with FP8 wgrads follows.
+    fuse = for_backward and _Fp8.fuse_columnwise(recipe)
+    if fuse and not frozen1:
+      x_data, x_scale_inv, x_columnwise = quantize_columnwise.quantize_rows(
+          x, recipe, group_offsets, "forward")
+    else:
+      x_data, x_scale_inv = linear_reference.quantize_rows(x, recipe, group_offsets,
+                                                           "forward", "ffi")
+      x_columnwise = None
     # Each weight's FP8 values in both layouts from one pass when a backward follows:
     # [G, N, K] for the forward, [G, K, N] saved for the backward's dgrad.
     w1_t, w1_scale_inv, *w1 = linear_api.expert_weights(kernel1, recipe,
                                                         untransposed=for_backward)
     h = linear_api.fp8_gemm(x_data, x_scale_inv, w1_t, w1_scale_inv, group_offsets,
                             gemm_ffi.FORWARD, x.dtype, recipe)
-    a_q = quantize_api.scaled_activation_quantize(
-        h, scales, recipe=recipe, group_offsets=group_offsets, implementation="ffi",
-        **config.act_kwargs)
+    if fuse and not frozen2:
+      a_data, a_scale_inv, a_columnwise = quantize_columnwise.scaled_activation_quantize(
+          h, scales, group_offsets, recipe, **config.act_kwargs)
+    else:
+      a_q = quantize_api.scaled_activation_quantize(
+          h, scales, recipe=recipe, group_offsets=group_offsets, implementation="ffi",
+          **config.act_kwargs)
+      a_data, a_scale_inv, a_columnwise = a_q.data, a_q.scale_inv, None
     w2_t, w2_scale_inv, *w2 = linear_api.expert_weights(kernel2, recipe,
                                                         untransposed=for_backward)
-    y = linear_api.fp8_gemm(a_q.data, a_q.scale_inv, w2_t, w2_scale_inv, group_offsets,
+    y = linear_api.fp8_gemm(a_data, a_scale_inv, w2_t, w2_scale_inv, group_offsets,
                             gemm_ffi.FORWARD, x.dtype, recipe)
     if not for_backward:
       return y, None
     if recipe.fp8_wgrad:  # the wgrads read the FP8 x and activation
-      x_saved, a_saved = (x_data, x_scale_inv), (a_q.data, a_q.scale_inv)
+      x_saved = x_columnwise if x_columnwise is not None else (x_data, x_scale_inv)
+      a_saved = a_columnwise if a_columnwise is not None else (a_data, a_scale_inv)
     else:
       x_saved = x
       a_saved = _activation(h, scales, config) if config.save_activation else None
     # A frozen quantized kernel gets no gradient: its wgrad's input need not be kept.
-    frozen1, frozen2 = config.frozen_kernels
     x_saved = None if frozen1 else x_saved
     a_saved = None if frozen2 else a_saved
     templates = tuple(quantized_kernels.cotangent_template(k) for k in (kernel1, kernel2))
@@ -197,25 +218,38 @@ class _Fp8:
     recipe = config.recipe
     dtype = dy.dtype  # the output's, which is x's
     frozen1, frozen2 = config.frozen_kernels  # no weight gradient for these
-    da, dy_q = linear_api.fp8_dgrad(dy, w2, w2_scale_inv, group_offsets, recipe, dtype)
+    rows = dy.shape[0]
+    # The forward's choice: dy's and dh's column-wise copies from their quantizing passes.
+    fuse = isinstance(x, quantize_columnwise.Columnwise) or isinstance(
+        a, quantize_columnwise.Columnwise)
+    da, dy_q = linear_api.fp8_dgrad(dy, w2, w2_scale_inv, group_offsets, recipe, dtype,
+                                    columnwise=fuse and not frozen2)
     if frozen2:
       d_kernel2 = None
     elif recipe.fp8_wgrad:
-      d_kernel2 = linear_api.fp8_wgrad(a, dy_q, group_offsets, dtype)
+      d_kernel2 = linear_api.fp8_wgrad(a, dy_q, group_offsets, dtype, rows=rows)
     else:
       if a is None:
         a = _activation(h, scales, config)
       d_kernel2 = _gemm(a, dy, group_offsets, gemm_ffi.WGRAD)
-    dh_q, dh, d_scales = quantize_api.scaled_dactivation_quantize(
-        da, h, scales, recipe=recipe, group_offsets=group_offsets,
-        return_dx=not (recipe.fp8_wgrad or frozen1),  # the 16-bit wgrad's input only
-        implementation="ffi", **config.act_kwargs)
-    dx = linear_api.fp8_gemm(dh_q.data, dh_q.scale_inv, w1, w1_scale_inv, group_offsets,
+    if fuse and not frozen1:  # dact + quantization for FC1's dgrad and its FP8 wgrad
+      dh_data, dh_scale_inv, dh_fp8, d_scales = (
+          quantize_columnwise.scaled_dactivation_quantize(da, h, scales, group_offsets, recipe,
+                                                          **config.act_kwargs))
+      dh = None
+    else:
+      dh_q, dh, d_scales = quantize_api.scaled_dactivation_quantize(
+          da, h, scales, recipe=recipe, group_offsets=group_offsets,
+          return_dx=not (recipe.fp8_wgrad or frozen1),  # the 16-bit wgrad's input only
+          implementation="ffi", **config.act_kwargs)
+      dh_data, dh_scale_inv = dh_q.data, dh_q.scale_inv
+      dh_fp8 = (dh_data, dh_scale_inv)
+    dx = linear_api.fp8_gemm(dh_data, dh_scale_inv, w1, w1_scale_inv, group_offsets,
                              gemm_ffi.DGRAD, dtype, recipe)
     if frozen1:
       d_kernel1 = None
     elif recipe.fp8_wgrad:
-      d_kernel1 = linear_api.fp8_wgrad(x, (dh_q.data, dh_q.scale_inv), group_offsets, dtype)
+      d_kernel1 = linear_api.fp8_wgrad(x, dh_fp8, group_offsets, dtype, rows=rows)
     else:
       d_kernel1 = _gemm(x, dh, group_offsets, gemm_ffi.WGRAD)
     x_axes, k1_axes, k2_axes, _, s_axes = varying_axes

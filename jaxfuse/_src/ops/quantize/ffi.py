@@ -41,50 +41,74 @@ def _amax_type(offsets, scaling_mode):
   return jax.ShapeDtypeStruct((offsets.shape[0] - 1 if current else 1,), jnp.float32)
 
 
-def quantize(x, offsets, *, scaling_mode, block, fmt):
+def _columnwise_type(shape, offsets, fmt, wanted):
+  """The optional column-wise result: [K, columnwise_width(rows, G)] FP8, or empty [0]."""
+  if not wanted:
+    return jax.ShapeDtypeStruct((0,), recipes.FP8_DTYPES[fmt])
+  rows = int(np.prod(shape[:-1]))
+  return jax.ShapeDtypeStruct((shape[-1], columnwise_width(rows, offsets.shape[0] - 1)),
+                              recipes.FP8_DTYPES[fmt])
+
+
+def quantize(x, offsets, *, scaling_mode, block, fmt, columnwise=False):
+  """(data, scale_inv), and with ``columnwise`` (current scaling only) a third result: the
+  column-wise copy of data, as group_columnwise(data, offsets) would make it, written by
+  the same kernel pass (the FP8 wgrad's operand)."""
   ffi_registry.ensure_registered()
   num_groups = offsets.shape[0] - 1
   out_types = (jax.ShapeDtypeStruct(x.shape, recipes.FP8_DTYPES[fmt]),
-               scale_inv_type(x.shape, scaling_mode, block, num_groups), _amax_type(offsets, scaling_mode))
-  data, scale_inv, _ = jax.ffi.ffi_call("jaxfuse_quantize", out_types,
-                                        vmap_method="sequential")(
+               scale_inv_type(x.shape, scaling_mode, block, num_groups),
+               _amax_type(offsets, scaling_mode),
+               _columnwise_type(x.shape, offsets, fmt, columnwise))
+  data, scale_inv, _, copy = jax.ffi.ffi_call("jaxfuse_quantize", out_types,
+                                              vmap_method="sequential")(
       x, offsets, **_mode_attrs(scaling_mode, block))
-  return compat.vary_like(data, x, offsets), compat.vary_like(scale_inv, x, offsets)
+  out = (compat.vary_like(data, x, offsets), compat.vary_like(scale_inv, x, offsets))
+  return (*out, compat.vary_like(copy, x, offsets)) if columnwise else out
 
 
 def scaled_activation_quantize(x, scales, offsets, *, activation, limit, alpha, linear_offset,
-                               scaling_mode, block, fmt):
+                               scaling_mode, block, fmt, columnwise=False):
+  """(data, scale_inv), plus the column-wise copy of data with ``columnwise`` (as quantize)."""
   ffi_registry.ensure_registered()
   shape = (*x.shape[:-1], act_ffi.out_features(x.shape, activation))
   num_groups = offsets.shape[0] - 1
   out_types = (jax.ShapeDtypeStruct(shape, recipes.FP8_DTYPES[fmt]),
-               scale_inv_type(shape, scaling_mode, block, num_groups), _amax_type(offsets, scaling_mode))
-  data, scale_inv, _ = jax.ffi.ffi_call("jaxfuse_scaled_activation_quantize", out_types,
-                                        vmap_method="sequential")(
+               scale_inv_type(shape, scaling_mode, block, num_groups),
+               _amax_type(offsets, scaling_mode),
+               _columnwise_type(shape, offsets, fmt, columnwise))
+  data, scale_inv, _, copy = jax.ffi.ffi_call("jaxfuse_scaled_activation_quantize", out_types,
+                                              vmap_method="sequential")(
       x, scales, offsets, **act_ffi.activation_attrs(activation, limit, alpha, linear_offset),
       **_mode_attrs(scaling_mode, block))
   inputs = (x, scales, offsets)
-  return compat.vary_like(data, *inputs), compat.vary_like(scale_inv, *inputs)
+  out = (compat.vary_like(data, *inputs), compat.vary_like(scale_inv, *inputs))
+  return (*out, compat.vary_like(copy, *inputs)) if columnwise else out
 
 
 def scaled_dactivation_quantize(dy, x, scales, offsets, *, activation, limit, alpha,
-                                linear_offset, scaling_mode, block, fmt, return_dx):
-  """(data, scale_inv, dx or None, dscales float32)."""
+                                linear_offset, scaling_mode, block, fmt, return_dx,
+                                columnwise=False):
+  """(data, scale_inv, dx or None, dscales float32), plus the column-wise copy of data with
+  ``columnwise`` (as quantize): the dact fused with the quantization for FC1's dgrad and
+  its FP8 wgrad."""
   ffi_registry.ensure_registered()
   num_groups = offsets.shape[0] - 1
   out_types = (jax.ShapeDtypeStruct(x.shape, recipes.FP8_DTYPES[fmt]),
                scale_inv_type(x.shape, scaling_mode, block, num_groups),
                jax.ShapeDtypeStruct(x.shape if return_dx else (0,), x.dtype),
-               jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32), _amax_type(offsets, scaling_mode))
-  data, scale_inv, dx, dscales, _ = jax.ffi.ffi_call(
+               jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32), _amax_type(offsets, scaling_mode),
+               _columnwise_type(x.shape, offsets, fmt, columnwise))
+  data, scale_inv, dx, dscales, _, copy = jax.ffi.ffi_call(
       "jaxfuse_scaled_dactivation_quantize", out_types, vmap_method="sequential")(
           dy, x, scales, offsets,
           **act_ffi.activation_attrs(activation, limit, alpha, linear_offset),
           **_mode_attrs(scaling_mode, block))
   inputs = (dy, x, scales, offsets)
-  return (compat.vary_like(data, *inputs), compat.vary_like(scale_inv, *inputs),
-          compat.vary_like(dx, *inputs) if return_dx else None,
-          compat.vary_like(dscales, *inputs))
+  out = (compat.vary_like(data, *inputs), compat.vary_like(scale_inv, *inputs),
+         compat.vary_like(dx, *inputs) if return_dx else None,
+         compat.vary_like(dscales, *inputs))
+  return (*out, compat.vary_like(copy, *inputs)) if columnwise else out
 
 
 def batch_amax(x):

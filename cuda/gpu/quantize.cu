@@ -906,9 +906,25 @@ __device__ __forceinline__ void QuantizeUncoveredRows(const P& p, const SinkArgs
   }
 }
 
+// Steps whose inputs are hinted into L2 ahead of the one computing (a step holds one
+// producer unit per thread in registers: too few bytes in flight for the DRAM bandwidth).
+// JAXFUSE_COLUMNWISE_PREFETCH (0-7) overrides it (a benchmark knob, read once).
+constexpr int kDefaultColumnwisePrefetchSteps = 3;
+
+inline int ColumnwisePrefetchSteps() {
+  static const int steps = [] {
+    if (const char* value = std::getenv("JAXFUSE_COLUMNWISE_PREFETCH")) {
+      if (value[0] >= '0' && value[0] <= '7' && value[1] == 0) return value[0] - '0';
+    }
+    return kDefaultColumnwisePrefetchSteps;
+  }();
+  return steps;
+}
+
 template <class P, typename T>
-__global__ void __launch_bounds__(kByteTileThreads)
-QuantizeColumnwiseKernel(P p, SinkArgs<T> s, int64_t width, uint8_t* __restrict__ out) {
+__global__ void __launch_bounds__(kByteTileThreads, 4)
+QuantizeColumnwiseKernel(P p, SinkArgs<T> s, int64_t width, uint8_t* __restrict__ out,
+                         int prefetch_steps) {
   extern __shared__ __align__(16) unsigned char shared[];
   constexpr int kTileBytes = kByteTile * kByteTile;
   uint8_t* tiles = shared;  // [P::kChunks][kByteTile source rows][kByteTile bytes]
@@ -941,8 +957,15 @@ QuantizeColumnwiseKernel(P p, SinkArgs<T> s, int64_t width, uint8_t* __restrict_
   const int uu = threadIdx.x % kColumnwiseUnits;
   const int64_t u = u0 + uu;
   const bool unit_in = u < units;
+  constexpr int kSteps = kByteTile / kColumnwiseRowStep;
+  auto prefetch = [&](int step) {
+    const int64_t row = source_row[threadIdx.x / kColumnwiseUnits + step * kColumnwiseRowStep];
+    if (unit_in && row >= 0) p.Prefetch(row, u, 2);
+  };
+  for (int step = 0; step < prefetch_steps; ++step) prefetch(step);
 #pragma unroll 2
-  for (int step = 0; step < kByteTile / kColumnwiseRowStep; ++step) {
+  for (int step = 0; step < kSteps; ++step) {
+    if (prefetch_steps > 0 && step + prefetch_steps < kSteps) prefetch(step + prefetch_steps);
     const int q = threadIdx.x / kColumnwiseUnits + step * kColumnwiseRowStep;
     const int64_t row = source_row[q];
     const bool live = unit_in && row >= 0 && !row_zero[q];
@@ -1007,7 +1030,7 @@ ffi::Error LaunchCurrentWithColumnwise(const P& p, const SinkArgs<T>& s, int64_t
     const dim3 grid(static_cast<unsigned>(CeilDiv(copy.width, kByteTile)),
                     static_cast<unsigned>(unit_tiles));
     QuantizeColumnwiseKernel<P, T><<<grid, kByteTileThreads, shared, stream>>>(
-        p, s, copy.width, target.out);
+        p, s, copy.width, target.out, ColumnwisePrefetchSteps());
     return gpu::LaunchError("fused quantization + column-wise copy kernel");
   }
   // The two kernels: the row-wise pass, then the copy of its FP8 bytes.

@@ -906,25 +906,9 @@ __device__ __forceinline__ void QuantizeUncoveredRows(const P& p, const SinkArgs
   }
 }
 
-// Steps whose inputs are hinted into L2 ahead of the one computing (a step holds one
-// producer unit per thread in registers: too few bytes in flight for the DRAM bandwidth).
-// JAXFUSE_COLUMNWISE_PREFETCH (0-7) overrides it (a benchmark knob, read once).
-constexpr int kDefaultColumnwisePrefetchSteps = 3;
-
-inline int ColumnwisePrefetchSteps() {
-  static const int steps = [] {
-    if (const char* value = std::getenv("JAXFUSE_COLUMNWISE_PREFETCH")) {
-      if (value[0] >= '0' && value[0] <= '7' && value[1] == 0) return value[0] - '0';
-    }
-    return kDefaultColumnwisePrefetchSteps;
-  }();
-  return steps;
-}
-
 template <class P, typename T>
 __global__ void __launch_bounds__(kByteTileThreads, 4)
-QuantizeColumnwiseKernel(P p, SinkArgs<T> s, int64_t width, uint8_t* __restrict__ out,
-                         int prefetch_steps) {
+QuantizeColumnwiseKernel(P p, SinkArgs<T> s, int64_t width, uint8_t* __restrict__ out) {
   extern __shared__ __align__(16) unsigned char shared[];
   constexpr int kTileBytes = kByteTile * kByteTile;
   uint8_t* tiles = shared;  // [P::kChunks][kByteTile source rows][kByteTile bytes]
@@ -958,28 +942,64 @@ QuantizeColumnwiseKernel(P p, SinkArgs<T> s, int64_t width, uint8_t* __restrict_
   const int64_t u = u0 + uu;
   const bool unit_in = u < units;
   constexpr int kSteps = kByteTile / kColumnwiseRowStep;
-  auto prefetch = [&](int step) {
-    const int64_t row = source_row[threadIdx.x / kColumnwiseUnits + step * kColumnwiseRowStep];
-    if (unit_in && row >= 0) p.Prefetch(row, u, 2);
+  auto tile_row = [](int step) {
+    return static_cast<int>(threadIdx.x) / kColumnwiseUnits + step * kColumnwiseRowStep;
   };
-  for (int step = 0; step < prefetch_steps; ++step) prefetch(step);
-#pragma unroll 2
-  for (int step = 0; step < kSteps; ++step) {
-    if (prefetch_steps > 0 && step + prefetch_steps < kSteps) prefetch(step + prefetch_steps);
-    const int q = threadIdx.x / kColumnwiseUnits + step * kColumnwiseRowStep;
+  auto live = [&](int q) { return unit_in && source_row[q] >= 0 && !row_zero[q]; };
+  // Quantizes a step's values: row-wise to data, and into the chunks' byte tiles.
+  auto sink = [&](int q, const float (&v)[P::kChunks][8]) {
     const int64_t row = source_row[q];
-    const bool live = unit_in && row >= 0 && !row_zero[q];
-    float v[P::kChunks][8] = {};
-    float side = 0.0f;
-    if (live) p.Compute(row, u, p.RowScale(row), v, side);
+    const bool is_live = live(q);
 #pragma unroll
     for (int c = 0; c < P::kChunks; ++c) {
-      const uint2 packed = live ? PackFp8x8(v[c], row_scale[q], s.format) : make_uint2(0, 0);
+      const uint2 packed = is_live ? PackFp8x8(v[c], row_scale[q], s.format) : make_uint2(0, 0);
       if (unit_in && row >= 0 && p.Valid(c, u) > 0) {
         *reinterpret_cast<uint2*>(s.data + row * s.cols + p.Col(c, u)) = packed;
       }
       *reinterpret_cast<uint2*>(tiles + c * kTileBytes + q * kByteTile +
                                 SwizzledChunk(q, uu / 2) * 16 + (uu % 2) * 8) = packed;
+    }
+  };
+  if constexpr (sizeof(T) == 2) {
+    // Batches of steps with all of their 16-byte loads issued before any math: about eight
+    // loads in flight per thread (as QuantizeTransposedTiledKernel), where one unit at a
+    // time left the activation gradient's pass at 2.5 TB/s.
+    constexpr int kBatch = 8 / P::kRawStreams;
+    static_assert(kSteps % kBatch == 0, "whole batches");
+    const int streams = p.Streams();
+#pragma unroll 1
+    for (int base = 0; base < kSteps; base += kBatch) {
+      uint4 raw[kBatch][P::kRawStreams];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int q = tile_row(base + j);
+        const bool is_live = live(q);
+#pragma unroll
+        for (int stream = 0; stream < P::kRawStreams; ++stream) {
+          raw[j][stream] =
+              is_live && stream < streams
+                  ? __ldg(reinterpret_cast<const uint4*>(
+                        p.Segment(stream, source_row[q], u * gpu::kUnit)))
+                  : make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int q = tile_row(base + j);
+        float v[P::kChunks][8] = {};
+        float side = 0.0f;
+        if (live(q)) p.ComputeRaw(raw[j], p.RowScale(source_row[q]), v, side);
+        sink(q, v);
+      }
+    }
+  } else {  // float inputs: one unit at a time
+#pragma unroll 2
+    for (int step = 0; step < kSteps; ++step) {
+      const int q = tile_row(step);
+      float v[P::kChunks][8] = {};
+      float side = 0.0f;
+      if (live(q)) p.Compute(source_row[q], u, p.RowScale(source_row[q]), v, side);
+      sink(q, v);
     }
   }
   __syncthreads();
@@ -1019,19 +1039,22 @@ template <class P, typename T>
 ffi::Error LaunchCurrentWithColumnwise(const P& p, const SinkArgs<T>& s, int64_t units,
                                        const ColumnwiseTarget& target, cudaStream_t stream) {
   const ColumnwiseProblem& copy = target.copy;
-  const int64_t unit_tiles = CeilDiv(units, kColumnwiseUnits);
-  const bool fusable = p.vector && s.data_vector && PointerAligned16(target.out) && units > 0 &&
-                       unit_tiles <= 65535 && copy.width > 0;
-  if (fusable && ColumnwiseFusedEnabled()) {
-    const size_t shared = static_cast<size_t>(P::kChunks) * kByteTile * kByteTile +
-                          static_cast<size_t>(copy.groups + 1) * sizeof(int32_t);
-    const void* kernel = reinterpret_cast<const void*>(&QuantizeColumnwiseKernel<P, T>);
-    if (shared > 48 * 1024) gpu::AllowStagedSharedMemory(kernel, static_cast<int>(shared));
-    const dim3 grid(static_cast<unsigned>(CeilDiv(copy.width, kByteTile)),
-                    static_cast<unsigned>(unit_tiles));
-    QuantizeColumnwiseKernel<P, T><<<grid, kByteTileThreads, shared, stream>>>(
-        p, s, copy.width, target.out, ColumnwisePrefetchSteps());
-    return gpu::LaunchError("fused quantization + column-wise copy kernel");
+  // The fused kernel takes the producers with a register form (not DActFlatProducer).
+  if constexpr (P::kStaged) {
+    const int64_t unit_tiles = CeilDiv(units, kColumnwiseUnits);
+    const bool fusable = p.vector && s.data_vector && PointerAligned16(target.out) &&
+                         units > 0 && unit_tiles <= 65535 && copy.width > 0;
+    if (fusable && ColumnwiseFusedEnabled()) {
+      const size_t shared = static_cast<size_t>(P::kChunks) * kByteTile * kByteTile +
+                            static_cast<size_t>(copy.groups + 1) * sizeof(int32_t);
+      const void* kernel = reinterpret_cast<const void*>(&QuantizeColumnwiseKernel<P, T>);
+      if (shared > 48 * 1024) gpu::AllowStagedSharedMemory(kernel, static_cast<int>(shared));
+      const dim3 grid(static_cast<unsigned>(CeilDiv(copy.width, kByteTile)),
+                      static_cast<unsigned>(unit_tiles));
+      QuantizeColumnwiseKernel<P, T><<<grid, kByteTileThreads, shared, stream>>>(
+          p, s, copy.width, target.out);
+      return gpu::LaunchError("fused quantization + column-wise copy kernel");
+    }
   }
   // The two kernels: the row-wise pass, then the copy of its FP8 bytes.
   if (s.rows > 0) {

@@ -80,6 +80,15 @@ __device__ __forceinline__ void LoadShared8(const T* p, float (&v)[8]) {
   }
 }
 
+// The 8 16-bit elements held in one 16-byte register load (raw).
+template <typename T>
+__device__ __forceinline__ void RawToFloat8(const uint4& raw, float (&v)[8]) {
+  static_assert(sizeof(T) == 2, "8 elements in 16 bytes");
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = LoadOne(e + i);
+}
+
 template <typename T>
 __device__ __forceinline__ void Store8(T* p, bool vector, int valid, const float (&v)[8]) {
   if (vector && valid == 8) {
@@ -199,6 +208,10 @@ __device__ __forceinline__ void ActivationBackward8(const ActivationParams& para
 // units contiguous in every stream). ComputeStaged reads unit `offset / 8` of the tile from
 // the segments' shared-memory copies; RowScale is the row's activation scale.
 constexpr int kMaxStreams = 3;
+// Staged producers of 16-bit inputs also compute from registers: ComputeRaw takes the
+// unit's 16 bytes of each of its Streams() segments (raw[stream], loaded by the kernel from
+// Segment(stream, row, 8 u)), so a kernel can issue several units' loads before any math
+// (QuantizeColumnwiseKernel). kRawStreams bounds Streams().
 
 // Plain values: x [rows, cols].
 template <typename T>
@@ -227,6 +240,11 @@ struct LoadProducer {
   __device__ void ComputeStaged(const T* const (&segment)[kMaxStreams], int offset, float,
                                 float (&v)[1][8], float&) const {
     LoadShared8(segment[0] + offset, v[0]);
+  }
+  static constexpr int kRawStreams = 1;
+  __device__ void ComputeRaw(const uint4 (&raw)[kRawStreams], float, float (&v)[1][8],
+                             float&) const {
+    RawToFloat8<T>(raw[0], v[0]);
   }
 };
 
@@ -281,6 +299,21 @@ struct ActProducer {
     LoadShared8(segment[0] + offset, a);
     if (IsGlu(params.kind)) {
       LoadShared8(segment[1] + offset, b);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) b[i] = 0.0f;
+    }
+    ActivationForward8(params, a, b, act);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[0][i] = act[i] * scale;
+  }
+  static constexpr int kRawStreams = 2;
+  __device__ void ComputeRaw(const uint4 (&raw)[kRawStreams], float scale, float (&v)[1][8],
+                             float&) const {
+    float a[8], b[8], act[8];
+    RawToFloat8<T>(raw[0], a);
+    if (IsGlu(params.kind)) {
+      RawToFloat8<T>(raw[1], b);
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) b[i] = 0.0f;
@@ -356,6 +389,29 @@ struct DActPairProducer {
     LoadShared8(segment[1] + offset, g);
     if (glu) {
       LoadShared8(segment[2] + offset, b);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) b[i] = 0.0f;
+    }
+    ActivationGrad grads[8];
+    ActivationBackward8(params, a, b, grads);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      side += g[i] * grads[i].value;
+      const float gs = g[i] * scale;
+      v[0][i] = gs * grads[i].da;
+      v[1][i] = glu ? gs * grads[i].db : 0.0f;
+    }
+  }
+  static constexpr int kRawStreams = 3;
+  __device__ void ComputeRaw(const uint4 (&raw)[kRawStreams], float scale, float (&v)[2][8],
+                             float& side) const {
+    const bool glu = IsGlu(params.kind);
+    float a[8], b[8], g[8];
+    RawToFloat8<T>(raw[0], a);
+    RawToFloat8<T>(raw[1], g);
+    if (glu) {
+      RawToFloat8<T>(raw[2], b);
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) b[i] = 0.0f;

@@ -861,11 +861,9 @@ ffi::Error ColumnwiseCuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuff
 // QuantizeColumnwiseKernel stands for RowKernel<kCurrent> followed by ColumnwiseKernel when
 // the FP8 wgrad needs the column-wise copy of what is quantized (TransformerEngine's cast +
 // transpose): the same bytes, with one read of the producer's inputs and no second pass
-// over the FP8 data. A tile is kByteTile columns of the copy (source rows of one group, or
-// padding) x kColumnwiseUnits units (128 values) of each of the producer's chunks; a block
-// sets up one column tile (offsets, source rows, their scales) and walks
-// unit_tiles_per_block of its unit tiles. Per tile, each thread loads and computes eight
-// (row, unit) values through the producer (ComputeRaw for 16-bit inputs) and quantizes them as
+// over the FP8 data. One block per tile: kByteTile columns of the copy (source rows of one
+// group, or padding) x kColumnwiseUnits units (128 values) of each of the producer's chunks.
+// Each thread computes eight (row, unit) values through the producer and quantizes them as
 // RowKernel<kCurrent> would (the scale of GroupOfRow's group; zeros for rows of no group),
 // stores them row-wise (8 bytes) and into its chunk's swizzled byte tile; the store phase
 // writes the tiles transposed, as ColumnwiseKernel does. Rows that no column covers (before
@@ -910,8 +908,7 @@ __device__ __forceinline__ void QuantizeUncoveredRows(const P& p, const SinkArgs
 
 template <class P, typename T>
 __global__ void __launch_bounds__(kByteTileThreads, 4)
-QuantizeColumnwiseKernel(P p, SinkArgs<T> s, int64_t width, uint8_t* __restrict__ out,
-                         int64_t unit_tiles_per_block) {
+QuantizeColumnwiseKernel(P p, SinkArgs<T> s, int64_t width, uint8_t* __restrict__ out) {
   extern __shared__ __align__(16) unsigned char shared[];
   constexpr int kTileBytes = kByteTile * kByteTile;
   uint8_t* tiles = shared;  // [P::kChunks][kByteTile source rows][kByteTile bytes]
@@ -932,6 +929,7 @@ QuantizeColumnwiseKernel(P p, SinkArgs<T> s, int64_t width, uint8_t* __restrict_
   }
   ClampedOffsetsToShared(s.offsets, groups + 1, s.rows, clamped);
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kByteTile;
+  const int64_t u0 = static_cast<int64_t>(blockIdx.y) * kColumnwiseUnits;
   ColumnwiseTileColumns(clamped, groups, width, col0, source_row, part_begin, part_end);
   if (threadIdx.x < kByteTile) {  // source_row[threadIdx.x] was written by this thread
     const int64_t row = source_row[threadIdx.x];
@@ -940,99 +938,89 @@ QuantizeColumnwiseKernel(P p, SinkArgs<T> s, int64_t width, uint8_t* __restrict_
     row_scale[threadIdx.x] = g < s.num_groups ? ScaleFromAmax(s.amax[g], fp8_max) : 1.0f;
   }
   __syncthreads();
-  // The block's unit tiles of its columns: the setup above is paid once for all of them.
-  const int64_t first_tile = static_cast<int64_t>(blockIdx.y) * unit_tiles_per_block;
-  const int64_t end_tile = min(first_tile + unit_tiles_per_block,
-                               (units + kColumnwiseUnits - 1) / kColumnwiseUnits);
-  for (int64_t unit_tile = first_tile; unit_tile < end_tile; ++unit_tile) {
-    const int64_t u0 = unit_tile * kColumnwiseUnits;
-    const int uu = threadIdx.x % kColumnwiseUnits;
-    const int64_t u = u0 + uu;
-    const bool unit_in = u < units;
-    constexpr int kSteps = kByteTile / kColumnwiseRowStep;
-    auto tile_row = [](int step) {
-      return static_cast<int>(threadIdx.x) / kColumnwiseUnits + step * kColumnwiseRowStep;
-    };
-    auto live = [&](int q) { return unit_in && source_row[q] >= 0 && !row_zero[q]; };
-    // Quantizes a step's values: row-wise to data, and into the chunks' byte tiles.
-    auto sink = [&](int q, const float (&v)[P::kChunks][8]) {
-      const int64_t row = source_row[q];
-      const bool is_live = live(q);
+  const int uu = threadIdx.x % kColumnwiseUnits;
+  const int64_t u = u0 + uu;
+  const bool unit_in = u < units;
+  constexpr int kSteps = kByteTile / kColumnwiseRowStep;
+  auto tile_row = [](int step) {
+    return static_cast<int>(threadIdx.x) / kColumnwiseUnits + step * kColumnwiseRowStep;
+  };
+  auto live = [&](int q) { return unit_in && source_row[q] >= 0 && !row_zero[q]; };
+  // Quantizes a step's values: row-wise to data, and into the chunks' byte tiles.
+  auto sink = [&](int q, const float (&v)[P::kChunks][8]) {
+    const int64_t row = source_row[q];
+    const bool is_live = live(q);
 #pragma unroll
-      for (int c = 0; c < P::kChunks; ++c) {
-        const uint2 packed =
-            is_live ? PackFp8x8(v[c], row_scale[q], s.format) : make_uint2(0, 0);
-        if (unit_in && row >= 0 && p.Valid(c, u) > 0) {
-          *reinterpret_cast<uint2*>(s.data + row * s.cols + p.Col(c, u)) = packed;
-        }
-        *reinterpret_cast<uint2*>(tiles + c * kTileBytes + q * kByteTile +
-                                  SwizzledChunk(q, uu / 2) * 16 + (uu % 2) * 8) = packed;
+    for (int c = 0; c < P::kChunks; ++c) {
+      const uint2 packed = is_live ? PackFp8x8(v[c], row_scale[q], s.format) : make_uint2(0, 0);
+      if (unit_in && row >= 0 && p.Valid(c, u) > 0) {
+        *reinterpret_cast<uint2*>(s.data + row * s.cols + p.Col(c, u)) = packed;
       }
-    };
-    if constexpr (sizeof(T) == 2) {
-      // Batches of steps with all of their 16-byte loads issued before any math: about eight
-      // loads in flight per thread (as QuantizeTransposedTiledKernel), where one unit at a
-      // time left the activation gradient's pass at 2.5 TB/s.
-      constexpr int kBatch = 8 / P::kRawStreams;
-      static_assert(kSteps % kBatch == 0, "whole batches");
-      const int streams = p.Streams();
+      *reinterpret_cast<uint2*>(tiles + c * kTileBytes + q * kByteTile +
+                                SwizzledChunk(q, uu / 2) * 16 + (uu % 2) * 8) = packed;
+    }
+  };
+  if constexpr (sizeof(T) == 2) {
+    // Batches of steps with all of their 16-byte loads issued before any math: about eight
+    // loads in flight per thread (as QuantizeTransposedTiledKernel), where one unit at a
+    // time left the activation gradient's pass at 2.5 TB/s.
+    constexpr int kBatch = 8 / P::kRawStreams;
+    static_assert(kSteps % kBatch == 0, "whole batches");
+    const int streams = p.Streams();
 #pragma unroll 1
-      for (int base = 0; base < kSteps; base += kBatch) {
-        uint4 raw[kBatch][P::kRawStreams];
+    for (int base = 0; base < kSteps; base += kBatch) {
+      uint4 raw[kBatch][P::kRawStreams];
 #pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
-          const int q = tile_row(base + j);
-          const bool is_live = live(q);
+      for (int j = 0; j < kBatch; ++j) {
+        const int q = tile_row(base + j);
+        const bool is_live = live(q);
 #pragma unroll
-          for (int stream = 0; stream < P::kRawStreams; ++stream) {
-            raw[j][stream] =
-                is_live && stream < streams
-                    ? __ldg(reinterpret_cast<const uint4*>(
-                          p.Segment(stream, source_row[q], u * gpu::kUnit)))
-                    : make_uint4(0, 0, 0, 0);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
-          const int q = tile_row(base + j);
-          float v[P::kChunks][8] = {};
-          float side = 0.0f;
-          if (live(q)) p.ComputeRaw(raw[j], p.RowScale(source_row[q]), v, side);
-          sink(q, v);
+        for (int stream = 0; stream < P::kRawStreams; ++stream) {
+          raw[j][stream] =
+              is_live && stream < streams
+                  ? __ldg(reinterpret_cast<const uint4*>(
+                        p.Segment(stream, source_row[q], u * gpu::kUnit)))
+                  : make_uint4(0, 0, 0, 0);
         }
       }
-    } else {  // float inputs: one unit at a time
-#pragma unroll 2
-      for (int step = 0; step < kSteps; ++step) {
-        const int q = tile_row(step);
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int q = tile_row(base + j);
         float v[P::kChunks][8] = {};
         float side = 0.0f;
-        if (live(q)) p.Compute(source_row[q], u, p.RowScale(source_row[q]), v, side);
+        if (live(q)) p.ComputeRaw(raw[j], p.RowScale(source_row[q]), v, side);
         sink(q, v);
       }
     }
-    __syncthreads();
-    const int part = ByteTilePart(), i0 = ByteTileFirstOutputRow();
-    const int64_t rows_in_tile =
-        units - u0 < kColumnwiseUnits ? (units - u0) * gpu::kUnit : kByteTile;
-    if (col0 + part * 16 < width) {
-      const int64_t begin = part_begin[part], end = part_end[part];
+  } else {  // float inputs: one unit at a time
+#pragma unroll 2
+    for (int step = 0; step < kSteps; ++step) {
+      const int q = tile_row(step);
+      float v[P::kChunks][8] = {};
+      float side = 0.0f;
+      if (live(q)) p.Compute(source_row[q], u, p.RowScale(source_row[q]), v, side);
+      sink(q, v);
+    }
+  }
+  __syncthreads();
+  const int part = ByteTilePart(), i0 = ByteTileFirstOutputRow();
+  const int64_t rows_in_tile = units - u0 < kColumnwiseUnits ? (units - u0) * gpu::kUnit : kByteTile;
+  if (col0 + part * 16 < width) {
+    const int64_t begin = part_begin[part], end = part_end[part];
 #pragma unroll
-      for (int c = 0; c < P::kChunks; ++c) {
-        if (p.Valid(c, u0) == 0) continue;  // the chunk has no columns (srelu's second)
-        uint32_t source[16];
-        LoadTransposeSources(tiles + c * kTileBytes, part, i0, source);
-        const int64_t k_first = p.Col(c, u0);
+    for (int c = 0; c < P::kChunks; ++c) {
+      if (p.Valid(c, u0) == 0) continue;  // the chunk has no columns (srelu's second)
+      uint32_t source[16];
+      LoadTransposeSources(tiles + c * kTileBytes, part, i0, source);
+      const int64_t k_first = p.Col(c, u0);
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          if (i0 + r >= rows_in_tile) break;
-          *reinterpret_cast<uint4*>(out + ColumnwiseIndex(s.cols, begin, end, k_first + i0 + r,
-                                                          col0 + part * 16)) =
-              TransposedRow(source, r);
-        }
+      for (int r = 0; r < 4; ++r) {
+        if (i0 + r >= rows_in_tile) break;
+        *reinterpret_cast<uint4*>(out + ColumnwiseIndex(s.cols, begin, end, k_first + i0 + r,
+                                                        col0 + part * 16)) =
+            TransposedRow(source, r);
       }
     }
-    __syncthreads();  // the tiles are rewritten by the next unit tile
   }
   QuantizeUncoveredRows(p, s, clamped[0], clamped[groups], fp8_max);
 }
@@ -1061,18 +1049,10 @@ ffi::Error LaunchCurrentWithColumnwise(const P& p, const SinkArgs<T>& s, int64_t
                             static_cast<size_t>(copy.groups + 1) * sizeof(int32_t);
       const void* kernel = reinterpret_cast<const void*>(&QuantizeColumnwiseKernel<P, T>);
       if (shared > 48 * 1024) gpu::AllowStagedSharedMemory(kernel, static_cast<int>(shared));
-      // One wave where the tiles fill the GPU: each block walks several unit tiles of its
-      // columns (a block per tile measured 3.3 TB/s on the FP8 MLP's passes, its setup
-      // repeated for every 32 KB of input).
-      const int64_t column_tiles = CeilDiv(copy.width, kByteTile);
-      const int64_t resident =
-          gpu::ResidentBlocks(kernel, kByteTileThreads, static_cast<int>(shared));
-      const int64_t per_block = std::min(
-          unit_tiles, std::max<int64_t>(1, CeilDiv(column_tiles * unit_tiles, resident)));
-      const dim3 grid(static_cast<unsigned>(column_tiles),
-                      static_cast<unsigned>(CeilDiv(unit_tiles, per_block)));
+      const dim3 grid(static_cast<unsigned>(CeilDiv(copy.width, kByteTile)),
+                      static_cast<unsigned>(unit_tiles));
       QuantizeColumnwiseKernel<P, T><<<grid, kByteTileThreads, shared, stream>>>(
-          p, s, copy.width, target.out, per_block);
+          p, s, copy.width, target.out);
       return gpu::LaunchError("fused quantization + column-wise copy kernel");
     }
   }

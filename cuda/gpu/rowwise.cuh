@@ -393,6 +393,13 @@ struct DActPairProducer {
 #pragma unroll
       for (int i = 0; i < 8; ++i) b[i] = 0.0f;
     }
+    FromValues(a, b, g, scale, v, side);
+  }
+  // The dx halves and the dscales term of a whole unit from x's halves a, b (zeros unless
+  // GLU) and dy's g.
+  __device__ void FromValues(const float (&a)[8], const float (&b)[8], const float (&g)[8],
+                             float scale, float (&v)[2][8], float& side) const {
+    const bool glu = IsGlu(params.kind);
     ActivationGrad grads[8];
     ActivationBackward8(params, a, b, grads);
 #pragma unroll
@@ -416,15 +423,7 @@ struct DActPairProducer {
 #pragma unroll
       for (int i = 0; i < 8; ++i) b[i] = 0.0f;
     }
-    ActivationGrad grads[8];
-    ActivationBackward8(params, a, b, grads);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      side += g[i] * grads[i].value;
-      const float gs = g[i] * scale;
-      v[0][i] = gs * grads[i].da;
-      v[1][i] = glu ? gs * grads[i].db : 0.0f;
-    }
+    FromValues(a, b, g, scale, v, side);
   }
 };
 

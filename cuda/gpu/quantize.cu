@@ -829,31 +829,40 @@ ColumnwiseKernel(const uint8_t* __restrict__ data, const int32_t* __restrict__ o
   }
 }
 
+// Launches ColumnwiseKernel: data FP8 [copy.rows, copy.cols] -> its column-wise copy out,
+// after the kernel's requirements (`op` and `k_name` name them in the errors).
+ffi::Error LaunchColumnwiseKernel(const ColumnwiseProblem& copy, const uint8_t* data,
+                                  const int32_t* offsets, uint8_t* out, cudaStream_t stream,
+                                  const char* op, const char* k_name) {
+  if (copy.cols == 0 || copy.width == 0) return gpu::LaunchError("columnwise copy");
+  // The kernel loads 16-byte chunks of data's rows (the FP8 GEMMs need the same of K).
+  if (copy.cols % kColumnwiseAlign != 0) {
+    return InvalidArgument(op, ": ", k_name, " must be a multiple of ", kColumnwiseAlign,
+                           " on GPU, got ", copy.cols);
+  }
+  if (!PointerAligned16(data) || !PointerAligned16(out)) {
+    return InvalidArgument(op, ": data and out must be 16-byte aligned");
+  }
+  const dim3 grid(static_cast<unsigned>(CeilDiv(copy.width, kColumnwiseTileCols)),
+                  static_cast<unsigned>(CeilDiv(copy.cols, kColumnwiseTileK)));
+  if (grid.y > 65535) {
+    return InvalidArgument(op, ": K = ", copy.cols, " exceeds ",
+                           int64_t{65535} * kColumnwiseTileK);
+  }
+  const size_t shared = static_cast<size_t>(copy.groups + 1) * sizeof(int32_t);
+  ColumnwiseKernel<<<grid, kColumnwiseThreads, shared, stream>>>(
+      data, offsets, static_cast<int>(copy.groups), copy.rows, copy.cols, copy.width, out);
+  return gpu::LaunchError("columnwise copy kernel");
+}
+
 ffi::Error ColumnwiseCuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer offsets,
                           ffi::Result<ffi::AnyBuffer> out) {
   ColumnwiseProblem problem;
   if (auto error = ParseColumnwise(data, offsets, *out, &problem); error.failure()) return error;
-  if (problem.cols == 0 || problem.width == 0) return ffi::Error::Success();
-  // The kernel loads 16-byte chunks of data's rows (the FP8 GEMMs need the same of K).
-  if (problem.cols % kColumnwiseAlign != 0) {
-    return InvalidArgument("group_columnwise: K (data.shape[1]) must be a multiple of ",
-                           kColumnwiseAlign, " on GPU, got ", problem.cols);
-  }
-  if (!PointerAligned16(data.untyped_data()) || !PointerAligned16(out->untyped_data())) {
-    return InvalidArgument("group_columnwise: data and out must be 16-byte aligned");
-  }
-  const dim3 grid(static_cast<unsigned>(CeilDiv(problem.width, kColumnwiseTileCols)),
-                  static_cast<unsigned>(CeilDiv(problem.cols, kColumnwiseTileK)));
-  if (grid.y > 65535) {
-    return InvalidArgument("group_columnwise: K = ", problem.cols, " exceeds ",
-                           int64_t{65535} * kColumnwiseTileK);
-  }
-  const size_t shared = static_cast<size_t>(problem.groups + 1) * sizeof(int32_t);
-  ColumnwiseKernel<<<grid, kColumnwiseThreads, shared, stream>>>(
-      static_cast<const uint8_t*>(data.untyped_data()), offsets.typed_data<int32_t>(),
-      static_cast<int>(problem.groups), problem.rows, problem.cols, problem.width,
-      static_cast<uint8_t*>(out->untyped_data()));
-  return gpu::LaunchError("columnwise copy kernel");
+  return LaunchColumnwiseKernel(problem, static_cast<const uint8_t*>(data.untyped_data()),
+                                offsets.typed_data<int32_t>(),
+                                static_cast<uint8_t*>(out->untyped_data()), stream,
+                                "group_columnwise", "K (data.shape[1])");
 }
 
 // --- current scaling's second pass with the column-wise copy (cast + transpose) ---------
@@ -870,14 +879,6 @@ ffi::Error ColumnwiseCuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuff
 // c_0 or from c_G: rows past the groups) are quantized row-wise by a grid-stride loop.
 constexpr int kColumnwiseUnits = kByteTile / gpu::kUnit;
 constexpr int kColumnwiseRowStep = kByteTileThreads / kColumnwiseUnits;  // 16 rows per step
-
-__device__ __forceinline__ uint2 PackFp8x8(const float (&v)[8], float scale, Fp8Format format) {
-  uint16_t pairs[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) pairs[i] = gpu::Fp8x2(v[2 * i] * scale, v[2 * i + 1] * scale, format);
-  return make_uint2(pairs[0] | (static_cast<uint32_t>(pairs[1]) << 16),
-                    pairs[2] | (static_cast<uint32_t>(pairs[3]) << 16));
-}
 
 template <class P, typename T>
 __device__ __forceinline__ void QuantizeUncoveredRows(const P& p, const SinkArgs<T>& s,
@@ -901,7 +902,7 @@ __device__ __forceinline__ void QuantizeUncoveredRows(const P& p, const SinkArgs
     for (int c = 0; c < P::kChunks; ++c) {
       if (p.Valid(c, u) == 0) continue;
       *reinterpret_cast<uint2*>(s.data + row * s.cols + p.Col(c, u)) =
-          live ? PackFp8x8(v[c], scale, s.format) : make_uint2(0, 0);
+          live ? gpu::PackFp8x8(v[c], scale, s.format) : make_uint2(0, 0);
     }
   }
 }
@@ -952,7 +953,8 @@ QuantizeColumnwiseKernel(P p, SinkArgs<T> s, int64_t width, uint8_t* __restrict_
     const bool is_live = live(q);
 #pragma unroll
     for (int c = 0; c < P::kChunks; ++c) {
-      const uint2 packed = is_live ? PackFp8x8(v[c], row_scale[q], s.format) : make_uint2(0, 0);
+      const uint2 packed =
+          is_live ? gpu::PackFp8x8(v[c], row_scale[q], s.format) : make_uint2(0, 0);
       if (unit_in && row >= 0 && p.Valid(c, u) > 0) {
         *reinterpret_cast<uint2*>(s.data + row * s.cols + p.Col(c, u)) = packed;
       }
@@ -1004,7 +1006,8 @@ QuantizeColumnwiseKernel(P p, SinkArgs<T> s, int64_t width, uint8_t* __restrict_
   }
   __syncthreads();
   const int part = ByteTilePart(), i0 = ByteTileFirstOutputRow();
-  const int64_t rows_in_tile = units - u0 < kColumnwiseUnits ? (units - u0) * gpu::kUnit : kByteTile;
+  const int64_t rows_in_tile =
+      units - u0 < kColumnwiseUnits ? (units - u0) * gpu::kUnit : kByteTile;
   if (col0 + part * 16 < width) {
     const int64_t begin = part_begin[part], end = part_end[part];
 #pragma unroll
@@ -1063,20 +1066,8 @@ ffi::Error LaunchCurrentWithColumnwise(const P& p, const SinkArgs<T>& s, int64_t
     CurrentScaleInvKernel<<<1, 256, 0, stream>>>(s.amax, static_cast<float*>(s.scale_inv),
                                                  s.num_groups, s.format);
   }
-  if (copy.cols == 0 || copy.width == 0) return gpu::LaunchError("current-scaling quantization");
-  if (copy.cols % kColumnwiseAlign != 0 || !s.data_vector || !PointerAligned16(target.out)) {
-    return InvalidArgument("columnwise: the column-wise copy needs K (the last dimension, ",
-                           copy.cols, ") to be a multiple of ", kColumnwiseAlign,
-                           " and 16-byte aligned buffers on GPU");
-  }
-  const dim3 grid(static_cast<unsigned>(CeilDiv(copy.width, kColumnwiseTileCols)),
-                  static_cast<unsigned>(CeilDiv(copy.cols, kColumnwiseTileK)));
-  if (grid.y > 65535) return InvalidArgument("columnwise: K = ", copy.cols, " is too large");
-  const size_t shared = static_cast<size_t>(copy.groups + 1) * sizeof(int32_t);
-  ColumnwiseKernel<<<grid, kColumnwiseThreads, shared, stream>>>(
-      s.data, s.offsets, static_cast<int>(copy.groups), copy.rows, copy.cols, copy.width,
-      target.out);
-  return gpu::LaunchError("current-scaling quantization + column-wise copy kernels");
+  return LaunchColumnwiseKernel(copy, s.data, s.offsets, target.out, stream, "columnwise",
+                                "K (the last dimension)");
 }
 
 ffi::Error ActivationQuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scales,

@@ -119,21 +119,27 @@ __device__ __forceinline__ uint16_t Fp8x2(float a, float b, Fp8Format format) {
              : static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E5M2));
 }
 
-// Writes 8 values (times scale) as FP8 at p (valid of them).
-__device__ __forceinline__ void StoreFp8x8(uint8_t* p, bool vector, int valid, const float (&v)[8],
-                                           float scale, Fp8Format format) {
+// 8 values (times scale) as 8 FP8 bytes, element 0 in the lowest byte.
+__device__ __forceinline__ uint2 PackFp8x8(const float (&v)[8], float scale, Fp8Format format) {
   uint16_t pairs[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) pairs[i] = Fp8x2(v[2 * i] * scale, v[2 * i + 1] * scale, format);
+  return make_uint2(pairs[0] | (static_cast<uint32_t>(pairs[1]) << 16),
+                    pairs[2] | (static_cast<uint32_t>(pairs[3]) << 16));
+}
+
+// Writes 8 values (times scale) as FP8 at p (valid of them).
+__device__ __forceinline__ void StoreFp8x8(uint8_t* p, bool vector, int valid, const float (&v)[8],
+                                           float scale, Fp8Format format) {
+  const uint2 packed = PackFp8x8(v, scale, format);
   if (vector && valid == 8) {
-    const uint2 packed = make_uint2(pairs[0] | (static_cast<uint32_t>(pairs[1]) << 16),
-                                    pairs[2] | (static_cast<uint32_t>(pairs[3]) << 16));
     *reinterpret_cast<uint2*>(p) = packed;
     return;
   }
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&packed);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    if (i < valid) p[i] = static_cast<uint8_t>(pairs[i / 2] >> (8 * (i % 2)));
+    if (i < valid) p[i] = bytes[i];
   }
 }
 

@@ -214,22 +214,13 @@ def grouped_linear_fp8_with_offsets(x, kernel, group_offsets, recipe,
   return _fp8_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=False)[0]
 
 
-def _fuse_columnwise(recipe) -> bool:
-  """Whether the quantize kernels write the FP8 wgrad's column-wise copies (quantize/
-  columnwise.py): FP8 weight gradients, and no partitioning of the calls to follow."""
-  return recipe.fp8_wgrad and quantize_columnwise.fusion_enabled()
-
-
 def _fp8_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=True):
   del varying_axes
   # x's column-wise copy (the wgrad's operand) from the same pass when a wgrad follows.
-  fuse = (for_backward and _fuse_columnwise(recipe) and
+  fuse = (for_backward and quantize_columnwise.fuses(recipe) and
           not quantized_kernels.is_frozen_kernel(kernel))
-  if fuse:
-    x_data, x_scale_inv, x_columnwise = quantize_columnwise.quantize_rows(
-        x, recipe, group_offsets, "forward")
-  else:
-    x_data, x_scale_inv = reference.quantize_rows(x, recipe, group_offsets, "forward", "ffi")
+  x_data, x_scale_inv, x_fp8 = quantize_columnwise.quantize_rows(x, recipe, group_offsets,
+                                                                 "forward", copy=fuse)
   # The weight's FP8 values in both layouts from one pass when the backward needs them:
   # [G, N, K] for the forward, [G, K, N] saved for dgrad (a pre-quantized kernel's as given).
   w_t_data, w_scale_inv, *w_data = expert_weights(kernel, recipe, untransposed=for_backward)
@@ -237,9 +228,7 @@ def _fp8_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=Tr
                  x.dtype, recipe)
   # The backward's wgrad input: the FP8 x (fp8_wgrad) or the 16-bit one; none for a
   # pre-quantized kernel, which gets no gradient.
-  x_saved = (x_data, x_scale_inv) if recipe.fp8_wgrad else x
-  if fuse:
-    x_saved = x_columnwise
+  x_saved = x_fp8 if recipe.fp8_wgrad else x
   if quantized_kernels.is_frozen_kernel(kernel):
     x_saved = None
   return out, (x_saved, w_data[0] if w_data else None, w_scale_inv, group_offsets,
@@ -254,13 +243,8 @@ def fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, dtype, columnwi
   dy_scale_inv), or with ``columnwise`` its quantize_columnwise.Columnwise copy, written by
   the same quantization pass.
   """
-  if columnwise:
-    dy_data, dy_scale_inv, dy_fp8 = quantize_columnwise.quantize_rows(
-        d_out, recipe, group_offsets, "gradient")
-  else:
-    dy_data, dy_scale_inv = reference.quantize_rows(d_out, recipe, group_offsets, "gradient",
-                                                    "ffi")
-    dy_fp8 = (dy_data, dy_scale_inv)
+  dy_data, dy_scale_inv, dy_fp8 = quantize_columnwise.quantize_rows(
+      d_out, recipe, group_offsets, "gradient", copy=columnwise)
   d_x = fp8_gemm(dy_data, dy_scale_inv, w_data, w_scale_inv, group_offsets, ffi.DGRAD,
                  dtype, recipe)
   return d_x, dy_fp8

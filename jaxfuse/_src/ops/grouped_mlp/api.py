@@ -38,10 +38,8 @@ from jaxfuse._src import implementation as implementation_lib
 from jaxfuse._src.ops.group_offsets import api as offsets_api
 from jaxfuse._src.ops.grouped_linear import api as linear_api
 from jaxfuse._src.ops.grouped_linear import ffi as gemm_ffi
-from jaxfuse._src.ops.grouped_linear import reference as linear_reference
 from jaxfuse._src.ops.grouped_linear import sharding as gemm_sharding
 from jaxfuse._src.ops.grouped_mlp import reference
-from jaxfuse._src.ops.quantize import api as quantize_api
 from jaxfuse._src.ops.quantize import columnwise as quantize_columnwise
 from jaxfuse._src.ops.quantize import kernels as quantized_kernels
 from jaxfuse._src.ops.scaled_activation import sharding as act_sharding
@@ -153,12 +151,6 @@ class _Fp8:
   """
 
   @staticmethod
-  def fuse_columnwise(recipe) -> bool:
-    """Whether the quantizing passes write the FP8 wgrads' column-wise copies (x, the
-    activation, dy, dh) instead of a transposing kernel per wgrad operand."""
-    return recipe.fp8_wgrad and quantize_columnwise.fusion_enabled()
-
-  @staticmethod
   def check(recipe, hidden: int, width: int, ffn: int, groups: int) -> None:
     linear_api.validate_fp8(recipe, hidden, width, "grouped_mlp",
                             ("H (x.shape[1])", "kernel1.shape[2]"), groups)
@@ -171,28 +163,17 @@ class _Fp8:
     frozen1, frozen2 = config.frozen_kernels
     # The wgrads' column-wise copies of x and the activation from the quantizing passes
     # (quantize/columnwise.py) when a backward with FP8 wgrads follows.
-    fuse = for_backward and _Fp8.fuse_columnwise(recipe)
-    if fuse and not frozen1:
-      x_data, x_scale_inv, x_columnwise = quantize_columnwise.quantize_rows(
-          x, recipe, group_offsets, "forward")
-    else:
-      x_data, x_scale_inv = linear_reference.quantize_rows(x, recipe, group_offsets,
-                                                           "forward", "ffi")
-      x_columnwise = None
+    fuse = for_backward and quantize_columnwise.fuses(recipe)
+    x_data, x_scale_inv, x_fp8 = quantize_columnwise.quantize_rows(
+        x, recipe, group_offsets, "forward", copy=fuse and not frozen1)
     # Each weight's FP8 values in both layouts from one pass when a backward follows:
     # [G, N, K] for the forward, [G, K, N] saved for the backward's dgrad.
     w1_t, w1_scale_inv, *w1 = linear_api.expert_weights(kernel1, recipe,
                                                         untransposed=for_backward)
     h = linear_api.fp8_gemm(x_data, x_scale_inv, w1_t, w1_scale_inv, group_offsets,
                             gemm_ffi.FORWARD, x.dtype, recipe)
-    if fuse and not frozen2:
-      a_data, a_scale_inv, a_columnwise = quantize_columnwise.scaled_activation_quantize(
-          h, scales, group_offsets, recipe, **config.act_kwargs)
-    else:
-      a_q = quantize_api.scaled_activation_quantize(
-          h, scales, recipe=recipe, group_offsets=group_offsets, implementation="ffi",
-          **config.act_kwargs)
-      a_data, a_scale_inv, a_columnwise = a_q.data, a_q.scale_inv, None
+    a_data, a_scale_inv, a_fp8 = quantize_columnwise.scaled_activation_quantize(
+        h, scales, group_offsets, recipe, copy=fuse and not frozen2, **config.act_kwargs)
     w2_t, w2_scale_inv, *w2 = linear_api.expert_weights(kernel2, recipe,
                                                         untransposed=for_backward)
     y = linear_api.fp8_gemm(a_data, a_scale_inv, w2_t, w2_scale_inv, group_offsets,
@@ -200,8 +181,7 @@ class _Fp8:
     if not for_backward:
       return y, None
     if recipe.fp8_wgrad:  # the wgrads read the FP8 x and activation
-      x_saved = x_columnwise if x_columnwise is not None else (x_data, x_scale_inv)
-      a_saved = a_columnwise if a_columnwise is not None else (a_data, a_scale_inv)
+      x_saved, a_saved = x_fp8, a_fp8
     else:
       x_saved = x
       a_saved = _activation(h, scales, config) if config.save_activation else None
@@ -232,18 +212,11 @@ class _Fp8:
       if a is None:
         a = _activation(h, scales, config)
       d_kernel2 = _gemm(a, dy, group_offsets, gemm_ffi.WGRAD)
-    if fuse and not frozen1:  # dact + quantization for FC1's dgrad and its FP8 wgrad
-      dh_data, dh_scale_inv, dh_fp8, d_scales = (
-          quantize_columnwise.scaled_dactivation_quantize(da, h, scales, group_offsets, recipe,
-                                                          **config.act_kwargs))
-      dh = None
-    else:
-      dh_q, dh, d_scales = quantize_api.scaled_dactivation_quantize(
-          da, h, scales, recipe=recipe, group_offsets=group_offsets,
-          return_dx=not (recipe.fp8_wgrad or frozen1),  # the 16-bit wgrad's input only
-          implementation="ffi", **config.act_kwargs)
-      dh_data, dh_scale_inv = dh_q.data, dh_q.scale_inv
-      dh_fp8 = (dh_data, dh_scale_inv)
+    # dact + quantization for FC1's dgrad and its wgrad (the FP8 one's operand, or dh).
+    dh_data, dh_scale_inv, dh_fp8, dh, d_scales = quantize_columnwise.scaled_dactivation_quantize(
+        da, h, scales, group_offsets, recipe, copy=fuse and not frozen1,
+        return_dx=not (recipe.fp8_wgrad or frozen1),  # the 16-bit wgrad's input only
+        **config.act_kwargs)
     dx = linear_api.fp8_gemm(dh_data, dh_scale_inv, w1, w1_scale_inv, group_offsets,
                              gemm_ffi.DGRAD, dtype, recipe)
     if frozen1:

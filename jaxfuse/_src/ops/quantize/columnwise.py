@@ -21,6 +21,7 @@ from typing import NamedTuple
 import jax
 
 from jaxfuse._src import compat
+from jaxfuse._src.ops.quantize import api as quantize_api
 from jaxfuse._src.ops.quantize import ffi
 from jaxfuse.quantization import recipes
 
@@ -57,13 +58,26 @@ def fusion_enabled() -> bool:
   return bool(_EVERYWHERE.value) or jax.device_count() == 1 or compat.all_mesh_axes_manual()
 
 
-def quantize_rows(value, recipe, offsets, role: str):
+def fuses(recipe) -> bool:
+  """Whether an FP8 grouped op with this recipe has its quantizing passes write the wgrad's
+  column-wise copies: FP8 weight gradients (recipe.fp8_wgrad) and fusion_enabled()."""
+  return recipe.fp8_wgrad and fusion_enabled()
+
+
+def quantize_rows(value, recipe, offsets, role: str, *, copy: bool):
   """Per-group current scaling of value [M, K] (rows grouped by offsets int32 [G + 1]):
-  (data FP8 [M, K], scale_inv float32 [G], Columnwise), one kernel chain."""
-  data, scale_inv, copy = ffi.quantize(jax.lax.stop_gradient(value), offsets,
-                                       scaling_mode="per_group", block=0,
-                                       fmt=recipes.fp8_format(recipe, role), columnwise=True)
-  return data, scale_inv, Columnwise(copy, scale_inv)
+  (data FP8 [M, K], scale_inv float32 [G], the wgrad's operand). The operand is the
+  Columnwise copy written by the same kernel chain with ``copy``, else the (data,
+  scale_inv) pair (jaxfuse.quantize, sharding rules included)."""
+  if not copy:
+    q = quantize_api.quantize(value, recipe, group_offsets=offsets, role=role,
+                              implementation="ffi")
+    return q.data, q.scale_inv, (q.data, q.scale_inv)
+  data, scale_inv, columns = ffi.quantize(jax.lax.stop_gradient(value), offsets,
+                                          scaling_mode="per_group", block=0,
+                                          fmt=recipes.fp8_format(recipe, role),
+                                          columnwise=True)
+  return data, scale_inv, Columnwise(columns, scale_inv)
 
 
 def to_columnwise(fp8, offsets) -> Columnwise:
@@ -75,22 +89,33 @@ def to_columnwise(fp8, offsets) -> Columnwise:
   return Columnwise(ffi.group_columnwise(data, offsets), scale_inv)
 
 
-def scaled_activation_quantize(x, scales, offsets, recipe, **act_kwargs):
-  """act(x) * scales quantized per group (forward format) with its column-wise copy:
-  (data FP8 [M, F], scale_inv float32 [G], Columnwise), one kernel chain."""
-  data, scale_inv, copy = ffi.scaled_activation_quantize(
+def scaled_activation_quantize(x, scales, offsets, recipe, *, copy: bool, **act_kwargs):
+  """act(x) * scales quantized per group (forward format): (data FP8 [M, F], scale_inv
+  float32 [G], the wgrad's operand), as quantize_rows."""
+  if not copy:
+    q = quantize_api.scaled_activation_quantize(x, scales, recipe=recipe,
+                                                group_offsets=offsets, implementation="ffi",
+                                                **act_kwargs)
+    return q.data, q.scale_inv, (q.data, q.scale_inv)
+  data, scale_inv, columns = ffi.scaled_activation_quantize(
       jax.lax.stop_gradient(x), jax.lax.stop_gradient(scales), offsets,
       scaling_mode="per_group", block=0, fmt=recipes.fp8_format(recipe, "forward"),
       columnwise=True, **act_kwargs)
-  return data, scale_inv, Columnwise(copy, scale_inv)
+  return data, scale_inv, Columnwise(columns, scale_inv)
 
 
-def scaled_dactivation_quantize(dy, x, scales, offsets, recipe, **act_kwargs):
+def scaled_dactivation_quantize(dy, x, scales, offsets, recipe, *, copy: bool,
+                                return_dx: bool = False, **act_kwargs):
   """The activation gradient dx [M, W] quantized per group (gradient format) for FC1's
-  dgrad and, column-wise, its FP8 wgrad: (data, scale_inv, Columnwise, dscales float32
-  [M]), one kernel chain."""
-  data, scale_inv, _, dscales, copy = ffi.scaled_dactivation_quantize(
+  dgrad and FP8 wgrad: (data, scale_inv, the wgrad's operand as quantize_rows, dx in x's
+  dtype with ``return_dx`` else None, dscales [M]), one kernel chain."""
+  if not copy:
+    q, dx, dscales = quantize_api.scaled_dactivation_quantize(
+        dy, x, scales, recipe=recipe, group_offsets=offsets, return_dx=return_dx,
+        implementation="ffi", **act_kwargs)
+    return q.data, q.scale_inv, (q.data, q.scale_inv), dx, dscales
+  data, scale_inv, dx, dscales, columns = ffi.scaled_dactivation_quantize(
       *(jax.lax.stop_gradient(a) for a in (dy.astype(x.dtype), x, scales)), offsets,
       scaling_mode="per_group", block=0, fmt=recipes.fp8_format(recipe, "gradient"),
-      return_dx=False, columnwise=True, **act_kwargs)
-  return data, scale_inv, Columnwise(copy, scale_inv), dscales
+      return_dx=return_dx, columnwise=True, **act_kwargs)
+  return data, scale_inv, Columnwise(columns, scale_inv), dx, dscales

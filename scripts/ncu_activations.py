@@ -14,7 +14,9 @@ and restores around every replay pass: one kernel then takes minutes. --launch-s
 
 Each op runs once, so every kernel launch ncu reports belongs to one named op, in the order
 printed. `--mlp` takes the FP8 grouped MLP's shapes instead (T=65536, H=F=2048: 2F=4096)
-and adds the per-group quantization of a plain [T, 2048] input (FC1's x, FC2's dy).
+and adds the per-group quantization of a plain [T, 2048] input (FC1's x, FC2's dy), and
+the three per-group passes again writing the FP8 wgrad's column-wise copies
+(QuantizeColumnwiseKernel, as the grouped MLP runs them on one device).
 """
 
 import sys
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
+from jaxfuse._src.ops.quantize import columnwise
 from jaxfuse.quantization import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 MLP = "--mlp" in sys.argv[1:]
@@ -69,6 +72,26 @@ if MLP:
     return q.data, q.scale_inv
 
   ops.append(("quantize_plain_current_per_group", quantize_plain, (plain,)))
+  # The same passes writing the FP8 wgrad's column-wise copies too (QuantizeColumnwiseKernel),
+  # as the FP8 grouped MLP runs them on one device.
+  recipe = Float8CurrentScaling()
+  swiglu = dict(activation="swiglu", limit=7.0, alpha=1.702, linear_offset=1.0)
+
+  def with_copy(fn, *args, **kwargs):
+    return [a for a in fn(*args, recipe, copy=True, **kwargs) if a is not None]
+
+  def act_copy(x, s):
+    return with_copy(columnwise.scaled_activation_quantize, x, s, offsets, **swiglu)
+
+  def dact_copy(dy, x, s):
+    return with_copy(columnwise.scaled_dactivation_quantize, dy, x, s, offsets, **swiglu)
+
+  def plain_copy(x):
+    return with_copy(columnwise.quantize_rows, x, offsets=offsets, role="forward")
+
+  ops += [("quantize_current_per_group_columnwise", act_copy, (x, scales)),
+          ("dquantize_current_per_group_columnwise", dact_copy, (dy, x, scales)),
+          ("quantize_plain_current_per_group_columnwise", plain_copy, (plain,))]
 compiled = [(name, jax.jit(fn).lower(*args).compile(), args) for name, fn, args in ops]
 for name, fn, args in compiled:
   print("op", name, flush=True)

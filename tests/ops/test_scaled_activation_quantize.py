@@ -138,12 +138,15 @@ def test_backward_without_dx_and_with_bf16_scales(backend):
   tq.check_round_trip(jnp.asarray(want_dx, jnp.float32), q)
 
 
+@pytest.mark.parametrize("f", [64, 256])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_current_scaling_with_many_rows(backend):
+def test_current_scaling_with_many_rows(backend, f):
   """Forward and backward at 20000 rows and 300 groups: the fused amax passes (the
-  backward's also writes dscales) must merge every row into its own group's amax."""
+  backward's also writes dscales) must merge every row into its own group's amax. On GPU,
+  F=64 runs RowKernel<kAmax> (8 units a row) and F=256 RunAmaxKernel (32 units a row: a
+  run of several rows per warp, whose groups change within the run)."""
   rng = np.random.default_rng(40)
-  rows, f = 20000, 64
+  rows = 20000
   x, scales, dy = inputs(41, f, jnp.bfloat16, "swiglu", rows=rows)
   sizes = tq.random_sizes(rng, 300, rows)
   xb, sb, dyb, gb = on(backend, x, scales, dy, sizes)
@@ -244,9 +247,10 @@ np.savez(sys.argv[1] + "/out.npz", **{k: np.asarray(v, np.uint8 if v.dtype == jn
     {"JAXFUSE_ROWWISE_STAGED": "0", "JAXFUSE_ROWWISE_MIN_BLOCKS": "5"},
     {"JAXFUSE_ROWWISE_STAGED": "0", "JAXFUSE_ROWWISE_MIN_BLOCKS": "6",
      "JAXFUSE_ROWWISE_MAX_THREADS": "64"},
+    {"JAXFUSE_RUN_AMAX": "0"},
 ], ids=["unstaged", "default", "staged", "staged_small_tiles", "prefetch_l2_long_rows",
         "no_prefetch_long_rows", "gradient_registers_uncapped", "gradient_registers_48",
-        "gradient_registers_40_long_rows"])
+        "gradient_registers_40_long_rows", "row_kernel_amax"])
 def test_gpu_row_kernel_variants_match(tmp_path, config):
   """The row kernels as the environment shapes them (read once per process, hence a
   subprocess each): RowKernel everywhere, the default choice (staged for the plain
@@ -255,7 +259,8 @@ def test_gpu_row_kernel_variants_match(tmp_path, config):
   (19 tiles a row, so the stages wrap many times within a row), and RowKernel at 64
   threads (10 steps a row, each prefetching the next) with L2 prefetch and without, and the
   activation-gradient passes with RowKernel's registers (uncapped) and with every sink's
-  registers capped (RowKernelCapped; by default only the current-scaling passes). The
+  registers capped (RowKernelCapped; by default only the current-scaling passes), and the
+  current-scaling amax passes in RowKernel<kAmax> instead of RunAmaxKernel. The
   plain activation and its backward (bf16 SwiGLU, float32 squared ReLU) against float64
   numpy; the fused quantization, forward and backward, per-group current, 1x128 and MXFP8,
   against the XLA reference."""

@@ -999,8 +999,8 @@ ffi::Error ColumnwiseCuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuff
 // the FP8 wgrad needs the column-wise copy of what is quantized (TransformerEngine's cast +
 // transpose): the same bytes, with one read of the producer's inputs and no second pass
 // over the FP8 data. One block per tile: kByteTile columns of the copy (source rows of one
-// group, or padding) x kColumnwiseUnits units (128 values) of each of the producer's chunks.
-// Each thread computes eight (row, unit) values through the producer and quantizes them as
+// group, or padding) x kColumnwiseUnits units (128 values) of each of the producer's chunks,
+// in the order of TileOrder over a 1-D grid. Each thread computes eight (row, unit) values through the producer and quantizes them as
 // RowKernel<kCurrent> would (the scale of GroupOfRow's group; zeros for rows of no group),
 // stores them row-wise (8 bytes) and into its chunk's swizzled byte tile; the store phase
 // writes the tiles transposed, as ColumnwiseKernel does. Rows that no column covers (before
@@ -1015,9 +1015,9 @@ __device__ __forceinline__ void QuantizeUncoveredRows(const P& p, const SinkArgs
   const int64_t units = p.Units();
   const int64_t uncovered = first_covered + (s.rows - end_covered);
   const int64_t items = uncovered * units;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * gridDim.y * blockDim.x;
-  const int64_t block = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
-  for (int64_t i = block * blockDim.x + threadIdx.x; i < items; i += stride) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < items;
+       i += stride) {
     const int64_t index = i / units, u = i % units;
     const int64_t row = index < first_covered ? index : end_covered + (index - first_covered);
     const int64_t g = GroupOfRow(s.offsets, s.num_groups, row, s.rows);
@@ -1035,9 +1035,31 @@ __device__ __forceinline__ void QuantizeUncoveredRows(const P& p, const SinkArgs
   }
 }
 
+// The order of the tiles over a 1-D grid: panels of `panel` copy-column tiles, each panel
+// walking its column tiles fastest and then the unit tiles, so the blocks resident at once
+// (about four panels on the H200) read whole source rows (every unit tile of them) and
+// write runs of panel x 128 bytes of every copy row. Column tiles fastest over the whole
+// grid (panel >= column tiles, the order of a 2-D grid) leaves each source row's 256-byte
+// pieces to blocks far apart in time; unit tiles fastest, each copy row's 128-byte pieces.
+struct TileOrder {
+  int64_t column_tiles = 0, unit_tiles = 0, panel = 0;
+};
+
+__device__ __forceinline__ void TileOfBlock(const TileOrder& order, int64_t block,
+                                            int64_t* column_tile, int64_t* unit_tile) {
+  const int64_t panel_blocks = order.panel * order.unit_tiles;
+  const int64_t panel = block / panel_blocks, within = block % panel_blocks;
+  const int64_t first = panel * order.panel;
+  // The last panel may be narrower.
+  const int64_t width = min(order.panel, order.column_tiles - first);
+  *column_tile = first + within % width;
+  *unit_tile = within / width;
+}
+
 template <class P, typename T>
 __global__ void __launch_bounds__(kByteTileThreads, 4)
-QuantizeColumnwiseKernel(P p, SinkArgs<T> s, int64_t width, uint8_t* __restrict__ out) {
+QuantizeColumnwiseKernel(P p, SinkArgs<T> s, int64_t width, uint8_t* __restrict__ out,
+                         TileOrder order) {
   extern __shared__ __align__(16) unsigned char shared[];
   constexpr int kTileBytes = kByteTile * kByteTile;
   uint8_t* tiles = shared;  // [P::kChunks][kByteTile source rows][kByteTile bytes]
@@ -1050,15 +1072,17 @@ QuantizeColumnwiseKernel(P p, SinkArgs<T> s, int64_t width, uint8_t* __restrict_
   const float fp8_max = Fp8Max(s.format);
   const int groups = static_cast<int>(s.num_groups);
   const int64_t units = p.Units();
-  if (blockIdx.x == 0 && blockIdx.y == 0) {
+  if (blockIdx.x == 0) {
     float* scale_inv = static_cast<float*>(s.scale_inv);
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
       scale_inv[g] = 1.0f / ScaleFromAmax(s.amax[g], fp8_max);
     }
   }
   ClampedOffsetsToShared(s.offsets, groups + 1, s.rows, clamped);
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kByteTile;
-  const int64_t u0 = static_cast<int64_t>(blockIdx.y) * kColumnwiseUnits;
+  int64_t column_tile, unit_tile;
+  TileOfBlock(order, blockIdx.x, &column_tile, &unit_tile);
+  const int64_t col0 = column_tile * kByteTile;
+  const int64_t u0 = unit_tile * kColumnwiseUnits;
   ColumnwiseTileColumns(clamped, groups, width, col0, source_row, part_begin, part_end);
   if (threadIdx.x < kByteTile) {  // source_row[threadIdx.x] was written by this thread
     const int64_t row = source_row[threadIdx.x];
@@ -1166,24 +1190,36 @@ inline bool ColumnwiseFusedEnabled() {
   return enabled;
 }
 
+// Column tiles per panel of QuantizeColumnwiseKernel's tile order (TileOrder):
+// JAXFUSE_COLUMNWISE_PANEL (a benchmark knob, read once; a huge value gives the column-
+// tiles-fastest order), else kDefaultColumnwisePanel.
+constexpr int kDefaultColumnwisePanel = 8;
+
+inline int64_t ColumnwisePanel() {
+  static const int64_t panel = gpu::EnvInt("JAXFUSE_COLUMNWISE_PANEL", kDefaultColumnwisePanel);
+  return panel;
+}
+
 template <class P, typename T>
 ffi::Error LaunchCurrentWithColumnwise(const P& p, const SinkArgs<T>& s, int64_t units,
                                        const ColumnwiseTarget& target, cudaStream_t stream) {
   const ColumnwiseProblem& copy = target.copy;
   // The fused kernel takes the producers with a register form (not DActFlatProducer).
   if constexpr (P::kStaged) {
-    const int64_t unit_tiles = CeilDiv(units, kColumnwiseUnits);
+    TileOrder order;
+    order.column_tiles = CeilDiv(copy.width, kByteTile);
+    order.unit_tiles = CeilDiv(units, kColumnwiseUnits);
+    order.panel = std::min(ColumnwisePanel(), order.column_tiles);
+    const int64_t blocks = order.column_tiles * order.unit_tiles;
     const bool fusable = p.vector && s.data_vector && PointerAligned16(target.out) &&
-                         units > 0 && unit_tiles <= 65535 && copy.width > 0;
+                         units > 0 && copy.width > 0 && blocks <= (int64_t{1} << 31) - 1;
     if (fusable && ColumnwiseFusedEnabled()) {
       const size_t shared = static_cast<size_t>(P::kChunks) * kByteTile * kByteTile +
                             static_cast<size_t>(copy.groups + 1) * sizeof(int32_t);
       const void* kernel = reinterpret_cast<const void*>(&QuantizeColumnwiseKernel<P, T>);
       if (shared > 48 * 1024) gpu::AllowStagedSharedMemory(kernel, static_cast<int>(shared));
-      const dim3 grid(static_cast<unsigned>(CeilDiv(copy.width, kByteTile)),
-                      static_cast<unsigned>(unit_tiles));
-      QuantizeColumnwiseKernel<P, T><<<grid, kByteTileThreads, shared, stream>>>(
-          p, s, copy.width, target.out);
+      QuantizeColumnwiseKernel<P, T><<<static_cast<unsigned>(blocks), kByteTileThreads, shared,
+                                       stream>>>(p, s, copy.width, target.out, order);
       return gpu::LaunchError("fused quantization + column-wise copy kernel");
     }
   }

@@ -7,9 +7,14 @@ group_columnwise gives, on every backend, for plain values, the scaled activatio
 gradient: the row-wise kernels and the transposing kernel are the independent reference
 (and numpy's layout of the copy, for well-formed sizes). Cases: every group-size trap,
 offsets that decrease or run past the rows, shapes whose units do not fill a tile, NaN,
-every activation, and the errors."""
+every activation, the CUDA kernel's tile orders, and the errors."""
 
 from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +94,23 @@ def test_copy_matches_row_wise_then_transposed(backend, op, case):
   copy = quantized(op, *on(backend, x, scales, dy, offsets), activation="swiglu", fmt=fmt,
                    copy=True)[2]
   np.testing.assert_array_equal(codes(copy), numpy_columnwise(data, sizes))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("panel", ["1", "3", "1000000"])
+def test_gpu_tile_orders_give_the_same_bytes(panel):
+  """QuantizeColumnwiseKernel's tile order as JAXFUSE_COLUMNWISE_PANEL sets it (read once
+  per process, hence a subprocess): one column tile per panel, three (the GPU shapes have
+  eight or nine column tiles, so the last panel is narrower), and every column tile in one
+  panel (the column-tiles-fastest order). The default (8) runs in this process. Every op
+  and group-size case must give the two-pass path's bytes."""
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k", "gpu",
+       f"{__file__}::test_copy_matches_row_wise_then_transposed"],
+      env=dict(os.environ, JAXFUSE_COLUMNWISE_PANEL=panel), cwd=pathlib.Path(__file__).parents[2],
+      capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+  assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

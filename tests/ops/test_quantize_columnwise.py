@@ -102,7 +102,7 @@ def test_gpu_tile_orders_give_the_same_bytes(panel):
   """QuantizeColumnwiseKernel's tile order as JAXFUSE_COLUMNWISE_PANEL sets it (read once
   per process, hence a subprocess): one column tile per panel, three (the GPU shapes have
   eight or nine column tiles, so the last panel is narrower), and every column tile in one
-  panel (the column-tiles-fastest order). The default (8) runs in this process. Every op
+  panel (the column-tiles-fastest order). The default (16: one panel at these shapes) runs in this process. Every op
   and group-size case must give the two-pass path's bytes."""
   result = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k", "gpu",

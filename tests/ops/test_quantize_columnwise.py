@@ -102,8 +102,8 @@ def test_gpu_tile_orders_give_the_same_bytes(panel):
   """QuantizeColumnwiseKernel's tile order as JAXFUSE_COLUMNWISE_PANEL sets it (read once
   per process, hence a subprocess): one column tile per panel, three (the GPU shapes have
   eight or nine column tiles, so the last panel is narrower), and every column tile in one
-  panel (the column-tiles-fastest order). The default (16: one panel at these shapes) runs in this process. Every op
-  and group-size case must give the two-pass path's bytes."""
+  panel (the column-tiles-fastest order; the default, 16, is one panel at these shapes and
+  runs in this process). Every op and group-size case must give the two-pass path's bytes."""
   result = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k", "gpu",
        f"{__file__}::test_copy_matches_row_wise_then_transposed"],

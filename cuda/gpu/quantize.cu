@@ -210,6 +210,14 @@ BatchAmaxKernel(const T* __restrict__ x, int64_t batch, int64_t elements, bool v
 constexpr int kRunAmaxThreads = 256;
 constexpr int kRunAmaxWarps = kRunAmaxThreads / 32;
 
+// RunAmaxKernel's resident blocks asked of the register allocator: 64 registers hold the
+// gradient's batches (2 units x 3 streams) without spilling, the activation's (4 x 2)
+// spill at 64 and fit in 80.
+template <class P>
+constexpr int RunAmaxMinBlocks() {
+  return P::kRawStreams == 3 ? 4 : 3;
+}
+
 // amax[g] = max |v| over the values that producer P (16-bit inputs with a register form,
 // ComputeRaw; rows 16-byte aligned, p.vector) computes for the rows of group g, and
 // side[row] (dscales) when s.side is set; nothing else is written. Each warp takes a
@@ -220,15 +228,9 @@ constexpr int kRunAmaxWarps = kRunAmaxThreads / 32;
 // reduced over the warp, with one atomic, only when it changes; side is reduced per row by
 // warp shuffles (a fixed order: the same sums every run). RowKernel<kAmax>, which it
 // replaces, walks a row per block and reduces each row over the block: on the FP8 grouped
-// MLP (T=65536, F=2048) its activation pass read at 3.25 TB/s and the gradient's at 3.14
-// (profile_kernels_s25raw_2026-12-02_09815974.json), against 3.95 for GroupAmaxKernel.
-// Resident blocks asked of the register allocator: 64 registers hold the gradient's
-// batches (2 units x 3 streams) without spilling, the activation's (4 x 2) spill at 64.
-template <class P>
-constexpr int RunAmaxMinBlocks() {
-  return P::kRawStreams == 3 ? 4 : 3;
-}
-
+// MLP (T=65536, F=2048) its activation pass read at 3.34 TB/s and the gradient's at 3.25,
+// this kernel's at 4.13 and 3.94 (H200, profile_kernels_s26{rowamax,runamax}_2026-12-02_
+// a0727081.json: 161 -> 130 and 248 -> 205 us).
 template <class P, typename T>
 __global__ void __launch_bounds__(kRunAmaxThreads, RunAmaxMinBlocks<P>())
 RunAmaxKernel(P p, SinkArgs<T> s, int64_t rows_per_warp) {

@@ -166,6 +166,47 @@ def test_current_scaling_with_many_rows(backend, f):
   helpers.assert_close(ds_ffi, helpers.as_f64(ds_ref), jnp.float32, msg="dscales")
 
 
+def nan_to_zero(fp8):
+  """FP8 data with its NaNs (whose sign bit the backends may set differently) as zeros."""
+  return jnp.where(jnp.isnan(fp8.astype(jnp.float32)), jnp.zeros_like(fp8), fp8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_current_scaling_nan_and_large_values_at_wide_rows(backend):
+  """bf16 rows of F=256 (on GPU the amax passes run RunAmaxKernel: 32 units a row, a run of
+  rows per warp) holding a NaN in the gate half and +-1e4 in both halves: the group amaxes
+  skip the NaN, which reaches the FP8 data (and its row's dscales) where it was; forward
+  and backward against the XLA reference, rows past the groups included."""
+  f = 256
+  x, scales, dy = inputs(9, f, jnp.bfloat16, "swiglu", rows=64)
+  x = x.at[3, 5].set(jnp.nan).at[21, 7].set(1e4).at[40, f + 9].set(-1e4)
+  sizes = jnp.asarray([20, 0, 30, 10], jnp.int32)  # 60 of 64 rows
+  xb, sb, dyb, gb = on(backend, x, scales, dy, sizes)
+  forward = lambda impl: jax.jit(lambda x, s, g: jaxfuse.scaled_activation_quantize(
+      x, s, g, "swiglu", recipe=Float8CurrentScaling(), implementation=impl))(xb, sb, gb)
+  q_ffi, q_ref = forward("ffi"), forward("xla")
+  data = np.asarray(q_ffi.data.astype(jnp.float32))
+  assert np.isnan(data[3, 5]) and np.isnan(data).sum() == 1
+  assert_fp8_close(*map(nan_to_zero, (q_ffi.data, q_ref.data)))
+  assert np.isfinite(np.asarray(q_ffi.scale_inv)).all()
+  np.testing.assert_allclose(np.asarray(q_ffi.scale_inv), np.asarray(q_ref.scale_inv),
+                             rtol=1e-5)
+  backward = lambda impl: jax.jit(lambda dy, x, s, g: jaxfuse.scaled_dactivation_quantize(
+      dy, x, s, g, "swiglu", recipe=Float8CurrentScaling(), implementation=impl))(
+          dyb, xb, sb, gb)
+  (dq_ffi, _, ds_ffi), (dq_ref, _, ds_ref) = backward("ffi"), backward("xla")
+  ddata = np.asarray(dq_ffi.data.astype(jnp.float32))
+  assert np.isnan(ddata[3, [5, f + 5]]).all() and np.isnan(ddata).sum() == 2
+  assert_fp8_close(*map(nan_to_zero, (dq_ffi.data, dq_ref.data)))
+  assert np.isfinite(np.asarray(dq_ffi.scale_inv)).all()
+  np.testing.assert_allclose(np.asarray(dq_ffi.scale_inv), np.asarray(dq_ref.scale_inv),
+                             rtol=1e-5)
+  ds_ffi, ds_ref = np.asarray(ds_ffi, np.float64), np.asarray(ds_ref, np.float64)
+  assert np.isnan(ds_ffi[3]) and np.isnan(ds_ffi).sum() == 1
+  finite = ~np.isnan(ds_ref)
+  helpers.assert_close(ds_ffi[finite], ds_ref[finite], jnp.float32, msg="dscales")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", RECIPES, ids=str)
 def test_gpu_large_problem_matches_the_reference(recipe):

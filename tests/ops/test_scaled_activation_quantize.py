@@ -138,6 +138,22 @@ def test_backward_without_dx_and_with_bf16_scales(backend):
   tq.check_round_trip(jnp.asarray(want_dx, jnp.float32), q)
 
 
+def current_scaling_both_ways(dy, x, scales, sizes):
+  """The per-group current-scaling forward and backward (swiglu) of jaxfuse's handler and of
+  the XLA reference: ((q_ffi, q_ref), ((dq, dx, dscales)_ffi, (dq, dx, dscales)_ref))."""
+  forward = lambda impl: jax.jit(lambda x, s, g: jaxfuse.scaled_activation_quantize(
+      x, s, g, "swiglu", recipe=Float8CurrentScaling(), implementation=impl))(x, scales, sizes)
+  backward = lambda impl: jax.jit(lambda dy, x, s, g: jaxfuse.scaled_dactivation_quantize(
+      dy, x, s, g, "swiglu", recipe=Float8CurrentScaling(), implementation=impl))(
+          dy, x, scales, sizes)
+  return (forward("ffi"), forward("xla")), (backward("ffi"), backward("xla"))
+
+
+def nan_to_zero(fp8):
+  """FP8 data with its NaNs (whose sign bit the backends may set differently) as zeros."""
+  return jnp.where(jnp.isnan(fp8.astype(jnp.float32)), jnp.zeros_like(fp8), fp8)
+
+
 @pytest.mark.parametrize("f", [64, 256])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_current_scaling_with_many_rows(backend, f):
@@ -150,25 +166,15 @@ def test_current_scaling_with_many_rows(backend, f):
   x, scales, dy = inputs(41, f, jnp.bfloat16, "swiglu", rows=rows)
   sizes = tq.random_sizes(rng, 300, rows)
   xb, sb, dyb, gb = on(backend, x, scales, dy, sizes)
-  forward = lambda impl: jax.jit(lambda x, s, g: jaxfuse.scaled_activation_quantize(
-      x, s, g, "swiglu", recipe=Float8CurrentScaling(), implementation=impl))(xb, sb, gb)
-  q_ffi, q_ref = forward("ffi"), forward("xla")
+  (q_ffi, q_ref), ((dq_ffi, _, ds_ffi), (dq_ref, _, ds_ref)) = current_scaling_both_ways(
+      dyb, xb, sb, gb)
   assert_fp8_close(q_ffi.data, q_ref.data)
   np.testing.assert_allclose(np.asarray(q_ffi.scale_inv), np.asarray(q_ref.scale_inv),
                              rtol=1e-5)
-  backward = lambda impl: jax.jit(lambda dy, x, s, g: jaxfuse.scaled_dactivation_quantize(
-      dy, x, s, g, "swiglu", recipe=Float8CurrentScaling(), implementation=impl))(
-          dyb, xb, sb, gb)
-  (dq_ffi, _, ds_ffi), (dq_ref, _, ds_ref) = backward("ffi"), backward("xla")
   assert_fp8_close(dq_ffi.data, dq_ref.data)
   np.testing.assert_allclose(np.asarray(dq_ffi.scale_inv), np.asarray(dq_ref.scale_inv),
                              rtol=1e-5)
   helpers.assert_close(ds_ffi, helpers.as_f64(ds_ref), jnp.float32, msg="dscales")
-
-
-def nan_to_zero(fp8):
-  """FP8 data with its NaNs (whose sign bit the backends may set differently) as zeros."""
-  return jnp.where(jnp.isnan(fp8.astype(jnp.float32)), jnp.zeros_like(fp8), fp8)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -182,19 +188,14 @@ def test_current_scaling_nan_and_large_values_at_wide_rows(backend):
   x = x.at[3, 5].set(jnp.nan).at[21, 7].set(1e4).at[40, f + 9].set(-1e4)
   sizes = jnp.asarray([20, 0, 30, 10], jnp.int32)  # 60 of 64 rows
   xb, sb, dyb, gb = on(backend, x, scales, dy, sizes)
-  forward = lambda impl: jax.jit(lambda x, s, g: jaxfuse.scaled_activation_quantize(
-      x, s, g, "swiglu", recipe=Float8CurrentScaling(), implementation=impl))(xb, sb, gb)
-  q_ffi, q_ref = forward("ffi"), forward("xla")
+  (q_ffi, q_ref), ((dq_ffi, _, ds_ffi), (dq_ref, _, ds_ref)) = current_scaling_both_ways(
+      dyb, xb, sb, gb)
   data = np.asarray(q_ffi.data.astype(jnp.float32))
   assert np.isnan(data[3, 5]) and np.isnan(data).sum() == 1
   assert_fp8_close(*map(nan_to_zero, (q_ffi.data, q_ref.data)))
   assert np.isfinite(np.asarray(q_ffi.scale_inv)).all()
   np.testing.assert_allclose(np.asarray(q_ffi.scale_inv), np.asarray(q_ref.scale_inv),
                              rtol=1e-5)
-  backward = lambda impl: jax.jit(lambda dy, x, s, g: jaxfuse.scaled_dactivation_quantize(
-      dy, x, s, g, "swiglu", recipe=Float8CurrentScaling(), implementation=impl))(
-          dyb, xb, sb, gb)
-  (dq_ffi, _, ds_ffi), (dq_ref, _, ds_ref) = backward("ffi"), backward("xla")
   ddata = np.asarray(dq_ffi.data.astype(jnp.float32))
   assert np.isnan(ddata[3, [5, f + 5]]).all() and np.isnan(ddata).sum() == 2
   assert_fp8_close(*map(nan_to_zero, (dq_ffi.data, dq_ref.data)))

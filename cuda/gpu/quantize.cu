@@ -335,9 +335,6 @@ bool LaunchRunAmax(const P& p, const SinkArgs<T>& s, int64_t units, cudaStream_t
 // aligned producers, else RowKernel<kAmax>.
 template <class P, typename T>
 void LaunchAmaxPass(const P& p, const SinkArgs<T>& s, int64_t units, cudaStream_t stream) {
-  if constexpr (!std::is_same_v<P, gpu::LoadProducer<T>>) {
-    if (LaunchRunAmax(p, s, units, stream)) return;
-  }
   if constexpr (std::is_same_v<P, gpu::LoadProducer<T>>) {
     if (p.vector && s.out == nullptr && s.side == nullptr && s.cols > 0) {
       const int64_t row_bytes = s.cols * static_cast<int64_t>(sizeof(T));
@@ -349,6 +346,8 @@ void LaunchAmaxPass(const P& p, const SinkArgs<T>& s, int64_t units, cudaStream_
         return;
       }
     }
+  } else if (LaunchRunAmax(p, s, units, stream)) {
+    return;
   }
   gpu::LaunchRowKernel<P, SinkKind::kAmax, T>(p, s, units, stream);
 }

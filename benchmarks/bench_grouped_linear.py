@@ -16,7 +16,9 @@ for inference), its fwd+bwd on a trainable one (trainable=True: one micro-batch 
 whose weights are quantized before its micro-batch loop, the kernel's gradient included). FP8
 wgrad: "fp8" takes the row-wise E4M3 x and E5M2 dy, so it includes their two column-wise
 copies (jaxfuse_group_columnwise); "fp8 columnwise" is the wgrad kernel alone on ready
-copies.
+copies. "fp8 blockwise": Float8BlockScaling (DeepSeek-V3's recipe), its fwd and dgrad
+kernels on pre-quantized operands (x / dy in E4M3 with 1 x 128 block scales, w in E4M3 with
+128 x 128 tile scales) and the op with quantization included (its wgrad is 16-bit).
 
 tokamax (benchmarks/tokamax_baseline.py: tokamax.ragged_dot with its Pallas Mosaic GPU
 kernels, the backward through its own VJP) runs in the same alternating chunks when it can be
@@ -60,8 +62,9 @@ CASES = {
                        np.random.default_rng(64).multinomial(32768, np.ones(64) / 64)],
 }
 FORMS = ("fwd", "dgrad", "wgrad")
-FP8_PRECISIONS = ("fp8", "fp8 promoted", "fp8 columnwise")
-OP_FP8_PRECISIONS = ("fp8", "fp8 quantized kernel")  # the whole op: grouped_linear
+FP8_PRECISIONS = ("fp8", "fp8 promoted", "fp8 columnwise", "fp8 blockwise")
+# The whole op: grouped_linear.
+OP_FP8_PRECISIONS = ("fp8", "fp8 quantized kernel", "fp8 blockwise")
 CHUNK = 20  # calls per alternating chunk (see the module docstring)
 
 
@@ -116,7 +119,22 @@ def fp8_steps(x, w, dy, offsets):
     d_x, d_q = vjp(dy)
     return out, (d_x, d_q.master)
 
+  # Float8BlockScaling: 1 x 128 blocks of x and dy, 128 x 128 tiles of w.
+  block_recipe = jaxfuse.quantization.Float8BlockScaling()
+  x_b, x_bs = grouped_api.blockwise_rows(x, block_recipe, "forward", "ffi")
+  dy_b, dy_bs = grouped_api.blockwise_rows(dy, block_recipe, "gradient", "ffi")
+  (w_t_b, w_t_bs), (w_b, w_bs) = grouped_api.blockwise_weights(w, block_recipe, "ffi")
+  block_gemm = lambda form: jax.jit(lambda a, b, o, sa, sb: grouped_ffi.grouped_gemm_blockwise(
+      a, b, o, sa, sb, form=form))
+  block_fwd, block_fwd_bwd = op(block_recipe)
+
   return {
+      ("fp8 blockwise", "fwd"): (block_gemm(grouped_ffi.FORWARD),
+                                 (x_b, w_t_b, offsets, x_bs, w_t_bs)),
+      ("fp8 blockwise", "dgrad"): (block_gemm(grouped_ffi.DGRAD),
+                                   (dy_b, w_b, offsets, dy_bs, w_bs)),
+      ("fp8 blockwise", "op fwd"): (block_fwd, (x, w, sizes)),
+      ("fp8 blockwise", "op fwd+bwd"): (block_fwd_bwd, (x, w, sizes, dy)),
       ("fp8", "fwd"): (gemm(grouped_ffi.FORWARD, recipe.forward_fast_accumulation),
                        (x_q, w_t_q, offsets, x_s, w_s)),
       ("fp8 promoted", "fwd"): (gemm(grouped_ffi.FORWARD), (x_q, w_t_q, offsets, x_s, w_s)),
@@ -230,9 +248,14 @@ def main():
                       help="tiny sizes on whatever device exists (checks the script, e.g. on "
                            "CPU); writes no results")
   parser.add_argument("--tag", default="", help="suffix of the results file name")
+  parser.add_argument("--cases", default="",
+                      help="comma-separated substrings: run only the cases whose name has one")
   args = parser.parse_args()
   global K, N
   cases = CASES
+  if args.cases:
+    wanted = args.cases.split(",")
+    cases = {name: sizes for name, sizes in CASES.items() if any(w in name for w in wanted)}
   if args.smoke:
     K, N = 64, 128
     cases = {name: [max(0, size // 256) for size in sizes][:16] for name, sizes in CASES.items()}

@@ -1,6 +1,7 @@
 // CPU handler for the grouped GEMM forms (see jaxfuse/grouped_linear.h): plain loops with
 // fp32 accumulation, one rounding at the store. Offsets are read on the host here (it is
 // the CPU), clamped exactly as the CUDA setup kernel clamps them.
+#include <algorithm>
 #include <vector>
 
 #include "jaxfuse/ffi_common.h"
@@ -190,6 +191,77 @@ ffi::Error GroupedGemmFp8CpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+// The blockwise FP8 forms as CUTLASS's blockwise mainloop computes them: per 128-wide
+// block kb of the contraction, exact products of the FP8 values summed in fp32, times
+// a_scale_inv[r, kb] * b_scale_inv[g, j / 128, kb], added to an fp32 accumulator; one rounding
+// to bfloat16. b[g] is [width, inner] as in GroupedGemmFp8; rows outside the groups are zero.
+void GroupedGemmFp8Blockwise(const GroupedProblem& p, const std::vector<int64_t>& rows,
+                             const std::vector<float>& a, const std::vector<float>& b,
+                             const float* a_scale_inv, const float* b_scale_inv,
+                             bfloat16_bits* out) {
+  const int64_t inner = ContractionOf(p), width = OutColumnsOf(p);
+  const int64_t inner_blocks = (inner + kGemmScaleBlock - 1) / kGemmScaleBlock;
+  const int64_t width_blocks = (width + kGemmScaleBlock - 1) / kGemmScaleBlock;
+  const bfloat16_bits zero = FromFloat<bfloat16_bits>(0.0f);
+  std::fill(out, out + p.m * width, zero);
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const float* w = b.data() + g * p.k * p.n;
+    const float* w_scales = b_scale_inv + g * width_blocks * inner_blocks;
+    for (int64_t r = rows[g]; r < rows[g + 1]; ++r) {
+      const float* a_r = a.data() + r * inner;
+      const float* a_scales = a_scale_inv + r * inner_blocks;
+      for (int64_t j = 0; j < width; ++j) {
+        const float* w_j = w + j * inner;
+        const float* w_j_scales = w_scales + (j / kGemmScaleBlock) * inner_blocks;
+        float accumulator = 0.0f;
+        for (int64_t kb = 0; kb < inner_blocks; ++kb) {
+          const int64_t end = std::min(inner, (kb + 1) * kGemmScaleBlock);
+          float partial = 0.0f;
+          for (int64_t c = kb * kGemmScaleBlock; c < end; ++c) partial += a_r[c] * w_j[c];
+          accumulator += partial * (a_scales[kb] * w_j_scales[kb]);
+        }
+        out[r * width + j] = FromFloat<bfloat16_bits>(accumulator);
+      }
+    }
+  }
+}
+
+ffi::Error GroupedGemmFp8BlockwiseCpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b,
+                                          ffi::AnyBuffer offsets, ffi::AnyBuffer a_scale_inv,
+                                          ffi::AnyBuffer b_scale_inv,
+                                          ffi::Result<ffi::AnyBuffer> out, int32_t form) {
+  GroupedProblem problem;
+  if (auto error = ParseGroupedProblem(a, b, offsets, *out, form, &problem,
+                                       /*weight_transposed=*/form == 0);
+      error.failure()) {
+    return error;
+  }
+  if (out->element_type() != ffi::DataType::BF16) {
+    return InvalidArgument("blockwise FP8 grouped GEMM output must be bfloat16, got ",
+                           DataTypeName(out->element_type()));
+  }
+  if (auto error = CheckBlockScales(problem, a_scale_inv, b_scale_inv); error.failure()) {
+    return error;
+  }
+  const bool a_ok = a.element_type() == ffi::DataType::F8E4M3FN ||
+                    (problem.form == GroupedForm::kDgrad &&
+                     a.element_type() == ffi::DataType::F8E5M2);
+  std::vector<float> a_values, b_values;
+  if (!a_ok || b.element_type() != ffi::DataType::F8E4M3FN || !DecodeFp8(a, &a_values) ||
+      !DecodeFp8(b, &b_values)) {
+    return InvalidArgument("blockwise FP8 grouped GEMM takes a float8_e4m3fn weight and a "
+                           "float8_e4m3fn x (forward) or a float8_e4m3fn or float8_e5m2 dy "
+                           "(dgrad), got ", DataTypeName(a.element_type()), " x ",
+                           DataTypeName(b.element_type()), " for form ", form);
+  }
+  const auto rows = ClampOffsets(offsets.typed_data<int32_t>(), problem.groups, problem.m);
+  GroupedGemmFp8Blockwise(problem, rows, a_values, b_values,
+                          static_cast<const float*>(a_scale_inv.untyped_data()),
+                          static_cast<const float*>(b_scale_inv.untyped_data()),
+                          static_cast<bfloat16_bits*>(out->untyped_data()));
+  return ffi::Error::Success();
+}
+
 // The FP8 wgrad on column-wise copies (jaxfuse/columnwise.h), as the CUTLASS kernel
 // computes it: dw[g][i, j] = alpha_g * sum over the group's columns c of
 // xT[i, c] * dyT[j, c], exact products accumulated in fp32, one rounding to bfloat16; zero
@@ -271,3 +343,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8WgradCpu, jaxfuse::GroupedGem
                                   .Arg<xla::ffi::AnyBuffer>()  // b_scale_inv: float32 [G]
                                   .Ret<xla::ffi::AnyBuffer>()  // out: bf16 dw [G, k, n]
                                   .Attr<int64_t>("rows"));     // m: rows the copies were made from
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8BlockwiseCpu,
+                              jaxfuse::GroupedGemmFp8BlockwiseCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // a: e4m3 x [m, k] (fwd) or e4m3|e5m2 dy [m, n] (dgrad)
+                                  .Arg<xla::ffi::AnyBuffer>()  // b: e4m3 w^T [G, n, k] (fwd) or w [G, k, n] (dgrad)
+                                  .Arg<xla::ffi::AnyBuffer>()  // group_offsets: int32 [G + 1]
+                                  .Arg<xla::ffi::AnyBuffer>()  // a_scale_inv: float32 [m, ceil(kc / 128)]
+                                  .Arg<xla::ffi::AnyBuffer>()  // b_scale_inv: float32 [G, ceil(nc / 128), ceil(kc / 128)]
+                                  .Ret<xla::ffi::AnyBuffer>()  // out: bf16 y [m, n] or dx [m, k]
+                                  .Attr<int32_t>("form"));     // 0 forward, 1 dgrad

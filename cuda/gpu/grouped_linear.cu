@@ -46,7 +46,7 @@ ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
                const ffi::AnyBuffer* a_scale_inv, const ffi::AnyBuffer* b_scale_inv,
                ffi::AnyBuffer out, ffi::AnyBuffer workspace, int32_t form,
                bool fast_accumulation, bool columnwise = false,
-               int64_t columnwise_rows = 0) {
+               int64_t columnwise_rows = 0, bool block_scaling = false) {
   GroupedProblem shape;
   const bool fp8 = a_scale_inv != nullptr;  // FP8 forward takes the weight K-major
   if (auto error = columnwise
@@ -62,6 +62,11 @@ ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
   if (auto error = CheckFastAccumulation(form, a.element_type(), fast_accumulation);
       error.failure()) {
     return error;
+  }
+  if (block_scaling) {
+    if (auto error = CheckBlockScales(shape, *a_scale_inv, *b_scale_inv); error.failure()) {
+      return error;
+    }
   }
   gg::Problem problem{};
   problem.form = static_cast<gg::Form>(form);
@@ -85,12 +90,15 @@ ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
   problem.b_scale_inv = b_scale_inv ? static_cast<const float*>(b_scale_inv->untyped_data()) : nullptr;
   problem.fast_accumulation = fast_accumulation;
   problem.columnwise = columnwise;
+  problem.block_scaling = block_scaling;
   problem.workspace = workspace.untyped_data();
   problem.workspace_bytes = workspace.size_bytes();
   if (!gg::IsSupported(problem)) {
     return InvalidArgument("grouped GEMM form ", form, " not supported for these dtypes/shapes "
                            "(k, n must be multiples of 8 for 16-bit and 16 for FP8 inputs; "
-                           "the FP8 wgrad takes an e4m3 x and an e4m3 or e5m2 dy): m=",
+                           "the FP8 wgrad takes an e4m3 x and an e4m3 or e5m2 dy; the "
+                           "blockwise forms take an e4m3 weight and an e4m3 x or an e4m3 or "
+                           "e5m2 dy): m=",
                            shape.m, " k=", shape.k, " n=", shape.n, " G=", shape.groups);
   }
   const int sm_count = SmCount(device);
@@ -133,20 +141,31 @@ ffi::Error GroupedGemmFp8WgradCuda(cudaStream_t stream, int32_t device, ffi::Any
              /*columnwise=*/true, rows);
 }
 
+ffi::Error GroupedGemmFp8BlockwiseCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
+                                       ffi::AnyBuffer b, ffi::AnyBuffer offsets,
+                                       ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
+                                       ffi::Result<ffi::AnyBuffer> out,
+                                       ffi::Result<ffi::AnyBuffer> workspace, int32_t form) {
+  return Run(stream, device, a, b, offsets, &a_scale_inv, &b_scale_inv, *out, *workspace, form,
+             /*fast_accumulation=*/false, /*columnwise=*/false, /*columnwise_rows=*/0,
+             /*block_scaling=*/true);
+}
+
 }  // namespace
 
 // Workspace the CUDA handler needs (for the Python wrapper, which sizes the scratch result).
 size_t GroupedGemmWorkspaceBytes(int32_t form, int32_t a_type, int32_t b_type, int64_t m,
                                  int64_t k, int64_t n, int64_t groups, int sm_count,
-                                 bool fast_accumulation) {
+                                 bool fast_accumulation, bool block_scaling) {
   gg::Problem problem{};
   problem.fast_accumulation = fast_accumulation;
+  problem.block_scaling = block_scaling;
   problem.form = static_cast<gg::Form>(form);
   problem.a_type = static_cast<gg::ElementType>(a_type);
   problem.b_type = static_cast<gg::ElementType>(b_type);
   problem.out_type = problem.a_type == gg::ElementType::kF16 ? gg::ElementType::kF16
                                                              : gg::ElementType::kBF16;
-  problem.columnwise = form == static_cast<int32_t>(GroupedForm::kWgrad) &&
+  problem.columnwise = !block_scaling && form == static_cast<int32_t>(GroupedForm::kWgrad) &&
                        (problem.a_type == gg::ElementType::kFloat8E4M3 ||
                         problem.a_type == gg::ElementType::kFloat8E5M2);
   problem.m = m;
@@ -199,4 +218,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8WgradCuda, jaxfuse::GroupedGe
                                   .Ret<ffi::AnyBuffer>()  // out: bf16 dw [G, k, n]
                                   .Ret<ffi::AnyBuffer>()  // workspace
                                   .Attr<int64_t>("rows"), // m: rows the copies were made from
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8BlockwiseCuda,
+                              jaxfuse::GroupedGemmFp8BlockwiseCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // a: e4m3 x [m, k] (fwd) or e4m3|e5m2 dy [m, n] (dgrad)
+                                  .Arg<ffi::AnyBuffer>()  // b: e4m3 w^T [G, n, k] (fwd) or w [G, k, n] (dgrad)
+                                  .Arg<ffi::AnyBuffer>()  // group_offsets: int32 [G + 1]
+                                  .Arg<ffi::AnyBuffer>()  // a_scale_inv: float32 [m, ceil(kc / 128)]
+                                  .Arg<ffi::AnyBuffer>()  // b_scale_inv: float32 [G, ceil(nc / 128), ceil(kc / 128)]
+                                  .Ret<ffi::AnyBuffer>()  // out: bf16 y [m, n] or dx [m, k]
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<int32_t>("form"), // 0 forward, 1 dgrad
                               {ffi::Traits::kCmdBufferCompatible});

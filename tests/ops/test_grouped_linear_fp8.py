@@ -544,8 +544,8 @@ def test_handler_decodes_fp8_exactly():
 @pytest.mark.parametrize("recipe, shapes_, match", [
     (jaxfuse.quantization.Float8CurrentScaling(per_group=False), ((32, 32), (2, 32, 32)),
      r"supports recipe=Float8CurrentScaling\(per_group=True\)"),
-    (jaxfuse.quantization.Float8BlockScaling(), ((32, 32), (2, 32, 32)),
-     r"supports recipe=Float8CurrentScaling\(per_group=True\)"),
+    (jaxfuse.quantization.MXFP8BlockScaling(), ((32, 32), (2, 32, 32)),
+     r"supports recipe=Float8CurrentScaling\(per_group=True\).* or Float8BlockScaling"),
     (jaxfuse.quantization.Float8CurrentScaling(forward_format="e5m2"), ((32, 32), (2, 32, 32)),
      r"forward_format must be 'e4m3'"),
     (RECIPE, ((32, 24), (2, 24, 32)), r"K \(x.shape\[1\]\) to be a multiple of 16 .*got 24"),

@@ -5,9 +5,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
+#include <utility>
 
 #include "cutlass/cutlass.h"
 #include "cute/tensor.hpp"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/epilogue/thread/linear_combination.h"
 #include "cutlass/gemm/collective/collective_builder.hpp"
@@ -109,6 +112,15 @@ int MaxActiveClusters() {
   return result > 0 ? result : 0;
 }
 
+// Whether a collective mainloop takes blockwise scale factors (CUTLASS's FP8 blockwise
+// mainloops: ptr_SFA / ptr_SFB pointer arrays, one per group).
+template <class Mainloop, class = void>
+struct TakesBlockScales : std::false_type {};
+template <class Mainloop>
+struct TakesBlockScales<Mainloop,
+                        std::void_t<decltype(std::declval<typename Mainloop::Arguments&>().ptr_SFA)>>
+    : std::true_type {};
+
 template <class Gemm>
 typename Gemm::Arguments MakeArguments(const GemmArrays& arrays, int sm_count,
                                        int max_active_clusters) {
@@ -139,6 +151,14 @@ typename Gemm::Arguments MakeArguments(const GemmArrays& arrays, int sm_count,
   args.mainloop.dA = reinterpret_cast<StrideA*>(arrays.stride_a);
   args.mainloop.ptr_B = reinterpret_cast<const ElementB**>(arrays.ptr_b);
   args.mainloop.dB = reinterpret_cast<StrideB*>(arrays.stride_b);
+  if constexpr (TakesBlockScales<typename Kernel::CollectiveMainloop>::value) {
+    // The mainloop rebuilds each group's scale layout from its problem shape
+    // (BlockScaleConfig's K-major strides), so the layout arrays are never read.
+    args.mainloop.ptr_SFA = arrays.ptr_sfa;
+    args.mainloop.layout_SFA = nullptr;
+    args.mainloop.ptr_SFB = arrays.ptr_sfb;
+    args.mainloop.layout_SFB = nullptr;
+  }
 
   auto& fusion = args.epilogue.thread;
   fusion.alpha = 1.0f;
@@ -298,3 +318,62 @@ struct Fp8PromotedFamily {
     return Fp8PromotedFamily<NAME##Large, NAME##LargeStock, NAME##Small,                       \
                              NAME##SmallStock>::Run(config, arrays, sm_count, stream);         \
   }
+
+namespace jaxfuse::grouped_gemm::detail {
+
+// DeepSeek-V3's blockwise FP8 scaling as the blockwise mainloops read it: one scale per row
+// and 128-wide block of the contraction for A (1 x 128), one per 128 x 128 tile for B, both
+// K-major: A's scales row-major [rows, ceil(kc / 128)], B's [G][ceil(nc / 128)]
+// [ceil(kc / 128)], the layouts jaxfuse.quantize writes (block_1d, block_2d).
+inline constexpr int kBlockScaleSize = static_cast<int>(kBlockScale);
+using BlockScaleConfig =
+    cutlass::detail::Sm90BlockwiseScaleConfig<1, kBlockScaleSize, kBlockScaleSize,
+                                              cute::GMMA::Major::K, cute::GMMA::Major::K>;
+using BlockLayoutSFA = decltype(BlockScaleConfig::deduce_layoutSFA());
+using BlockLayoutSFB = decltype(BlockScaleConfig::deduce_layoutSFB());
+
+}  // namespace jaxfuse::grouped_gemm::detail
+
+// One blockwise-scaled FP8 kernel NAME (EA x e4m3 -> bf16; A RowMajor, B ColumnMajor: both
+// K-major; CTA tile TM x TN x 128, so each k-tile is one scale block). The mainloop
+// multiplies each k-tile's partial sums by its scales while promoting them to fp32; the
+// epilogue has no per-group alpha.
+#define JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(NAME, EA, TM, TN, CM, CN, KS, ES)                  \
+  namespace NAME##_types {                                                                    \
+  using TileShape = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<kBlockScaleSize>>;    \
+  using ClusterShape = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;                   \
+  static constexpr int kAlignA = 128 / cutlass::sizeof_bits<EA>::value;                       \
+  static constexpr int kAlignB = 16;                                                          \
+  static constexpr int kAlignD = 8;                                                           \
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<        \
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,           \
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,                    \
+      cutlass::layout::RowMajor*, kAlignD, cutlass::bfloat16_t, cutlass::layout::RowMajor*,   \
+      kAlignD, ES,                                                                            \
+      cutlass::epilogue::fusion::LinearCombination<cutlass::bfloat16_t, float, void,          \
+                                                   float>>::CollectiveOp;                     \
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<           \
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, EA,                                \
+      cute::tuple<cutlass::layout::RowMajor*, BlockLayoutSFA*>, kAlignA,                      \
+      cutlass::float_e4m3_t, cute::tuple<cutlass::layout::ColumnMajor*, BlockLayoutSFB*>,     \
+      kAlignB, float, TileShape, ClusterShape,                                                \
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(                     \
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,                               \
+      KS>::CollectiveOp;                                                                      \
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<GroupShape, CollectiveMainloop,         \
+                                                      CollectiveEpilogue>;                    \
+  }                                                                                           \
+  using NAME = cutlass::gemm::device::GemmUniversalAdapter<NAME##_types::Kernel>;
+
+// A blockwise FP8 family (EA x e4m3 -> bf16), the promoted families' tiles:
+//   large: cooperative 128x128x128, cluster 1x2; small: ping-pong 64x128x128, cluster 1x1.
+#define JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_FAMILY(NAME, EA)                                        \
+  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
+      NAME##Large, EA, 128, 128, 1, 2,                                                         \
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,                  \
+      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
+  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
+      NAME##Small, EA, 64, 128, 1, 1,                                                          \
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,                     \
+      cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)                                   \
+  JAXFUSE_GG_DEFINE_FAMILY_2(NAME, NAME##Large, NAME##Small)

@@ -78,6 +78,17 @@ Family PickFamily(const Problem& p) {
   }
   if (IsFp8(p.a_type)) {
     if (p.out_type != ElementType::kBF16) return {};
+    if (p.block_scaling) {
+      // Forward (e4m3 x) and dgrad (e4m3 or e5m2 dy) against the e4m3 weight; the scales
+      // live in the mainloop, so no alpha.
+      if (p.form == Form::kWgrad || p.columnwise || p.fast_accumulation ||
+          p.b_type != ElementType::kFloat8E4M3) {
+        return {};
+      }
+      if (p.form == Form::kForward && p.a_type != ElementType::kFloat8E4M3) return {};
+      return p.a_type == ElementType::kFloat8E5M2 ? JAXFUSE_GG_FAMILY(Fp8BlockE5m2E4m3, false)
+                                                  : JAXFUSE_GG_FAMILY(Fp8BlockE4m3E4m3, false);
+    }
     if (p.form == Form::kWgrad) {
       // FP8 wgrad reads the column-wise copies (jaxfuse/columnwise.h): A = x^T e4m3,
       // B = dy^T in the gradient format; both K-major, so the forward's layouts.
@@ -111,6 +122,7 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // kAdaptive adds a second shapes array and the kUniform kernel's own CUTLASS workspace.
 struct Layout {
   size_t offsets, shapes, ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d, alpha, alpha_ptrs;
+  size_t ptr_sfa, ptr_sfb;  // blockwise FP8 scale pointers
   size_t cutlass, cutlass_bytes;
   size_t shapes_uniform = 0, cutlass_uniform = 0, cutlass_uniform_bytes = 0;
   size_t total;
@@ -135,6 +147,8 @@ Layout MakeLayout(const Problem& p, const Family& family, TileConfig config, int
   l.stride_d = take(g * sizeof(int64_t));
   l.alpha = take(g * sizeof(float));
   l.alpha_ptrs = take(g * sizeof(float*));
+  l.ptr_sfa = take(g * sizeof(float*));
+  l.ptr_sfb = take(g * sizeof(float*));
   // The first (or only) kernel: kLarge for kAdaptive, the kUniform kernel for kUniform.
   l.cutlass_bytes = config == TileConfig::kUniform
                         ? family.uniform.workspace(config, p.num_groups, sm_count)
@@ -178,6 +192,12 @@ struct SetupParams {
   int64_t* stride_d;
   float* alpha;
   const float** alpha_ptrs;
+  // Blockwise FP8 (block_scaling): each group's scale pointers (nullptr otherwise), and the
+  // scale counts per row of a (contraction blocks) and per expert of b (tiles).
+  const float** ptr_sfa;
+  const float** ptr_sfb;
+  int64_t sfa_per_row;
+  int64_t sfb_per_group;
   // kAdaptive (forward/dgrad): shapes of the kUniform launch (nullptr otherwise), its row
   // granularity and the large kernel's (CTA tile M).
   int32_t* shapes_uniform;
@@ -311,6 +331,10 @@ __device__ __forceinline__ void WriteGroup(const SetupParams& p, int g, int64_t 
     }
     p.ptr_d[g] = p.out + weight * p.out_bytes;
     p.stride_d[g] = p.n;
+  }
+  if (p.ptr_sfa != nullptr) {
+    p.ptr_sfa[g] = p.a_scale_inv + lo * p.sfa_per_row;
+    p.ptr_sfb[g] = p.b_scale_inv + g * p.sfb_per_group;
   }
   if (p.alpha != nullptr) {
     const float sa = p.a_scale_inv != nullptr ? p.a_scale_inv[g] : 1.0f;
@@ -510,6 +534,7 @@ bool IsSupported(const Problem& p) {
   const int64_t multiple = IsFp8(p.a_type) ? 16 : 8;
   if (p.k % multiple != 0 || p.n % multiple != 0) return false;
   if (!Aligned16(p.a) || !Aligned16(p.b) || !Aligned16(p.out)) return false;
+  if (p.block_scaling && (p.a_scale_inv == nullptr || p.b_scale_inv == nullptr)) return false;
   return true;
 }
 
@@ -623,6 +648,13 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   s.alpha = family.has_alpha ? reinterpret_cast<float*>(base + layout.alpha) : nullptr;
   s.alpha_ptrs = family.has_alpha ? reinterpret_cast<const float**>(base + layout.alpha_ptrs)
                                   : nullptr;
+  if (p.block_scaling) {
+    const int64_t contraction_blocks = CeilDiv(contraction, detail::kBlockScale);
+    s.ptr_sfa = reinterpret_cast<const float**>(base + layout.ptr_sfa);
+    s.ptr_sfb = reinterpret_cast<const float**>(base + layout.ptr_sfb);
+    s.sfa_per_row = contraction_blocks;
+    s.sfb_per_group = CeilDiv(out_cols, detail::kBlockScale) * contraction_blocks;
+  }
   const bool adaptive = config == TileConfig::kAdaptive;
   s.shapes_uniform =
       adaptive ? reinterpret_cast<int32_t*>(base + layout.shapes_uniform) : nullptr;
@@ -662,6 +694,8 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   arrays.stride_b = s.stride_b;
   arrays.stride_d = s.stride_d;
   arrays.alpha_ptrs = s.alpha_ptrs;
+  arrays.ptr_sfa = s.ptr_sfa;
+  arrays.ptr_sfb = s.ptr_sfb;
   arrays.cutlass_workspace = base + layout.cutlass;
   arrays.cutlass_workspace_bytes = layout.cutlass_bytes;
   // Raster order: measured on the H200 (README), N wins 2-4% for forward/dgrad of large

@@ -25,11 +25,17 @@ struct GemmArrays {
   int64_t* stride_a = nullptr;        // [G]
   int64_t* stride_b = nullptr;        // [G]
   int64_t* stride_d = nullptr;        // [G]
-  const float** alpha_ptrs = nullptr; // [G] (FP8 only; nullptr otherwise)
+  const float** alpha_ptrs = nullptr; // [G] (per-group FP8 only; nullptr otherwise)
+  const float** ptr_sfa = nullptr;    // [G] (blockwise FP8 only): group g's first row of
+  const float** ptr_sfb = nullptr;    // [G]   a's scales, expert g's tile scales of b
   void* cutlass_workspace = nullptr;  // CUTLASS's own workspace (tensormaps per SM)
   size_t cutlass_workspace_bytes = 0;
   char raster = 'M';                  // tile scheduler raster order: 'M' or 'N' (host value)
 };
+
+// Block edge of the blockwise FP8 scales (both the 1 x 128 and the 128 x 128 blocks);
+// gemm_common.cuh's BlockScaleConfig is built on it.
+inline constexpr int64_t kBlockScale = 128;
 
 // Runtime tuning knobs, read once from the environment at first use (not device data; no
 // extra kernels); check_grouped_gemm sweeps them through this reference.
@@ -69,6 +75,10 @@ JAXFUSE_GG_DECLARE_FAMILY(Fp8E4m3E4m3)
 JAXFUSE_GG_DECLARE_FAMILY(Fp8E5m2E4m3)
 JAXFUSE_GG_DECLARE_FAMILY(Fp8E4m3FastAccum)  // forward only: FP8 fast accumulation
 JAXFUSE_GG_DECLARE_FAMILY(Fp8E4m3E5m2)       // wgrad only: x^T e4m3, dy^T e5m2 (columnwise)
+// Blockwise FP8 families (forward and dgrad): A K-major with 1 x 128 scales, B K-major
+// e4m3 with 128 x 128 tile scales, applied in the mainloop; bf16 output, no alpha.
+JAXFUSE_GG_DECLARE_FAMILY(Fp8BlockE4m3E4m3)
+JAXFUSE_GG_DECLARE_FAMILY(Fp8BlockE5m2E4m3)  // dgrad with E5M2 output gradients
 
 // kUniform kernels (bf16 forward/dgrad), one config each; NAME_RowGranularity() = its CTA
 // tile M x cluster M.

@@ -18,6 +18,15 @@
 //             g's rows are the columns from ColumnwiseStart(clamped offset g, g) of its own
 //             row-major block. out = dw [G, k, n] (zero for empty groups).
 //   out = (a_scale_inv[g] * b_scale_inv[g]) * (a @ b) per group (a null scale pointer means 1).
+//   block_scaling (kForward / kDgrad, DeepSeek-V3's blockwise recipe): a_scale_inv and
+//   b_scale_inv are per block instead, with kc the contraction (k forward, n dgrad) and nc
+//   the output columns (n forward, k dgrad):
+//     a_scale_inv float32 [m, ceil(kc / 128)]: row r's 1 x 128 block of the contraction;
+//     b_scale_inv float32 [G, ceil(nc / 128), ceil(kc / 128)]: expert g's 128 x 128 tile of
+//       its K-major operand (forward: w^T [n, k]; dgrad: w [k, n]);
+//   out[r, j] = sum over blocks kb of a_scale_inv[r, kb] * b_scale_inv[g, j / 128, kb] *
+//   (the block's FP8 products), applied in the mainloop (fp32 accumulation every 128 k).
+//   Both pointers are required; a is e4m3 or (dgrad) e5m2, b e4m3.
 //   fast_accumulation (kForward with e4m3 x e4m3 only): accumulate in the tensor cores' FP8
 //   accumulator without promoting to fp32 registers every few k-blocks (faster, a little less
 //   precise; TransformerEngine's default for the forward GEMM).
@@ -73,6 +82,7 @@ struct Problem {
   size_t workspace_bytes;    // 256-byte aligned (XLA buffers are)
   bool fast_accumulation = false;  // FP8 forward only (e4m3 x e4m3), see above
   bool columnwise = false;         // FP8 wgrad only (and required there): a, b column-wise
+  bool block_scaling = false;      // FP8 forward/dgrad: per-block scales (see above)
   TileConfig tile_config = TileConfig::kAuto;  // optional override
 };
 
@@ -89,7 +99,8 @@ cudaError_t Run(const Problem& problem, int sm_count, cudaStream_t stream);
 
 // Host check of types, shapes and alignment (k, n multiples of 8 for 16-bit types, of 16 for
 // FP8; 16-byte aligned a/b/out pointers; m, k, n < 2^31; G >= 1; fast_accumulation only for
-// the e4m3 x e4m3 forward). Upstream raises on false.
+// the e4m3 x e4m3 forward; block_scaling only for the FP8 forward/dgrad, with both scale
+// pointers). Upstream raises on false.
 bool IsSupported(const Problem& problem);
 
 // The tile configuration the heuristic picks from form, types, m, k, n, G and sm_count (host

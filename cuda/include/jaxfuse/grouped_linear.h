@@ -124,6 +124,44 @@ inline ffi::Error CheckFastAccumulation(int32_t form, ffi::DataType a_type,
   return ffi::Error::Success();
 }
 
+// Blockwise FP8 (Float8BlockScaling, DeepSeek-V3's recipe) of the forward and dgrad forms:
+// a's scales float32 [m, ceil(kc / 128)] (1 x 128 blocks of its rows), b's float32
+// [G, ceil(nc / 128), ceil(kc / 128)] (128 x 128 tiles of each expert's K-major operand),
+// kc the contraction (k forward, n dgrad), nc the output columns (n forward, k dgrad).
+inline constexpr int64_t kGemmScaleBlock = 128;
+
+inline int64_t ContractionOf(const GroupedProblem& p) {
+  return p.form == GroupedForm::kForward ? p.k : p.n;
+}
+inline int64_t OutColumnsOf(const GroupedProblem& p) {
+  return p.form == GroupedForm::kForward ? p.n : p.k;
+}
+
+inline ffi::Error CheckBlockScales(const GroupedProblem& p, const ffi::AnyBuffer& a_scale_inv,
+                                   const ffi::AnyBuffer& b_scale_inv) {
+  if (p.form == GroupedForm::kWgrad) {
+    return InvalidArgument("blockwise FP8 grouped GEMM: only the forward (0) and dgrad (1) "
+                           "forms, got the wgrad form (2)");
+  }
+  const auto blocks = [](int64_t size) { return (size + kGemmScaleBlock - 1) / kGemmScaleBlock; };
+  const int64_t kc = blocks(ContractionOf(p)), nc = blocks(OutColumnsOf(p));
+  const auto a_dims = a_scale_inv.dimensions(), b_dims = b_scale_inv.dimensions();
+  if (a_scale_inv.element_type() != ffi::DataType::F32 || a_dims.size() != 2 ||
+      a_dims[0] != p.m || a_dims[1] != kc) {
+    return InvalidArgument("blockwise FP8 grouped GEMM: a_scale_inv must be float32 [m, "
+                           "ceil(contraction / 128)] = [", p.m, ", ", kc, "], got ",
+                           DataTypeName(a_scale_inv.element_type()), ShapeString(a_dims));
+  }
+  if (b_scale_inv.element_type() != ffi::DataType::F32 || b_dims.size() != 3 ||
+      b_dims[0] != p.groups || b_dims[1] != nc || b_dims[2] != kc) {
+    return InvalidArgument("blockwise FP8 grouped GEMM: b_scale_inv must be float32 [G, "
+                           "ceil(out columns / 128), ceil(contraction / 128)] = [", p.groups,
+                           ", ", nc, ", ", kc, "], got ",
+                           DataTypeName(b_scale_inv.element_type()), ShapeString(b_dims));
+  }
+  return ffi::Error::Success();
+}
+
 // offsets' of the contract above, on the host (CPU handler).
 inline std::vector<int64_t> ClampOffsets(const int32_t* offsets, int64_t groups, int64_t m) {
   std::vector<int64_t> clamped(groups + 1);

@@ -109,9 +109,16 @@ def _validate(x, kernel, group_sizes, recipe, implementation: str) -> None:
                      f"got {group_sizes.shape}")
   if groups < 1:
     raise ValueError("kernel must have at least one group (kernel.shape[0] >= 1)")
-  if recipe is not None:
-    validate_fp8(recipe, k, n, "grouped_linear", ("K (x.shape[1])", "N (kernel.shape[2])"),
-                 groups if implementation == "ffi" else 1)
+  names = ("K (x.shape[1])", "N (kernel.shape[2])")
+  if isinstance(recipe, recipes.Float8BlockScaling):
+    validate_blockwise(recipe, k, n, "grouped_linear", names)
+    if is_quantized_kernel(kernel):
+      raise TypeError("grouped_linear with Float8BlockScaling quantizes the 16-bit kernel in "
+                      "128 x 128 tiles on every call; it takes no quantize_experts result "
+                      "(those hold one scale per expert)")
+  elif recipe is not None:
+    validate_fp8(recipe, k, n, "grouped_linear", names,
+                 groups if implementation == "ffi" else 1, blockwise_too=True)
   if implementation == "ffi":
     if x_dtype not in _FFI_DTYPES:
       raise TypeError(f"grouped_linear's kernels take bfloat16 or float16 x, got {x_dtype}; "
@@ -165,12 +172,15 @@ FP8_ALIGNMENT = 16
 FP8_WGRAD_MAX_GROUPS = 4096
 
 
-def validate_fp8(recipe, k: int, n: int, op: str, names=("K", "N"), groups: int = 1) -> None:
-  """The recipe and shape rules of the FP8 grouped GEMMs (shared with grouped_mlp)."""
+def validate_fp8(recipe, k: int, n: int, op: str, names=("K", "N"), groups: int = 1,
+                 blockwise_too: bool = False) -> None:
+  """The recipe and shape rules of the FP8 grouped GEMMs (shared with grouped_mlp).
+  `blockwise_too`: the op also takes Float8BlockScaling (checked by validate_blockwise)."""
   from jaxfuse.quantization import Float8CurrentScaling  # pylint: disable=g-import-not-at-top
   if not isinstance(recipe, Float8CurrentScaling) or not recipe.per_group:
+    also = " or Float8BlockScaling() (1 x 128 and 128 x 128 blocks)" if blockwise_too else ""
     raise ValueError(f"{op} supports recipe=Float8CurrentScaling(per_group=True) (one scale "
-                     f"per group of rows and per expert), got {recipe!r}")
+                     f"per group of rows and per expert){also}, got {recipe!r}")
   if recipe.forward_format != "e4m3":
     raise ValueError(f"{op}'s FP8 kernels take E4M3 forward operands: recipe.forward_format "
                      f"must be 'e4m3', got {recipe.forward_format!r}")
@@ -291,6 +301,82 @@ def _fp8_backward(recipe, varying_axes, saved, d_out):
 grouped_linear_fp8_with_offsets.defvjp(_fp8_forward, _fp8_backward)
 
 
+# --- Blockwise FP8 (Float8BlockScaling: DeepSeek-V3's recipe) ------------------------------
+
+
+def validate_blockwise(recipe, k: int, n: int, op: str, names=("K", "N")) -> None:
+  """The recipe and shape rules of the blockwise FP8 grouped GEMMs."""
+  if recipe.block_size != ffi.SCALE_BLOCK:
+    raise ValueError(f"{op}'s blockwise FP8 kernels scale 1 x {ffi.SCALE_BLOCK} and "
+                     f"{ffi.SCALE_BLOCK} x {ffi.SCALE_BLOCK} blocks: "
+                     f"Float8BlockScaling.block_size must be {ffi.SCALE_BLOCK}, got "
+                     f"{recipe.block_size}")
+  if recipe.forward_format != "e4m3":
+    raise ValueError(f"{op}'s FP8 kernels take E4M3 forward operands: recipe.forward_format "
+                     f"must be 'e4m3', got {recipe.forward_format!r}")
+  for name, size in zip(names, (k, n)):
+    if size % FP8_ALIGNMENT:
+      raise ValueError(f"FP8 {op} needs {name} to be a multiple of {FP8_ALIGNMENT} "
+                       f"(16-byte aligned FP8 rows for TMA), got {size}")
+
+
+def blockwise_weights(kernel, recipe, implementation: str):
+  """The weight's FP8 values in 128 x 128 tiles, in both layouts the GEMMs read.
+
+  kernel [G, K, N] -> (w_t [G, N, K], w_t_scale_inv [G, N/128, K/128]) for the forward and
+  (w [G, K, N], w_scale_inv [G, K/128, N/128]) for the dgrad (blocks rounded up). A tile's
+  amax does not depend on the orientation, so one quantization gives both; the forward's
+  copy is its transpose.
+  """
+  from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
+  q = quantize_api.quantize(kernel, recipe, kind="weight", role="forward",
+                            implementation=implementation)
+  return (jnp.swapaxes(q.data, 1, 2), jnp.swapaxes(q.scale_inv, 1, 2)), (q.data, q.scale_inv)
+
+
+def blockwise_rows(value, recipe, role: str, implementation: str):
+  """(FP8 data [M, C], scale_inv float32 [M, ceil(C / 128)]): 1 x 128 blocks of each row."""
+  from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
+  q = quantize_api.quantize(value, recipe, role=role, implementation=implementation)
+  return q.data, q.scale_inv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def grouped_linear_blockwise_with_offsets(x, kernel, group_offsets, recipe,
+                                          varying_axes=(frozenset(),) * 3):
+  """Blockwise FP8 grouped_linear on precomputed int32 [G + 1] offsets (FFI path).
+
+  Forward: x in E4M3 with 1 x 128 block scales along K, the kernel in E4M3 with one scale
+  per 128 x 128 tile, the blockwise FP8 grouped GEMM. Backward: dgrad in FP8 (the output
+  gradient in the recipe's gradient format, 1 x 128 blocks along N, times the forward's
+  FP8 weight as [G, K, N]); wgrad in 16-bit from the saved x and the output gradient.
+  """
+  return _blockwise_forward(x, kernel, group_offsets, recipe, varying_axes)[0]
+
+
+def _blockwise_forward(x, kernel, group_offsets, recipe, varying_axes):
+  del varying_axes
+  x_data, x_scale_inv = blockwise_rows(x, recipe, "forward", "ffi")
+  (w_t, w_t_scale_inv), (w, w_scale_inv) = blockwise_weights(kernel, recipe, "ffi")
+  out = sharding.grouped_gemm_blockwise(x_data, w_t, group_offsets, x_scale_inv,
+                                        w_t_scale_inv, form=ffi.FORWARD)
+  return out.astype(x.dtype), (x, w, w_scale_inv, group_offsets)
+
+
+def _blockwise_backward(recipe, varying_axes, saved, d_out):
+  x, w, w_scale_inv, group_offsets = saved
+  d_out = d_out.astype(x.dtype)
+  dy_data, dy_scale_inv = blockwise_rows(d_out, recipe, "gradient", "ffi")
+  d_x = sharding.grouped_gemm_blockwise(dy_data, w, group_offsets, dy_scale_inv, w_scale_inv,
+                                        form=ffi.DGRAD).astype(x.dtype)
+  d_kernel = sharding.grouped_gemm(x, d_out, group_offsets, form=ffi.WGRAD)
+  return (compat.match_varying_axes(d_x, varying_axes[0]),
+          compat.match_varying_axes(d_kernel, varying_axes[1]), None)
+
+
+grouped_linear_blockwise_with_offsets.defvjp(_blockwise_forward, _blockwise_backward)
+
+
 def group_offsets(group_sizes: jax.Array) -> jax.Array:
   """int32 [G + 1] exclusive prefix sum with a leading zero; negative sizes count as zero."""
   sizes = jnp.maximum(group_sizes, 0)
@@ -332,7 +418,15 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
       Hopper recipe), else in 16-bit from the saved x. K and N must be multiples of 16.
       Expected accuracy against the 16-bit op: a few percent relative (Frobenius) error
       for unit-variance data.
-    implementation: None, "ffi" or "xla".
+      Or ``jaxfuse.quantization.Float8BlockScaling()`` (DeepSeek-V3's recipe): x in E4M3
+      with one scale per row and 128-wide block of K, the kernel with one scale per
+      128 x 128 tile of each expert, applied inside CUTLASS's blockwise FP8 mainloop
+      (every 128-deep partial sum times its two scales, accumulated in fp32), so an
+      outlier only coarsens its own block. Backward: dgrad in FP8 (the output gradient in
+      1 x 128 blocks along N, in recipe.gradient_format, E4M3 by default) against the
+      forward's FP8 weight; wgrad in 16-bit from the saved x. block_size must be 128;
+      K and N multiples of 16 (partial blocks are fine). The kernel must be the 16-bit
+      array (quantize_experts holds one scale per expert).
 
   Returns:
     [M, N] in x's dtype (fp32 accumulation, one rounding).
@@ -342,20 +436,27 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
   pass's offsets.
 
   Raises:
-    TypeError: non-float or mixed dtypes, group_sizes not int32, 32-bit x on the FFI path.
+    TypeError: non-float or mixed dtypes, group_sizes not int32, 32-bit x on the FFI path,
+      a quantized kernel with Float8BlockScaling.
     ValueError: mismatched shapes; K or N not a multiple of 8 on the FFI path (16 with an
-      FP8 recipe); an FP8 recipe other than Float8CurrentScaling(per_group=True); a
-      quantized kernel made with another recipe than the call's.
+      FP8 recipe); an FP8 recipe other than Float8CurrentScaling(per_group=True) or
+      Float8BlockScaling(block_size=128) with E4M3 forward tensors; a quantized kernel made
+      with another recipe than the call's.
   """
   implementation = implementation_lib.resolve(implementation)
   recipe = recipe_for_kernels(recipe, kernel)
   _validate(x, kernel, group_sizes, recipe, implementation)
+  blockwise = isinstance(recipe, recipes.Float8BlockScaling)
   if implementation == "xla":
+    if blockwise:
+      return reference.grouped_linear_blockwise(x, kernel, group_sizes, recipe)
     if recipe is not None:
       return reference.grouped_linear_fp8(x, kernel, group_sizes, recipe)
     return reference.grouped_linear(x, kernel, group_sizes)
   offsets = group_offsets(group_sizes)
   varying_axes = tuple(compat.varying_axes(a) for a in (x, kernel_leaf(kernel), offsets))
+  if blockwise:
+    return grouped_linear_blockwise_with_offsets(x, kernel, offsets, recipe, varying_axes)
   if recipe is not None:
     return grouped_linear_fp8_with_offsets(x, kernel, offsets, recipe, varying_axes)
   return grouped_linear_with_offsets(x, kernel, offsets, varying_axes)

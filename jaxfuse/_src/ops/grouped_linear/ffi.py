@@ -26,14 +26,16 @@ def _sm_count() -> int:
   return max(counts, default=_DEFAULT_SM_COUNT) or _DEFAULT_SM_COUNT
 
 
-def _workspace_bytes(form, a, b, m, k, n, groups, fast_accumulation) -> int:
+def _workspace_bytes(form, a, b, m, k, n, groups, fast_accumulation,
+                     block_scaling=False) -> int:
   extension = ffi_registry.require_extension()
   a_code = _TYPE_CODES.get(jnp.dtype(a.dtype))
   b_code = _TYPE_CODES.get(jnp.dtype(b.dtype))
   if a_code is None or b_code is None:
     return 0  # the handler reports the unsupported dtype
   return int(extension.grouped_gemm_workspace_bytes(form, a_code, b_code, m, k, n, groups,
-                                                    _sm_count(), fast_accumulation))
+                                                    _sm_count(), fast_accumulation,
+                                                    block_scaling))
 
 
 def grouped_gemm(a: jax.Array, b: jax.Array, group_offsets: jax.Array, *, form: int,
@@ -74,6 +76,41 @@ def grouped_gemm(a: jax.Array, b: jax.Array, group_offsets: jax.Array, *, form: 
     attrs["fast_accumulation"] = bool(fast_accumulation)
   workspace_bytes = _workspace_bytes(form, a, b, m, k, n, groups, fast_accumulation)
   return _call(target, out_type, operands, attrs, workspace_bytes)
+
+
+# The blockwise FP8 scales' block edge (the kernels' 1 x 128 and 128 x 128 blocks).
+SCALE_BLOCK = 128
+
+
+def grouped_gemm_blockwise(a: jax.Array, b: jax.Array, group_offsets: jax.Array,
+                           a_scale_inv: jax.Array, b_scale_inv: jax.Array, *,
+                           form: int) -> jax.Array:
+  """One blockwise-scaled FP8 grouped GEMM (DeepSeek-V3's recipe), bfloat16 result.
+
+  forward: a = x [m, k] E4M3 with a_scale_inv float32 [m, ceil(k / 128)] (1 x 128 blocks),
+  b = w^T [G, n, k] E4M3 with b_scale_inv float32 [G, ceil(n / 128), ceil(k / 128)]
+  (128 x 128 tiles) -> [m, n]. dgrad: a = dy [m, n] E4M3 or E5M2 with [m, ceil(n / 128)],
+  b = w [G, k, n] E4M3 with [G, ceil(k / 128), ceil(n / 128)] -> [m, k]. Each 128-block of
+  the contraction's fp32 partial sums is multiplied by its two scales (see
+  cuda/include/jaxfuse/grouped_gemm.h); rows outside the groups are zero.
+  """
+  ffi_registry.ensure_registered()
+  groups = group_offsets.shape[0] - 1
+  m = a.shape[0]
+  if form == FORWARD:
+    k, n = a.shape[1], b.shape[1]
+    out_shape = (m, n)
+  elif form == DGRAD:
+    n, k = a.shape[1], b.shape[1]
+    out_shape = (m, k)
+  else:
+    raise ValueError(f"the blockwise FP8 grouped GEMM has the forward ({FORWARD}) and dgrad "
+                     f"({DGRAD}) forms, got form {form}")
+  out_type = jax.ShapeDtypeStruct(out_shape, jnp.bfloat16)
+  workspace_bytes = _workspace_bytes(form, a, b, m, k, n, groups, False, block_scaling=True)
+  return _call("jaxfuse_grouped_gemm_fp8_blockwise", out_type,
+               (a, b, group_offsets, a_scale_inv, b_scale_inv), dict(form=np.int32(form)),
+               workspace_bytes)
 
 
 def _call(target, out_type, operands, attrs, workspace_bytes):

@@ -143,3 +143,30 @@ def grouped_linear_fp8(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
 def _straight_through(value, dequantized):
   value = value.astype(jnp.float32)
   return value + jax.lax.stop_gradient(dequantized - value)
+
+
+# --- Blockwise FP8 (Float8BlockScaling) ------------------------------------------------------
+
+
+def grouped_linear_blockwise(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
+                             recipe) -> jax.Array:
+  """The blockwise FP8 forward as the kernels compute it (DeepSeek-V3's recipe).
+
+  x is quantized to E4M3 in 1 x 128 blocks along K, kernel [G, K, N] in 128 x 128 tiles;
+  the products of the dequantized values (each FP8 value times its block's scale) are
+  accumulated in fp32 and rounded once to bfloat16, then cast to x's dtype. Rows past the
+  groups are zero. Gradients pass straight through the quantization (the gradients of the
+  product of the dequantized operands); the FFI backward quantizes the output gradient for
+  its dgrad instead and runs a 16-bit wgrad.
+  """
+  from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
+  from jaxfuse._src.ops.quantize import reference as quantize_reference  # pylint: disable=g-import-not-at-top
+  offsets = clamped_offsets(group_sizes, x.shape[0])
+  q_x = quantize_api.quantize(x, recipe, role="forward", implementation="xla")
+  q_w = quantize_api.quantize(kernel, recipe, kind="weight", role="forward",
+                              implementation="xla")
+  x_st = _straight_through(x, quantize_reference.dequantize_float32(q_x))
+  w_st = _straight_through(kernel, quantize_reference.dequantize_float32(q_w))
+  out = jax.lax.ragged_dot(x_st, w_st, jnp.diff(offsets), precision=jax.lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+  return out.astype(jnp.bfloat16).astype(x.dtype)

@@ -86,6 +86,45 @@ _wgrad = sharding.partitioned(_gemm, _rule, replicated=_REPLICATED, reduction=("
 _BY_FORM = {ffi.FORWARD: _forward, ffi.DGRAD: _dgrad, ffi.WGRAD: _wgrad}
 
 
+# --- Blockwise FP8 (Float8BlockScaling) --------------------------------------------------
+# Operands a, b, offsets, a's 1 x 128 scales [m, blocks of the contraction] and b's tile
+# scales [G, blocks of the output columns, blocks of the contraction]. Only the tokens may
+# stay sharded: a sharded N would cut the weight's 128 x 128 tiles, so N and the block
+# factors are replicated (Shardy gathers them).
+_BLOCKWISE_REPLICATED = ("k", "n", "g", "o", "kb", "nb")
+
+
+def _blockwise_rule(attrs, in_ranks, out_ranks):
+  del in_ranks, out_ranks
+  if attrs["form"] == ffi.FORWARD:
+    return ([["m", "k"], ["g", "n", "k"], ["o"], ["m", "kb"], ["g", "nb", "kb"]],
+            [["m", "n"]])
+  return ([["m", "n"], ["g", "k", "n"], ["o"], ["m", "nb"], ["g", "kb", "nb"]], [["m", "k"]])
+
+
+def _blockwise_gemm(a, b, offsets, a_scale_inv, b_scale_inv, *, form):
+  return ffi.grouped_gemm_blockwise(a, b, offsets, a_scale_inv, b_scale_inv, form=form)
+
+
+def _blockwise_local(factor_axes, a, b, offsets, a_scale_inv, b_scale_inv, *, form):
+  token_axes = tuple(factor_axes.get("m", ()))
+  rows = a.shape[0]
+  start = sharding.shard_start(token_axes, rows)
+  total = sharding.global_size(rows, factor_axes, "m")
+  offsets = jnp.clip(jnp.clip(offsets, 0, total) - start, 0, rows).astype(jnp.int32)
+  return _blockwise_gemm(a, b, offsets, a_scale_inv, b_scale_inv, form=form)
+
+
+_blockwise = sharding.partitioned(_blockwise_gemm, _blockwise_rule,
+                                  replicated=_BLOCKWISE_REPLICATED, summed=("m",),
+                                  local=_blockwise_local, local_factors=True)
+
+
+def grouped_gemm_blockwise(a, b, group_offsets, a_scale_inv, b_scale_inv, *, form):
+  """ffi.grouped_gemm_blockwise with the sharding rules above."""
+  return _blockwise(a, b, group_offsets, a_scale_inv, b_scale_inv, form=int(form))
+
+
 def grouped_gemm(a, b, group_offsets, *, form, a_scale_inv=None, b_scale_inv=None,
                  out_dtype=None, fast_accumulation=False):
   """ffi.grouped_gemm with the sharding rules above (16-bit and FP8)."""

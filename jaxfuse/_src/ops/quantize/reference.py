@@ -117,6 +117,12 @@ def quantize_values(v, scaling_mode: str, block: int, offsets, fmt: str):
 
 def dequantize(q) -> jax.Array:
   """data.astype(f32) * scale_inv (broadcast by scaling mode), in the original dtype."""
+  return dequantize_float32(q).astype(q.dtype)
+
+
+def dequantize_float32(q) -> jax.Array:
+  """data.astype(f32) * scale_inv (broadcast by scaling mode), kept in float32 (what the
+  blockwise GEMMs multiply: one fp32 product per value, no 16-bit rounding)."""
   data = q.data.astype(jnp.float32)
   mode, block = q.scaling_mode, q.block_size
   if mode == "per_tensor":
@@ -139,7 +145,7 @@ def dequantize(q) -> jax.Array:
     out = data * s[..., :data.shape[-2], :data.shape[-1]]
   else:
     raise ValueError(f"unknown scaling mode {mode!r}")
-  return out.astype(q.dtype)
+  return out
 
 
 def scaled_activation_quantize(x, scales, offsets, activation, limit, alpha, linear_offset,

@@ -386,9 +386,11 @@ class GroupedLinear(nn.Module):
     dtype: compute dtype (default: x's); the kernel is cast to it.
     param_dtype: parameter dtype.
     kernel_init: initializer of the [G, K, N] kernel (fan-in per expert by default).
-    recipe: None (16-bit) or ``Float8CurrentScaling(per_group=True)`` (FP8 GEMMs, see
-      ``jaxfuse.grouped_linear``). For inference, ``quantize_expert_params(params, recipe,
-      names=("kernel",))`` quantizes the kernel once.
+    recipe: None (16-bit), ``Float8CurrentScaling(per_group=True)`` or
+      ``Float8BlockScaling()`` (FP8 GEMMs, see
+      ``jaxfuse.grouped_linear``). For inference with current scaling,
+      ``quantize_expert_params(params, recipe, names=("kernel",))`` quantizes the kernel
+      once.
     implementation: None, "ffi" or "xla".
 
   Raises:

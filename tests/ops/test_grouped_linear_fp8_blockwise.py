@@ -397,3 +397,18 @@ def test_hostile_group_sizes_stay_in_bounds():
     exact, abs_sum = numpy_blockwise(*quantized_operands(x, kernel), sizes)
     assert_within_accumulation_bound(out, exact, abs_sum, str(sizes), FP8_ACCUMULATION)
     assert not np.isnan(np.asarray(d_x, np.float32)).any()
+
+
+def test_flax_grouped_linear_takes_the_recipe():
+  """linen.GroupedLinear with Float8BlockScaling runs the same blockwise op on its kernel."""
+  from jaxfuse.flax import linen as jf_linen  # pylint: disable=g-import-not-at-top
+  m, k, n, groups = 64, 160, 144, 3
+  x, _ = make_inputs(89, m, k, n, groups, jnp.bfloat16)
+  group_sizes = jnp.asarray([20, 0, 40], jnp.int32)
+  module = jf_linen.GroupedLinear(num_groups=groups, features=n, recipe=RECIPE,
+                                  dtype=jnp.bfloat16)
+  params = module.init(jax.random.key(0), x, group_sizes)
+  out = jax.jit(module.apply)(params, x, group_sizes)
+  kernel = params["params"]["kernel"].astype(jnp.bfloat16)
+  want = jaxfuse.grouped_linear(x, kernel, group_sizes, recipe=RECIPE)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))

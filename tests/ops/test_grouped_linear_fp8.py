@@ -560,22 +560,23 @@ def test_errors(recipe, shapes_, match, implementation):
                            implementation=implementation)
 
 
-def test_shard_map_tokens_sharded_kernel_replicated():
-  """Per-device tokens and sizes; the replicated kernel's gradient is summed over devices.
-  FFI vs the FP8 reference: same forward (bf16-level), gradients within FP8 accuracy (the
-  FFI dgrad quantizes dy, the reference's gradients are straight-through)."""
+def check_shard_map_tokens_sharded(linear, k, n, seed):
+  """Per-device tokens and sizes under shard_map, the kernel replicated (its gradient summed
+  over the devices): `linear(implementation)` -> fn(x, kernel, sizes). The FFI forward
+  equals the reference's (bf16-level), gradients within FP8 accuracy (the FFI dgrad
+  quantizes dy, the reference's gradients are straight-through)."""
   from jax.sharding import Mesh, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from jaxfuse._src import compat  # pylint: disable=g-import-not-at-top
   mesh = Mesh(np.array(jax.devices("cpu")), ("data",))
   devices = mesh.devices.size
-  m_local, k, n, groups = 32, 32, 16, 3
-  x, kernel = make_inputs(18, m_local * devices, k, n, groups, jnp.bfloat16)
-  rng = np.random.default_rng(19)
+  m_local, groups = 32, 3
+  x, kernel = make_inputs(seed, m_local * devices, k, n, groups, jnp.bfloat16)
+  rng = np.random.default_rng(seed + 1)
   sizes = jnp.asarray(np.stack([rng.multinomial(m_local - 2, np.ones(groups) / groups)
                                 for _ in range(devices)]).astype(np.int32))
 
   def layer(implementation):
-    f = lambda x, w, s: fp8_linear(implementation)(x, w, s[0])
+    f = lambda x, w, s: linear(implementation)(x, w, s[0])
     return compat.shard_map(f, mesh=mesh, in_specs=(P("data"), P(), P("data")),
                             out_specs=P("data"))
 
@@ -586,6 +587,10 @@ def test_shard_map_tokens_sharded_kernel_replicated():
   want = jax.jit(jax.grad(loss("xla"), argnums=(0, 1)))(x, kernel)
   for name, g, w in zip(("dx", "dkernel"), got, want):
     assert relative_error(g, w) < 0.1, name
+
+
+def test_shard_map_tokens_sharded_kernel_replicated():
+  check_shard_map_tokens_sharded(fp8_linear, 32, 16, 18)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -22,7 +22,8 @@ from tests import helpers
 from tests.ops.test_grouped_linear import (BACKENDS, make_inputs, numpy_grouped_grads, on,
                                            sizes_cases)
 from tests.ops.test_grouped_linear_fp8 import (FP8_ACCUMULATION, assert_bf16_close,
-                                               assert_within_accumulation_bound, group_rows,
+                                               assert_within_accumulation_bound,
+                                               check_shard_map_tokens_sharded, group_rows,
                                                random_fp8, relative_error)
 
 RECIPE = jaxfuse.quantization.Float8BlockScaling()
@@ -297,30 +298,7 @@ def test_handler_rejects_bad_scales_and_types(backend):
 
 
 def test_shard_map_tokens_sharded_kernel_replicated():
-  """Per-device tokens and sizes under shard_map: the FFI forward equals the reference's,
-  gradients within FP8 accuracy of the reference's straight-through ones."""
-  from jax.sharding import Mesh, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from jaxfuse._src import compat  # pylint: disable=g-import-not-at-top
-  mesh = Mesh(np.array(jax.devices("cpu")), ("data",))
-  devices = mesh.devices.size
-  m_local, k, n, groups = 32, 160, 144, 3
-  x, kernel = make_inputs(84, m_local * devices, k, n, groups, jnp.bfloat16)
-  rng = np.random.default_rng(85)
-  sizes = jnp.asarray(np.stack([rng.multinomial(m_local - 2, np.ones(groups) / groups)
-                                for _ in range(devices)]).astype(np.int32))
-
-  def layer(implementation):
-    f = lambda x, w, s: blockwise_linear(implementation)(x, w, s[0])
-    return compat.shard_map(f, mesh=mesh, in_specs=(P("data"), P(), P("data")),
-                            out_specs=P("data"))
-
-  out = jax.jit(layer("ffi"))(x, kernel, sizes)
-  assert_bf16_close(out, jax.jit(layer("xla"))(x, kernel, sizes))
-  loss = lambda impl: lambda x, w: jnp.sum(jnp.sin(layer(impl)(x, w, sizes).astype(jnp.float32)))
-  got = jax.jit(jax.grad(loss("ffi"), argnums=(0, 1)))(x, kernel)
-  want = jax.jit(jax.grad(loss("xla"), argnums=(0, 1)))(x, kernel)
-  for name, g, w in zip(("dx", "dkernel"), got, want):
-    assert relative_error(g, w) < 0.1, name
+  check_shard_map_tokens_sharded(blockwise_linear, 160, 144, 84)
 
 
 _TILE_SCRIPT = textwrap.dedent("""

@@ -172,6 +172,17 @@ FP8_ALIGNMENT = 16
 FP8_WGRAD_MAX_GROUPS = 4096
 
 
+def check_fp8_operands(recipe, k: int, n: int, op: str, names=("K", "N")) -> None:
+  """What every FP8 grouped GEMM needs: E4M3 forward tensors, K and N TMA-aligned."""
+  if recipe.forward_format != "e4m3":
+    raise ValueError(f"{op}'s FP8 kernels take E4M3 forward operands: recipe.forward_format "
+                     f"must be 'e4m3', got {recipe.forward_format!r}")
+  for name, size in zip(names, (k, n)):
+    if size % FP8_ALIGNMENT:
+      raise ValueError(f"FP8 {op} needs {name} to be a multiple of {FP8_ALIGNMENT} "
+                       f"(16-byte aligned FP8 rows for TMA), got {size}")
+
+
 def validate_fp8(recipe, k: int, n: int, op: str, names=("K", "N"), groups: int = 1,
                  blockwise_too: bool = False) -> None:
   """The recipe and shape rules of the FP8 grouped GEMMs (shared with grouped_mlp).
@@ -181,13 +192,7 @@ def validate_fp8(recipe, k: int, n: int, op: str, names=("K", "N"), groups: int 
     also = " or Float8BlockScaling() (1 x 128 and 128 x 128 blocks)" if blockwise_too else ""
     raise ValueError(f"{op} supports recipe=Float8CurrentScaling(per_group=True) (one scale "
                      f"per group of rows and per expert){also}, got {recipe!r}")
-  if recipe.forward_format != "e4m3":
-    raise ValueError(f"{op}'s FP8 kernels take E4M3 forward operands: recipe.forward_format "
-                     f"must be 'e4m3', got {recipe.forward_format!r}")
-  for name, size in zip(names, (k, n)):
-    if size % FP8_ALIGNMENT:
-      raise ValueError(f"FP8 {op} needs {name} to be a multiple of {FP8_ALIGNMENT} "
-                       f"(16-byte aligned FP8 rows for TMA), got {size}")
+  check_fp8_operands(recipe, k, n, op, names)
   if recipe.fp8_wgrad and groups > FP8_WGRAD_MAX_GROUPS:
     raise ValueError(f"FP8 {op}'s FP8 weight gradients take at most {FP8_WGRAD_MAX_GROUPS} "
                      f"groups, got {groups}; pass a recipe with fp8_wgrad=False (16-bit "
@@ -311,13 +316,7 @@ def validate_blockwise(recipe, k: int, n: int, op: str, names=("K", "N")) -> Non
                      f"{ffi.SCALE_BLOCK} x {ffi.SCALE_BLOCK} blocks: "
                      f"Float8BlockScaling.block_size must be {ffi.SCALE_BLOCK}, got "
                      f"{recipe.block_size}")
-  if recipe.forward_format != "e4m3":
-    raise ValueError(f"{op}'s FP8 kernels take E4M3 forward operands: recipe.forward_format "
-                     f"must be 'e4m3', got {recipe.forward_format!r}")
-  for name, size in zip(names, (k, n)):
-    if size % FP8_ALIGNMENT:
-      raise ValueError(f"FP8 {op} needs {name} to be a multiple of {FP8_ALIGNMENT} "
-                       f"(16-byte aligned FP8 rows for TMA), got {size}")
+  check_fp8_operands(recipe, k, n, op, names)
 
 
 def blockwise_weights(kernel, recipe, implementation: str):

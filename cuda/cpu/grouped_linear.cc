@@ -200,8 +200,7 @@ void GroupedGemmFp8Blockwise(const GroupedProblem& p, const std::vector<int64_t>
                              const float* a_scale_inv, const float* b_scale_inv,
                              bfloat16_bits* out) {
   const int64_t inner = ContractionOf(p), width = OutColumnsOf(p);
-  const int64_t inner_blocks = (inner + kGemmScaleBlock - 1) / kGemmScaleBlock;
-  const int64_t width_blocks = (width + kGemmScaleBlock - 1) / kGemmScaleBlock;
+  const int64_t inner_blocks = ScaleBlocks(inner), width_blocks = ScaleBlocks(width);
   const bfloat16_bits zero = FromFloat<bfloat16_bits>(0.0f);
   std::fill(out, out + p.m * width, zero);
   for (int64_t g = 0; g < p.groups; ++g) {

@@ -130,6 +130,9 @@ inline ffi::Error CheckFastAccumulation(int32_t form, ffi::DataType a_type,
 // kc the contraction (k forward, n dgrad), nc the output columns (n forward, k dgrad).
 inline constexpr int64_t kGemmScaleBlock = 128;
 
+// Scale blocks along a dimension of `size` (the last one partial).
+inline int64_t ScaleBlocks(int64_t size) { return (size + kGemmScaleBlock - 1) / kGemmScaleBlock; }
+
 inline int64_t ContractionOf(const GroupedProblem& p) {
   return p.form == GroupedForm::kForward ? p.k : p.n;
 }
@@ -143,8 +146,7 @@ inline ffi::Error CheckBlockScales(const GroupedProblem& p, const ffi::AnyBuffer
     return InvalidArgument("blockwise FP8 grouped GEMM: only the forward (0) and dgrad (1) "
                            "forms, got the wgrad form (2)");
   }
-  const auto blocks = [](int64_t size) { return (size + kGemmScaleBlock - 1) / kGemmScaleBlock; };
-  const int64_t kc = blocks(ContractionOf(p)), nc = blocks(OutColumnsOf(p));
+  const int64_t kc = ScaleBlocks(ContractionOf(p)), nc = ScaleBlocks(OutColumnsOf(p));
   const auto a_dims = a_scale_inv.dimensions(), b_dims = b_scale_inv.dimensions();
   if (a_scale_inv.element_type() != ffi::DataType::F32 || a_dims.size() != 2 ||
       a_dims[0] != p.m || a_dims[1] != kc) {

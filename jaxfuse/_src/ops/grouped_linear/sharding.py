@@ -58,14 +58,20 @@ def _gemm(a, b, offsets, *scales, form, out_dtype, fast_accumulation=False):
                           fast_accumulation=fast_accumulation)
 
 
+def _local_offsets(factor_axes, offsets, rows):
+  """The offsets of this device's block of `rows` rows when the tokens are sharded."""
+  token_axes = tuple(factor_axes.get("m", ()))
+  if not token_axes:
+    return offsets
+  start = sharding.shard_start(token_axes, rows)
+  # Offsets past the global M (and padding rows of uneven blocks) belong to no group.
+  total = sharding.global_size(rows, factor_axes, "m")
+  return jnp.clip(jnp.clip(offsets, 0, total) - start, 0, rows).astype(jnp.int32)
+
+
 def _local(factor_axes, a, b, offsets, *scales, form, out_dtype, fast_accumulation=False):
   token_axes = tuple(factor_axes.get("m", ()))
-  if token_axes:
-    rows = a.shape[0]
-    start = sharding.shard_start(token_axes, rows)
-    # Offsets past the global M (and padding rows of uneven blocks) belong to no group.
-    total = sharding.global_size(rows, factor_axes, "m")
-    offsets = jnp.clip(jnp.clip(offsets, 0, total) - start, 0, rows).astype(jnp.int32)
+  offsets = _local_offsets(factor_axes, offsets, a.shape[0])
   out = _gemm(a, b, offsets, *scales, form=form, out_dtype=out_dtype,
               fast_accumulation=fast_accumulation)
   summed = {ffi.DGRAD: tuple(factor_axes.get("n", ())), ffi.WGRAD: token_axes}.get(form, ())
@@ -107,12 +113,8 @@ def _blockwise_gemm(a, b, offsets, a_scale_inv, b_scale_inv, *, form):
 
 
 def _blockwise_local(factor_axes, a, b, offsets, a_scale_inv, b_scale_inv, *, form):
-  token_axes = tuple(factor_axes.get("m", ()))
-  rows = a.shape[0]
-  start = sharding.shard_start(token_axes, rows)
-  total = sharding.global_size(rows, factor_axes, "m")
-  offsets = jnp.clip(jnp.clip(offsets, 0, total) - start, 0, rows).astype(jnp.int32)
-  return _blockwise_gemm(a, b, offsets, a_scale_inv, b_scale_inv, form=form)
+  return _blockwise_gemm(a, b, _local_offsets(factor_axes, offsets, a.shape[0]), a_scale_inv,
+                         b_scale_inv, form=form)
 
 
 _blockwise = sharding.partitioned(_blockwise_gemm, _blockwise_rule,

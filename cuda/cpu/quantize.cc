@@ -75,6 +75,21 @@ ffi::Error QuantizeTransposedCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer amax,
   return ffi::Error::Success();
 }
 
+ffi::Error QuantizeBlocksTransposedCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> data,
+                                           ffi::Result<ffi::AnyBuffer> scale_inv,
+                                           ffi::Result<ffi::AnyBuffer> data_untransposed) {
+  TransposedProblem problem;
+  if (auto error = ParseQuantizeBlocksTransposed(x, *data, *scale_inv, *data_untransposed,
+                                                 &problem);
+      error.failure()) {
+    return error;
+  }
+  QuantizeBlocksTransposedCpu(problem, x, static_cast<uint8_t*>(data->untyped_data()),
+                              static_cast<float*>(scale_inv->untyped_data()),
+                              static_cast<uint8_t*>(data_untransposed->untyped_data()));
+  return ffi::Error::Success();
+}
+
 ffi::Error BatchAmaxCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> amax) {
   BatchAmaxProblem problem;
   if (auto error = ParseBatchAmax(x, *amax, &problem); error.failure()) return error;
@@ -216,6 +231,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeTransposedCpu, jaxfuse::QuantizeTra
                                   .Arg<xffi::AnyBuffer>()   // amax float32 [B] (given)
                                   .Ret<xffi::AnyBuffer>()   // data fp8 [B, C, R]
                                   .Ret<xffi::AnyBuffer>()   // scale_inv float32 [B]
+                                  .Ret<xffi::AnyBuffer>()); // data_untransposed [B, R, C] or [0]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeBlocksTransposedCpu,
+                              jaxfuse::QuantizeBlocksTransposedCpuImpl,
+                              xffi::Ffi::Bind()
+                                  .Arg<xffi::AnyBuffer>()   // x [B, R, C]
+                                  .Ret<xffi::AnyBuffer>()   // data fp8 [B, C, R]
+                                  .Ret<xffi::AnyBuffer>()   // scale_inv f32 [B, R/128, C/128]
                                   .Ret<xffi::AnyBuffer>()); // data_untransposed [B, R, C] or [0]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseBatchAmaxCpu, jaxfuse::BatchAmaxCpuImpl,

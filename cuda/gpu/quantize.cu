@@ -16,6 +16,9 @@
 // block by warp shuffles across the block/8 lanes that hold it).
 // 2-D block scaling (weights, 128 x 128): one CUDA block per tile, two reads of the tile
 // (the second from L1/L2).
+// Transposed quantization (the grouped GEMM's FP8 weights, [B, R, C] -> [B, C, R] and
+// optionally [B, R, C] too): per-batch scales from given amaxes (quantize_transposed) or
+// one scale per 128 x 128 tile (quantize_blocks_transposed), both from one read of x.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -470,7 +473,38 @@ __device__ __forceinline__ uint4 TransposedRow(const uint32_t (&source)[16], int
   return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
-// --- transposed, given amax (the FP8 weights of the GEMMs) -------------------------------
+// --- transposed (the FP8 weights of the GEMMs): given amax, or one scale per tile --------
+
+static_assert(kByteTile == kWeightBlock,
+              "the byte tiles are quantize_blocks_transposed's scaling blocks");
+
+// max |x| over a tile held by the block in raw 16-byte registers (zeros where the tile
+// leaves x, which cannot raise it), for every thread. The packed 16-bit max is exact and
+// drops NaN (AccumulateAbsMax), so this is the amax Block2DKernel finds in float. One
+// barrier: the next tile's writes to warp_amax come after the two barriers that follow
+// this tile's reads in the caller.
+template <typename T, int kLoads>
+__device__ __forceinline__ float TileAmax(const uint4 (&raw)[kLoads]) {
+  __shared__ float warp_amax[kByteTileThreads / 32];
+  AbsMaxLane<T> lanes[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) Zero(lanes[i]);
+#pragma unroll
+  for (int j = 0; j < kLoads; ++j) AccumulateAbsMax(raw[j], lanes);
+  float local = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) local = fmaxf(local, Widen(lanes[i]));
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, offset));
+  }
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = local;
+  __syncthreads();
+  float amax = warp_amax[0];
+#pragma unroll
+  for (int w = 1; w < kByteTileThreads / 32; ++w) amax = fmaxf(amax, warp_amax[w]);
+  return amax;
+}
 
 // The tiled kernel (16-bit x): one tile of 128 rows x 128 columns of one batch entry per
 // step of a grid-stride loop (needs C % 8 == 0, R % 16 == 0, x, data 16-byte and the
@@ -482,7 +516,11 @@ __device__ __forceinline__ uint4 TransposedRow(const uint32_t (&source)[16], int
 // Nsight Compute on 128 x [2048, 4096] bf16 (s23): this kernel 0.737 ms, 90.3% of DRAM
 // bandwidth; the general kernel below 1.22 ms, 54.5% (63 registers, 50% occupancy); this
 // one holding float instead of raw registers 1.33 ms, 50.2% (123 registers, 25%).
-template <typename T>
+// kTileScales (quantize_blocks_transposed): the tile is also the scaling block, so its
+// scale comes from its own amax, reduced from the raw registers before the conversion
+// (TileAmax), and goes to scale_inv[b, rt, ct]; amax is not read. Otherwise the scale is
+// batch b's, from amax[b], and scale_inv is [B].
+template <typename T, bool kTileScales>
 __global__ void __launch_bounds__(kByteTileThreads, 4)
 QuantizeTransposedTiledKernel(const T* __restrict__ x, const float* __restrict__ amax,
                               uint8_t* __restrict__ data, float* __restrict__ scale_inv,
@@ -512,8 +550,14 @@ QuantizeTransposedTiledKernel(const T* __restrict__ x, const float* __restrict__
       raw[j] = col_in && r0 + r < rows ? __ldg(reinterpret_cast<const uint4*>(in + r * cols))
                                        : make_uint4(0, 0, 0, 0);
     }
-    const float scale = ScaleFromAmax(amax[b], fp8_max);
-    if (rt == 0 && ct == 0 && threadIdx.x == 0) scale_inv[b] = 1.0f / scale;
+    float scale;
+    if constexpr (kTileScales) {
+      scale = ScaleFromAmax(TileAmax<T>(raw), fp8_max);
+      if (threadIdx.x == 0) scale_inv[t] = 1.0f / scale;  // t enumerates (b, rt, ct)
+    } else {
+      scale = ScaleFromAmax(amax[b], fp8_max);
+      if (rt == 0 && ct == 0 && threadIdx.x == 0) scale_inv[b] = 1.0f / scale;
+    }
 #pragma unroll
     for (int j = 0; j < kLoads; ++j) {
       const int r = r_first + j * kRowStep;
@@ -629,6 +673,99 @@ QuantizeTransposedGeneralKernel(const T* __restrict__ x, const float* __restrict
       }
     }
     __syncthreads();  // the tile is rewritten by the next iteration
+  }
+}
+
+// The general kernel of quantize_blocks_transposed (float32 x, or R, C, pointers the tiled
+// kernel cannot take): one 128 x 128 tile (the scaling block) per step of a grid-stride
+// loop, read twice like Block2DKernel (its amax, then its values again from L1/L2), the
+// FP8 bytes staged transposed in shared memory and stored along R. Pitch as
+// kTransposePitch: 2-way conflicts on the byte stores, 4-byte reads conflict-free.
+constexpr int kBlocksPitch = kByteTile + 4;
+constexpr int kBlocksThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kBlocksThreads)
+QuantizeBlocksTransposedGeneralKernel(const T* __restrict__ x, uint8_t* __restrict__ data,
+                                      float* __restrict__ scale_inv,
+                                      uint8_t* __restrict__ data_untransposed, int64_t batch,
+                                      int64_t rows, int64_t cols, int64_t row_tiles,
+                                      int64_t col_tiles, Fp8Format format, bool vector_in,
+                                      bool vector_straight, bool vector_out) {
+  __shared__ __align__(16) uint8_t tile[kByteTile * kBlocksPitch];
+  __shared__ float shared_scale;
+  constexpr int kChunksPerCol = kByteTile / 16;  // 16-byte stores per output row
+  const int64_t tiles = batch * row_tiles * col_tiles;
+  const float fp8_max = Fp8Max(format);
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t b = t / (row_tiles * col_tiles);
+    const int64_t rt = (t / col_tiles) % row_tiles;
+    const int64_t ct = t % col_tiles;
+    const int64_t r0 = rt * kByteTile, c0 = ct * kByteTile;
+    const int tile_rows = static_cast<int>(min(static_cast<int64_t>(kByteTile), rows - r0));
+    const int tile_cols = static_cast<int>(min(static_cast<int64_t>(kByteTile), cols - c0));
+    const int units_per_row = (tile_cols + 7) / 8;
+    const int units = tile_rows * units_per_row;
+    const T* in = x + (b * rows + r0) * cols + c0;
+    float local = 0.0f;
+    for (int i = threadIdx.x; i < units; i += kBlocksThreads) {
+      const int r = i / units_per_row, u = i % units_per_row;
+      const int valid = min(8, tile_cols - u * 8);
+      float v[8];
+      gpu::Load8(in + r * cols + u * 8, vector_in, valid, v);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) local = gpu::MaxAbs(local, v[k]);
+    }
+    const float reduced = gpu::BlockReduceMaxSum(local, 0.0f).x;
+    if (threadIdx.x == 0) {
+      const float scale = ScaleFromAmax(reduced, fp8_max);
+      shared_scale = scale;
+      scale_inv[t] = 1.0f / scale;  // t enumerates (b, rt, ct)
+    }
+    __syncthreads();
+    const float scale = shared_scale;
+    uint8_t* straight =
+        data_untransposed == nullptr ? nullptr : data_untransposed + (b * rows + r0) * cols + c0;
+    for (int i = threadIdx.x; i < units; i += kBlocksThreads) {
+      const int r = i / units_per_row, u = i % units_per_row;
+      const int valid = min(8, tile_cols - u * 8);
+      float v[8];
+      gpu::Load8(in + r * cols + u * 8, vector_in, valid, v);
+      const uint2 packed = gpu::PackFp8x8(v, scale, format);
+      uint8_t bytes[8];  // by shifts: a byte view of `packed` would put it on the stack
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        bytes[k] = static_cast<uint8_t>((k < 4 ? packed.x : packed.y) >> (8 * (k % 4)));
+        if (k < valid) tile[(u * 8 + k) * kBlocksPitch + r] = bytes[k];
+      }
+      if (straight != nullptr) {
+        uint8_t* dst = straight + r * cols + u * 8;
+        if (vector_straight && valid == 8) {
+          *reinterpret_cast<uint2*>(dst) = packed;
+        } else {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            if (k < valid) dst[k] = bytes[k];
+          }
+        }
+      }
+    }
+    __syncthreads();
+    uint8_t* out = data + (b * cols + c0) * rows + r0;
+    for (int i = threadIdx.x; i < tile_cols * kChunksPerCol; i += kBlocksThreads) {
+      const int c = i / kChunksPerCol, q = i % kChunksPerCol;
+      const int valid = min(16, tile_rows - q * 16);
+      if (valid <= 0) continue;
+      const uint8_t* src = tile + c * kBlocksPitch + q * 16;
+      uint8_t* dst = out + c * rows + q * 16;
+      if (vector_out && valid == 16) {  // R % 16 == 0: 16-byte aligned
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(src);
+        *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
+      } else {
+        for (int k = 0; k < valid; ++k) dst[k] = src[k];
+      }
+    }
+    __syncthreads();  // the tile and shared_scale are rewritten by the next iteration
   }
 }
 
@@ -829,8 +966,8 @@ ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
       if (vector_in && vector_out && vector_straight && !TransposedGeneralForced()) {
         const int64_t row_tiles = CeilDiv(problem.rows, kByteTile);
         const int64_t col_tiles = CeilDiv(problem.cols, kByteTile);
-        QuantizeTransposedTiledKernel<T><<<grid_for(problem.batch * row_tiles * col_tiles),
-                                           kByteTileThreads, 0, stream>>>(
+        const int64_t tiles = problem.batch * row_tiles * col_tiles;
+        QuantizeTransposedTiledKernel<T, false><<<grid_for(tiles), kByteTileThreads, 0, stream>>>(
             px, pamax, pd, pscale_inv, straight, problem.batch, problem.rows, problem.cols,
             row_tiles, col_tiles, problem.format);
         return gpu::LaunchError("transposed quantization kernel");
@@ -843,6 +980,53 @@ ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
         px, pamax, pd, pscale_inv, straight, problem.batch, problem.rows, problem.cols,
         row_tiles, col_tiles, problem.format, vector_in && vector_straight, vector_out);
     return gpu::LaunchError("transposed quantization kernel");
+  });
+}
+
+// The tiled kernel (kTileScales) for 16-bit x with C % 8 == 0, R % 16 == 0, x and data
+// 16-byte and the untransposed copy 8-byte aligned (as quantize_transposed's); the general
+// blocks kernel otherwise, and for every shape under JAXFUSE_QUANTIZE_TRANSPOSED=general.
+ffi::Error QuantizeBlocksTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x,
+                                        ffi::Result<ffi::AnyBuffer> data,
+                                        ffi::Result<ffi::AnyBuffer> scale_inv,
+                                        ffi::Result<ffi::AnyBuffer> data_untransposed) {
+  TransposedProblem problem;
+  if (auto error = ParseQuantizeBlocksTransposed(x, *data, *scale_inv, *data_untransposed,
+                                                 &problem);
+      error.failure()) {
+    return error;
+  }
+  const int64_t row_tiles = CeilDiv(problem.rows, kWeightBlock);
+  const int64_t col_tiles = CeilDiv(problem.cols, kWeightBlock);
+  const int64_t tiles = problem.batch * row_tiles * col_tiles;
+  if (tiles == 0) return ffi::Error::Success();  // no elements and no scales
+  return gpu::DispatchFloat(x.element_type(), [&](auto zero) -> ffi::Error {
+    using T = decltype(zero);
+    const T* px = static_cast<const T*>(x.untyped_data());
+    float* pscale_inv = static_cast<float*>(scale_inv->untyped_data());
+    uint8_t* pd = static_cast<uint8_t*>(data->untyped_data());
+    const bool vector_in = problem.cols % 8 == 0 && PointerAligned16(px);
+    const bool vector_out = problem.rows % 16 == 0 && PointerAligned16(pd);
+    uint8_t* straight = problem.untransposed
+                            ? static_cast<uint8_t*>(data_untransposed->untyped_data())
+                            : nullptr;
+    const bool vector_straight = problem.cols % 8 == 0 &&
+                                 (straight == nullptr ||
+                                  (reinterpret_cast<uintptr_t>(straight) & 7u) == 0);
+    // Every tile in its own block up to 2^20, as quantize_transposed.
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, int64_t{1} << 20));
+    if constexpr (sizeof(T) == 2) {
+      if (vector_in && vector_out && vector_straight && !TransposedGeneralForced()) {
+        QuantizeTransposedTiledKernel<T, true><<<grid, kByteTileThreads, 0, stream>>>(
+            px, nullptr, pd, pscale_inv, straight, problem.batch, problem.rows, problem.cols,
+            row_tiles, col_tiles, problem.format);
+        return gpu::LaunchError("tile-scaled transposed quantization kernel");
+      }
+    }
+    QuantizeBlocksTransposedGeneralKernel<T><<<grid, kBlocksThreads, 0, stream>>>(
+        px, pd, pscale_inv, straight, problem.batch, problem.rows, problem.cols, row_tiles,
+        col_tiles, problem.format, vector_in, vector_straight, vector_out);
+    return gpu::LaunchError("tile-scaled transposed quantization kernel");
   });
 }
 
@@ -1361,6 +1545,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeTransposedCuda, jaxfuse::QuantizeTr
                                   .Arg<xffi::AnyBuffer>()  // amax float32 [B] (given)
                                   .Ret<xffi::AnyBuffer>()  // data fp8 [B, C, R]
                                   .Ret<xffi::AnyBuffer>()  // scale_inv float32 [B]
+                                  .Ret<xffi::AnyBuffer>(), // data_untransposed [B, R, C] or [0]
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeBlocksTransposedCuda,
+                              jaxfuse::QuantizeBlocksTransposedCuda,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::AnyBuffer>()  // x [B, R, C]
+                                  .Ret<xffi::AnyBuffer>()  // data fp8 [B, C, R]
+                                  .Ret<xffi::AnyBuffer>()  // scale_inv f32 [B, R/128, C/128]
                                   .Ret<xffi::AnyBuffer>(), // data_untransposed [B, R, C] or [0]
                               {xffi::Traits::kCmdBufferCompatible});
 

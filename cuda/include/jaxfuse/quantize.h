@@ -124,42 +124,30 @@ struct TransposedProblem {
   bool untransposed = false;  // data_untransposed is [B, R, C] (else [0])
 };
 
-inline ffi::Error ParseQuantizeTransposed(const ffi::AnyBuffer& x, const ffi::AnyBuffer& amax,
-                                          const ffi::AnyBuffer& data,
-                                          const ffi::AnyBuffer& scale_inv,
-                                          const ffi::AnyBuffer& data_untransposed,
-                                          TransposedProblem* problem) {
+// The layout both transposed quantizations share: x [B, R, C] float, data [B, C, R] FP8
+// (its dtype gives the format), data_untransposed [B, R, C] of data's dtype or [0]. `op`
+// prefixes the messages.
+inline ffi::Error ParseTransposedLayout(const char* op, const ffi::AnyBuffer& x,
+                                        const ffi::AnyBuffer& data,
+                                        const ffi::AnyBuffer& data_untransposed,
+                                        TransposedProblem* problem) {
   const auto dims = x.dimensions();
   if (dims.size() != 3 || !IsFloatType(x.element_type())) {
-    return InvalidArgument("quantize_transposed: x must be a float32/bfloat16/float16 array "
-                           "[B, R, C], got ", DataTypeName(x.element_type()), " ",
-                           ShapeString(dims));
+    return InvalidArgument(op, ": x must be a float32/bfloat16/float16 array [B, R, C], got ",
+                           DataTypeName(x.element_type()), " ", ShapeString(dims));
   }
   problem->batch = dims[0];
   problem->rows = dims[1];
   problem->cols = dims[2];
-  const auto amax_dims = amax.dimensions();
-  if (amax.element_type() != ffi::DataType::F32 || amax_dims.size() != 1 ||
-      amax_dims[0] != problem->batch) {
-    return InvalidArgument("quantize_transposed: amax must be float32 [B = ", problem->batch,
-                           "], got ", DataTypeName(amax.element_type()), " ",
-                           ShapeString(amax_dims));
-  }
   if (auto error = Fp8FormatOf(data.element_type(), &problem->format); error.failure()) {
     return error;
   }
   const auto data_dims = data.dimensions();
   if (data_dims.size() != 3 || data_dims[0] != problem->batch ||
       data_dims[1] != problem->cols || data_dims[2] != problem->rows) {
-    return InvalidArgument("quantize_transposed: data must be [B, C, R] = [", problem->batch,
-                           ", ", problem->cols, ", ", problem->rows, "], got ",
+    return InvalidArgument(op, ": data must be [B, C, R] = [", problem->batch, ", ",
+                           problem->cols, ", ", problem->rows, "], got ",
                            ShapeString(data_dims));
-  }
-  if (scale_inv.element_type() != ffi::DataType::F32 ||
-      scale_inv.element_count() != static_cast<size_t>(problem->batch)) {
-    return InvalidArgument("quantize_transposed: scale_inv must be float32 [B = ",
-                           problem->batch, "], got ", DataTypeName(scale_inv.element_type()),
-                           " ", ShapeString(scale_inv.dimensions()));
   }
   const auto straight_dims = data_untransposed.dimensions();
   problem->untransposed = straight_dims.size() == 3;
@@ -167,11 +155,70 @@ inline ffi::Error ParseQuantizeTransposed(const ffi::AnyBuffer& x, const ffi::An
   if (data_untransposed.element_type() != data.element_type() ||
       !(empty || (problem->untransposed && straight_dims[0] == problem->batch &&
                   straight_dims[1] == problem->rows && straight_dims[2] == problem->cols))) {
-    return InvalidArgument("quantize_transposed: data_untransposed must be [B, R, C] = [",
-                           problem->batch, ", ", problem->rows, ", ", problem->cols,
+    return InvalidArgument(op, ": data_untransposed must be [B, R, C] = [", problem->batch,
+                           ", ", problem->rows, ", ", problem->cols,
                            "] or [0] in data's dtype, got ",
                            DataTypeName(data_untransposed.element_type()), " ",
                            ShapeString(straight_dims));
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error ParseQuantizeTransposed(const ffi::AnyBuffer& x, const ffi::AnyBuffer& amax,
+                                          const ffi::AnyBuffer& data,
+                                          const ffi::AnyBuffer& scale_inv,
+                                          const ffi::AnyBuffer& data_untransposed,
+                                          TransposedProblem* problem) {
+  if (auto error = ParseTransposedLayout("quantize_transposed", x, data, data_untransposed,
+                                         problem);
+      error.failure()) {
+    return error;
+  }
+  const auto amax_dims = amax.dimensions();
+  if (amax.element_type() != ffi::DataType::F32 || amax_dims.size() != 1 ||
+      amax_dims[0] != problem->batch) {
+    return InvalidArgument("quantize_transposed: amax must be float32 [B = ", problem->batch,
+                           "], got ", DataTypeName(amax.element_type()), " ",
+                           ShapeString(amax_dims));
+  }
+  if (scale_inv.element_type() != ffi::DataType::F32 ||
+      scale_inv.element_count() != static_cast<size_t>(problem->batch)) {
+    return InvalidArgument("quantize_transposed: scale_inv must be float32 [B = ",
+                           problem->batch, "], got ", DataTypeName(scale_inv.element_type()),
+                           " ", ShapeString(scale_inv.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
+// The weight tiles of the blockwise FP8 grouped GEMM (Float8BlockScaling's 2-D blocks).
+inline constexpr int64_t kWeightBlock = 128;
+
+// Transposed quantization with one scale per kWeightBlock x kWeightBlock tile (the
+// blockwise grouped GEMM's weights, both layouts from one pass): x [B, R, C] float ->
+// data [B, C, R] FP8 with data[b, c, r] = fp8(x[b, r, c] * scale[b, r / 128, c / 128]),
+// scale[b, i, j] = ScaleFromAmax of the tile's amax (partial tiles at the edges, NaN
+// counted as 0), scale_inv float32 [B, ceil(R / 128), ceil(C / 128)] = 1 / scale, and
+// data_untransposed as for quantize_transposed. The same bits as the 2-D block
+// quantization (block 128) of x, transposed.
+inline ffi::Error ParseQuantizeBlocksTransposed(const ffi::AnyBuffer& x,
+                                                const ffi::AnyBuffer& data,
+                                                const ffi::AnyBuffer& scale_inv,
+                                                const ffi::AnyBuffer& data_untransposed,
+                                                TransposedProblem* problem) {
+  if (auto error = ParseTransposedLayout("quantize_blocks_transposed", x, data,
+                                         data_untransposed, problem);
+      error.failure()) {
+    return error;
+  }
+  const int64_t row_blocks = CeilDiv(problem->rows, kWeightBlock);
+  const int64_t col_blocks = CeilDiv(problem->cols, kWeightBlock);
+  const auto dims = scale_inv.dimensions();
+  if (scale_inv.element_type() != ffi::DataType::F32 || dims.size() != 3 ||
+      dims[0] != problem->batch || dims[1] != row_blocks || dims[2] != col_blocks) {
+    return InvalidArgument("quantize_blocks_transposed: scale_inv must be float32 [B, ceil(R / ",
+                           kWeightBlock, "), ceil(C / ", kWeightBlock, ")] = [",
+                           problem->batch, ", ", row_blocks, ", ", col_blocks, "], got ",
+                           DataTypeName(scale_inv.element_type()), " ", ShapeString(dims));
   }
   return ffi::Error::Success();
 }
@@ -406,6 +453,42 @@ inline void QuantizeTransposedCpu(const TransposedProblem& p, const ffi::AnyBuff
         const uint8_t code = FloatToFp8(value * scale, p.format);
         data[in + c * p.rows + r] = code;
         if (p.untransposed) data_untransposed[in + r * p.cols + c] = code;
+      }
+    }
+  }
+}
+// The tile-scaled transposed quantization above, on the host: the block_2d loop of
+// QuantizeCpu (same amax, scale and rounding) with the two layouts as outputs.
+inline void QuantizeBlocksTransposedCpu(const TransposedProblem& p, const ffi::AnyBuffer& x,
+                                        uint8_t* data, float* scale_inv,
+                                        uint8_t* data_untransposed) {
+  const float fp8_max = Fp8Max(p.format);
+  const int64_t row_blocks = CeilDiv(p.rows, kWeightBlock);
+  const int64_t col_blocks = CeilDiv(p.cols, kWeightBlock);
+  const auto value = [&](int64_t index) {
+    return LoadAsFloat(x.untyped_data(), x.element_type(), index);
+  };
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t in = b * p.rows * p.cols;
+    for (int64_t rb = 0; rb < row_blocks; ++rb) {
+      for (int64_t cb = 0; cb < col_blocks; ++cb) {
+        const int64_t r0 = rb * kWeightBlock, r1 = std::min(p.rows, r0 + kWeightBlock);
+        const int64_t c0 = cb * kWeightBlock, c1 = std::min(p.cols, c0 + kWeightBlock);
+        float amax = 0.0f;
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t c = c0; c < c1; ++c) {
+            amax = std::max(amax, AbsForAmax(value(in + r * p.cols + c)));
+          }
+        }
+        const float scale = ScaleFromAmax(amax, fp8_max);
+        scale_inv[(b * row_blocks + rb) * col_blocks + cb] = 1.0f / scale;
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t c = c0; c < c1; ++c) {
+            const uint8_t code = FloatToFp8(value(in + r * p.cols + c) * scale, p.format);
+            data[in + c * p.rows + r] = code;
+            if (p.untransposed) data_untransposed[in + r * p.cols + c] = code;
+          }
+        }
       }
     }
   }

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfuse._src import checks
 from jaxfuse._src import compat
 from jaxfuse._src import ffi as ffi_registry
 from jaxfuse._src.ops.scaled_activation import ffi as act_ffi
@@ -140,6 +141,38 @@ def quantize_transposed(x, amax, *, fmt, untransposed=False):
   data, scale_inv, straight = jax.ffi.ffi_call("jaxfuse_quantize_transposed", out_types,
                                                vmap_method="sequential")(x, amax)
   return tuple(compat.vary_like(out, x, amax) for out in (data, scale_inv, straight))
+
+
+# Mirrors kWeightBlock (jaxfuse/quantize.h): the blockwise grouped GEMM's weight tiles.
+WEIGHT_BLOCK = 128
+
+
+def quantize_blocks_transposed(x, *, fmt, untransposed=False):
+  """x [B, R, C] (float32/bfloat16/float16) -> (data [B, C, R] FP8, scale_inv float32
+  [B, ceil(R / 128), ceil(C / 128)], data_untransposed: [B, R, C] FP8 with
+  ``untransposed``, else an empty [0] array), FP8 of ``fmt`` ("e4m3" or "e5m2").
+
+  One scale per 128 x 128 tile x[b, 128 i:128 (i + 1), 128 j:128 (j + 1)] (smaller at the
+  edges): scale = fp8_max / amax of the tile (NaN counted as 0; 1 when the amax is 0 or
+  inf), scale_inv[b, i, j] = 1 / scale, data[b, c, r] = fp8(x[b, r, c] * scale). The same
+  bits as the 2-D block quantization of x (block 128) with data swapped to [B, C, R]: the
+  blockwise grouped GEMM's weights, forward layout and with ``untransposed`` the dgrad's,
+  from one kernel pass.
+  """
+  checks.check_rank("x", x, 3, "[B, R, C]")
+  checks.check_float_array("x", x)
+  if fmt not in recipes.FP8_DTYPES:
+    raise ValueError(f"fmt must be one of {tuple(recipes.FP8_DTYPES)}, got {fmt!r}")
+  ffi_registry.ensure_registered()
+  batch, rows, cols = x.shape
+  fp8 = recipes.FP8_DTYPES[fmt]
+  blocks = (batch, -(-rows // WEIGHT_BLOCK), -(-cols // WEIGHT_BLOCK))
+  out_types = (jax.ShapeDtypeStruct((batch, cols, rows), fp8),
+               jax.ShapeDtypeStruct(blocks, jnp.float32),
+               jax.ShapeDtypeStruct(x.shape if untransposed else (0,), fp8))
+  data, scale_inv, straight = jax.ffi.ffi_call("jaxfuse_quantize_blocks_transposed", out_types,
+                                               vmap_method="sequential")(x)
+  return tuple(compat.vary_like(out, x) for out in (data, scale_inv, straight))
 
 
 # Mirrors jaxfuse/columnwise.h: each group's first column is 16-aligned.

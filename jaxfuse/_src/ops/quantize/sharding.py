@@ -25,6 +25,9 @@ a sharded R or C gives each device its block's amax, combined with ``pmax``.
 ``quantize_transposed`` (x [B, R, C] -> data [B, C, R] with a given amax [B]): every
 dimension may be sharded; each device quantizes its block with the given (global) amax,
 so nothing is communicated.
+``quantize_blocks_transposed`` (x [B, R, C] -> data [B, C, R], one scale per 128 x 128
+tile): B may be sharded with no communication; R and C are kept replicated (a shard
+boundary inside a tile would split its amax, and uneven shards would shift the tiles).
 
 ``scaled_activation_quantize`` / ``scaled_dactivation_quantize``: rows may be sharded (x,
 scales, dy, dx, dscales and the data keep the row sharding). The feature dimension may be
@@ -287,4 +290,25 @@ def quantize_transposed(x, amax, *, fmt, untransposed=False):
   is None unless asked for."""
   data, scale_inv, straight = _transposed(x, amax.astype(jnp.float32), fmt=fmt,
                                           untransposed=bool(untransposed))
+  return data, scale_inv, straight if untransposed else None
+
+
+# --- quantize_blocks_transposed --------------------------------------------------------
+
+
+def _blocks_transposed_rule(attrs, in_ranks, out_ranks):
+  del in_ranks, out_ranks
+  straight = ["b", "r", "c"] if attrs["untransposed"] else ["z"]
+  return [["b", "r", "c"]], [["b", "c", "r"], ["b", "sr", "sc"], straight]
+
+
+_blocks_transposed = sharding.partitioned(ffi.quantize_blocks_transposed,
+                                          _blocks_transposed_rule,
+                                          replicated=("r", "c", "sr", "sc", "z"))
+
+
+def quantize_blocks_transposed(x, *, fmt, untransposed=False):
+  """ffi.quantize_blocks_transposed with its sharding rule (B sharded, R and C
+  replicated); the untransposed copy is None unless asked for."""
+  data, scale_inv, straight = _blocks_transposed(x, fmt=fmt, untransposed=bool(untransposed))
   return data, scale_inv, straight if untransposed else None

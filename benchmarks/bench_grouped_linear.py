@@ -18,7 +18,9 @@ wgrad: "fp8" takes the row-wise E4M3 x and E5M2 dy, so it includes their two col
 copies (jaxfuse_group_columnwise); "fp8 columnwise" is the wgrad kernel alone on ready
 copies. "fp8 blockwise": Float8BlockScaling (DeepSeek-V3's recipe), its fwd and dgrad
 kernels on pre-quantized operands (x / dy in E4M3 with 1 x 128 block scales, w in E4M3 with
-128 x 128 tile scales) and the op with quantization included (its wgrad is 16-bit).
+128 x 128 tile scales) and the op with quantization included (its wgrad is 16-bit); "fp8
+blockwise quantized kernel" that op on tiles quantized once (a constant copy for its
+forward, a trainable one for fwd+bwd), as "fp8 quantized kernel".
 
 tokamax (benchmarks/tokamax_baseline.py: tokamax.ragged_dot with its Pallas Mosaic GPU
 kernels, the backward through its own VJP) runs in the same alternating chunks when it can be
@@ -64,7 +66,8 @@ CASES = {
 FORMS = ("fwd", "dgrad", "wgrad")
 FP8_PRECISIONS = ("fp8", "fp8 promoted", "fp8 columnwise", "fp8 blockwise")
 # The whole op: grouped_linear.
-OP_FP8_PRECISIONS = ("fp8", "fp8 quantized kernel", "fp8 blockwise")
+OP_FP8_PRECISIONS = ("fp8", "fp8 quantized kernel", "fp8 blockwise",
+                     "fp8 blockwise quantized kernel")
 CHUNK = 20  # calls per alternating chunk (see the module docstring)
 
 
@@ -123,10 +126,15 @@ def fp8_steps(x, w, dy, offsets):
   block_recipe = jaxfuse.quantization.Float8BlockScaling()
   x_b, x_bs = grouped_api.blockwise_rows(x, block_recipe, "forward", "ffi")
   dy_b, dy_bs = grouped_api.blockwise_rows(dy, block_recipe, "gradient", "ffi")
-  (w_t_b, w_t_bs), (w_b, w_bs) = grouped_api.blockwise_weights(w, block_recipe, "ffi")
+  (w_t_b, w_t_bs), (w_b, w_bs) = grouped_api.blockwise_weights(w, block_recipe,
+                                                                untransposed=True)
   block_gemm = lambda form: jax.jit(lambda a, b, o, sa, sb: grouped_ffi.grouped_gemm_blockwise(
       a, b, o, sa, sb, form=form))
   block_fwd, block_fwd_bwd = op(block_recipe)
+  # The blockwise op on 128 x 128 tiles quantized once: forward on a constant copy,
+  # fwd+bwd on a trainable one (the kernel's gradient at its master).
+  w_block_quantized = jaxfuse.quantize_experts(w, block_recipe)
+  w_block_trainable = jaxfuse.quantize_experts(w, block_recipe, trainable=True)
 
   return {
       ("fp8 blockwise", "fwd"): (block_gemm(grouped_ffi.FORWARD),
@@ -135,6 +143,10 @@ def fp8_steps(x, w, dy, offsets):
                                    (dy_b, w_b, offsets, dy_bs, w_bs)),
       ("fp8 blockwise", "op fwd"): (block_fwd, (x, w, sizes)),
       ("fp8 blockwise", "op fwd+bwd"): (block_fwd_bwd, (x, w, sizes, dy)),
+      ("fp8 blockwise quantized kernel", "op fwd"): (quantized_kernel_fwd,
+                                                     (x, w_block_quantized, sizes)),
+      ("fp8 blockwise quantized kernel", "op fwd+bwd"): (quantized_kernel_fwd_bwd,
+                                                         (x, w_block_trainable, sizes, dy)),
       ("fp8", "fwd"): (gemm(grouped_ffi.FORWARD, recipe.forward_fast_accumulation),
                        (x_q, w_t_q, offsets, x_s, w_s)),
       ("fp8 promoted", "fwd"): (gemm(grouped_ffi.FORWARD), (x_q, w_t_q, offsets, x_s, w_s)),

@@ -14,7 +14,9 @@ jaxfuse_fp8_quantized_kernels_*: the FP8 op on weights quantized once, outside t
 calls: the forward on jaxfuse.quantize_experts copies (inference), the forward + backward on
 trainable copies (quantize_experts(..., trainable=True), the gradients going to their
 masters): a micro-batch's step when the weights are quantized once per optimizer step and
-shared by its micro-batches. All timed in
+shared by its micro-batches. jaxfuse_fp8_blockwise_*: recipe=Float8BlockScaling()
+(DeepSeek-V3's 1 x 128 / 128 x 128 blocks, the blockwise FP8 GEMMs, 16-bit wgrads), and
+jaxfuse_fp8_blockwise_quantized_kernels_* the same on copies quantized once. All timed in
 alternating chunks with the bf16 op (common.time_alternating), after 2 s of warm-up; a
 chunk holds ~10 ms of calls (5 to 200, calls_per_sync), so that one sync's latency is not
 charged to a few short steps.
@@ -74,8 +76,10 @@ def jax_inputs(tokens, hidden, ffn, seed):
 
 FP8_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
 FP8_WGRAD16_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True, fp8_wgrad=False)
+BLOCK_RECIPE = jaxfuse.quantization.Float8BlockScaling()
 JAX_IMPLS = ("jaxfuse", "jaxfuse_fp8", "jaxfuse_fp8_wgrad16", "jaxfuse_fp8_quantized_kernels",
-             "tokamax", "ragged_dot")
+             "jaxfuse_fp8_blockwise", "jaxfuse_fp8_blockwise_quantized_kernels", "tokamax",
+             "ragged_dot")
 
 
 def jax_fns(implementation, recipe=None):
@@ -146,11 +150,15 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls, tokamax=None):
   tokamax_steps, out["tokamax_max_rel_error"] = tokamax_variants(tokamax, bf16_fns, arg_sets)
   # The weights quantized once, outside the timed calls: plain copies for the forward
   # (inference), trainable ones for the forward + backward (a micro-batch's step).
-  quantized_sets = {
-      pass_name: [(x, jaxfuse.quantize_experts(k1, FP8_RECIPE, trainable=trainable),
-                   jaxfuse.quantize_experts(k2, FP8_RECIPE, trainable=trainable), s, sizes_, dy)
-                  for x, k1, k2, s, sizes_, dy in arg_sets]
-      for pass_name, trainable in (("fwd", False), ("fwd+bwd", True))}
+  def quantized(recipe):
+    return {
+        pass_name: [(x, jaxfuse.quantize_experts(k1, recipe, trainable=trainable),
+                     jaxfuse.quantize_experts(k2, recipe, trainable=trainable), s, sizes_, dy)
+                    for x, k1, k2, s, sizes_, dy in arg_sets]
+        for pass_name, trainable in (("fwd", False), ("fwd+bwd", True))}
+
+  quantized_sets, block_quantized_sets = quantized(FP8_RECIPE), quantized(BLOCK_RECIPE)
+  block_fns = jax_fns("ffi", BLOCK_RECIPE)
   for pass_name in bf16_fns:
     variants = {"jaxfuse": common.rotating(bf16_fns[pass_name], arg_sets),
                 "jaxfuse_fp8": common.rotating(fp8_fns[pass_name], arg_sets),
@@ -159,6 +167,9 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls, tokamax=None):
       variants["tokamax"] = tokamax_steps[pass_name]
     variants["jaxfuse_fp8_quantized_kernels"] = common.rotating(fp8_fns[pass_name],
                                                                 quantized_sets[pass_name])
+    variants["jaxfuse_fp8_blockwise"] = common.rotating(block_fns[pass_name], arg_sets)
+    variants["jaxfuse_fp8_blockwise_quantized_kernels"] = common.rotating(
+        block_fns[pass_name], block_quantized_sets[pass_name])
     stats = common.time_alternating(variants, rounds=max(2, calls // common.CHUNK), chunk=chunk)
     for name, timing in stats.items():
       out[name][pass_name] = timing["median_ms"]
@@ -169,7 +180,7 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls, tokamax=None):
     except Exception as error:  # an out-of-memory baseline must not stop the run
       print(f"ragged_dot {pass_name} failed: {type(error).__name__}: {str(error)[:200]}")
       out["ragged_dot"][pass_name] = None
-  del sets, arg_sets, quantized_sets
+  del sets, arg_sets, quantized_sets, block_quantized_sets
   return out
 
 
@@ -345,13 +356,16 @@ def main():
   common.print_table(rows, ["case", "pass", "jaxfuse_ms", "jaxfuse_tflops",
                             "jaxfuse_fp8_tflops", "jaxfuse_fp8_wgrad16_tflops",
                             "jaxfuse_fp8_quantized_kernels_tflops",
+                            "jaxfuse_fp8_blockwise_tflops",
+                            "jaxfuse_fp8_blockwise_quantized_kernels_tflops",
                             "fp8_speedup", "torch_tflops",
                             "torch_graph_tflops", "tokamax_tflops", "ragged_dot_tflops",
                             "jaxfuse_vs_torch", "jaxfuse_vs_tokamax",
                             "jaxfuse_vs_ragged_dot"])
   common.write_results("grouped_mlp", rows, tag=args.tag, dtype="bfloat16",
                        fp8_recipe="Float8CurrentScaling(per_group=True) (jaxfuse_fp8_*); "
-                                  "fp8_wgrad=False (jaxfuse_fp8_wgrad16_*)",
+                                  "fp8_wgrad=False (jaxfuse_fp8_wgrad16_*); "
+                                  "Float8BlockScaling() (jaxfuse_fp8_blockwise_*)",
                        activation="swiglu",
                        experts=EXPERTS,
                        baselines="jax.lax.ragged_dot + jnp SwiGLU (XLA), torch._grouped_mm "

@@ -6,7 +6,8 @@ GEMMs in FP8, quantization included; same bf16 parameters and inputs), and the s
 expert weights quantized once, outside the timed calls (jaxfuse_fp8_quantized_kernels_*):
 the forward on jaxfuse.quantize_experts copies (inference), the forward + backward on
 trainable copies (quantize_experts(..., trainable=True): a micro-batch's step when the
-weights are quantized once per optimizer step). The three jaxfuse variants run in
+weights are quantized once per optimizer step); jaxfuse_fp8_blockwise_* the same two with
+recipe=Float8BlockScaling() (DeepSeek-V3's blocks). The five jaxfuse variants run in
 alternating chunks (common.time_alternating); the reference, ~10x slower, on its own.
 
 Cases: Mixtral-like (8 experts, top-2, H=4096, F=14336) and DeepSeek-like (64 experts,
@@ -46,6 +47,9 @@ def inputs(tokens, hidden, ffn, experts, seed=0):
 
 
 FP8_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
+BLOCK_RECIPE = jaxfuse.quantization.Float8BlockScaling()
+LABELS = ("jaxfuse", "jaxfuse_fp8", "jaxfuse_fp8_quantized_kernels", "jaxfuse_fp8_blockwise",
+          "jaxfuse_fp8_blockwise_quantized_kernels", "reference")
 
 
 def step(implementation, top_k, recipe=None):
@@ -106,16 +110,22 @@ def main():
     # are quantized once, outside the timed calls: plain copies for the forward
     # (inference), trainable ones for the forward + backward.
     for pass_name, trainable in (("fwd", False), ("fwd+bwd", True)):
-      quantized = (x, router, jaxfuse.quantize_experts(k1, FP8_RECIPE, trainable=trainable),
-                   jaxfuse.quantize_experts(k2, FP8_RECIPE, trainable=trainable), dy)
+      quantized = lambda recipe, trainable=trainable: (
+          x, router, jaxfuse.quantize_experts(k1, recipe, trainable=trainable),
+          jaxfuse.quantize_experts(k2, recipe, trainable=trainable), dy)
       fp8_step = step("ffi", top_k, FP8_RECIPE)[pass_name]
+      block_step = step("ffi", top_k, BLOCK_RECIPE)[pass_name]
       variants = {"jaxfuse": common.rotating(step("ffi", top_k)[pass_name], [arguments]),
                   "jaxfuse_fp8": common.rotating(fp8_step, [arguments]),
-                  "jaxfuse_fp8_quantized_kernels": common.rotating(fp8_step, [quantized])}
+                  "jaxfuse_fp8_quantized_kernels": common.rotating(
+                      fp8_step, [quantized(FP8_RECIPE)]),
+                  "jaxfuse_fp8_blockwise": common.rotating(block_step, [arguments]),
+                  "jaxfuse_fp8_blockwise_quantized_kernels": common.rotating(
+                      block_step, [quantized(BLOCK_RECIPE)])}
       stats = common.time_alternating(variants, rounds=max(3, calls // 2), chunk=2)
       for label, timing in stats.items():
         times[(label, pass_name)] = timing["median_ms"]
-      del quantized
+      del variants
     del x, router, k1, k2, dy
     for pass_name, fn in step("xla", top_k).items():  # ~10x slower: drift does not matter
       times[("reference", pass_name)], notes[pass_name] = time_reference(
@@ -125,7 +135,7 @@ def main():
                             backward=pass_name == "fwd+bwd")
       row = {"case": name, "tokens": tokens, "hidden": hidden, "ffn": ffn, "experts": experts,
              "top_k": top_k, "pass": pass_name, "flops": flops}
-      for label in ("jaxfuse", "jaxfuse_fp8", "jaxfuse_fp8_quantized_kernels", "reference"):
+      for label in LABELS:
         ms = times[(label, pass_name)]
         row[f"{label}_ms"] = ms
         row[f"{label}_tflops"] = flops / (ms * 1e-3) / 1e12 if ms else None
@@ -142,7 +152,8 @@ def main():
     del arguments
   common.print_table(rows, ["case", "pass", "jaxfuse_ms", "jaxfuse_tflops", "jaxfuse_fp8_ms",
                             "fp8_speedup", "jaxfuse_fp8_quantized_kernels_ms",
-                            "fp8_quantized_kernels_speedup", "reference_ms",
+                            "fp8_quantized_kernels_speedup", "jaxfuse_fp8_blockwise_ms",
+                            "jaxfuse_fp8_blockwise_quantized_kernels_ms", "reference_ms",
                             "reference_tflops", "speedup"])
   common.write_results("moe", rows, dtype="bfloat16", activation="swiglu",
                        baseline="jaxfuse.moe(implementation='xla'): argsort/scatter "

@@ -82,6 +82,9 @@ RECIPES = (Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling)
 
 # Scaling modes (static metadata of a QuantizedArray) and their handler codes.
 SCALING_MODES = {"per_tensor": 0, "per_group": 0, "block_1d": 1, "block_2d": 2, "mxfp8": 3}
+# quantize_experts' modes: data [G, N, K] of a kernel [G, K, N] (per-expert current scaling,
+# or 128 x 128 tiles for the blockwise FP8 grouped GEMM).
+EXPERT_MODES = ("per_expert", "expert_block_2d")
 
 
 def fp8_format(recipe, role: str) -> str:
@@ -105,14 +108,18 @@ class QuantizedArray:
       g's kernel [K, N] transposed (the K-major layout of the FP8 grouped GEMMs);
       "per_kernel" (``jaxfuse.quantize_kernel``): float32 [1] for data [N, K], a dense
       kernel [K, N] transposed (the K-major layout of the FP8 linear_scale_add);
+      "expert_block_2d" (``jaxfuse.quantize_experts`` with Float8BlockScaling): float32
+      [G, ceil(N / block), ceil(K / block)] for data [G, N, K], one scale per block x
+      block tile of each expert's kernel [K, N], transposed with it;
       "block_1d": float32 [..., ceil(K / block)]; "block_2d": float32
       [..., ceil(R / block), ceil(K / block)] for data [..., R, K]; "mxfp8": uint8
       [..., ceil(K / block)] biased exponents (2^(e - 127)).
     group_offsets: int32 [G + 1] for "per_group", else None.
-    data_untransposed: for a trainable "per_expert" / "per_kernel" array, the same FP8
-      values in the kernel's layout [G, K, N] / [K, N] (what the FP8 dgrad reads), else
+    data_untransposed: for a trainable "per_expert" / "expert_block_2d" / "per_kernel"
+      array, the same FP8 values in the kernel's layout [G, K, N] / [K, N] (what the FP8
+      dgrad reads; an "expert_block_2d" copy's tile scales are scale_inv swapped), else
       None.
-    master: for a trainable "per_expert" / "per_kernel" array (``quantize_experts`` /
+    master: for a trainable "per_expert" / "expert_block_2d" / "per_kernel" array (``quantize_experts`` /
       ``quantize_kernel`` with ``trainable=True``), the 16-bit kernel the values were
       quantized from: the ops that take the array send the kernel's gradient there (the
       wgrad does not read the weights), so one quantization can serve many calls that
@@ -134,8 +141,9 @@ class QuantizedArray:
   @property
   def shape(self):
     """The shape of the array it represents (what ``dequantize`` returns): data's, or for
-    "per_expert" data [G, N, K] the kernel's [G, K, N] ("per_kernel": [N, K] -> [K, N])."""
-    if self.scaling_mode == "per_expert":
+    "per_expert" / "expert_block_2d" data [G, N, K] the kernel's [G, K, N] ("per_kernel":
+    [N, K] -> [K, N])."""
+    if self.scaling_mode in EXPERT_MODES:
       groups, n, k = self.data.shape
       return (groups, k, n)
     if self.scaling_mode == "per_kernel":

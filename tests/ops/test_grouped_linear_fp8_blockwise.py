@@ -263,12 +263,104 @@ def test_errors(recipe, shapes_, error, match, implementation):
                            implementation=implementation)
 
 
-def test_quantized_kernels_are_rejected():
+def test_a_per_expert_kernel_is_rejected():
   kernel = jnp.ones((2, 32, 32), jnp.bfloat16)
   quantized = jaxfuse.quantize_experts(kernel, jaxfuse.quantization.Float8CurrentScaling())
   with pytest.raises(ValueError, match="cannot run with recipe=Float8BlockScaling"):
     jaxfuse.grouped_linear(jnp.ones((32, 32), jnp.bfloat16), quantized,
                            jnp.ones((2,), jnp.int32), recipe=RECIPE)
+
+
+# --- weights quantized once (quantize_experts with Float8BlockScaling) ---------------------
+
+
+@pytest.mark.parametrize("backend, implementation", [
+    pytest.param("cpu", "ffi", id="cpu-ffi"),
+    pytest.param("cpu", "xla", id="cpu-xla"),
+    pytest.param("gpu", "ffi", id="gpu-ffi", marks=pytest.mark.gpu),
+])
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+def test_quantize_experts_holds_the_tiles_of_quantize(backend, implementation, trainable):
+  """The copy's data is quantize(kernel, recipe, kind="weight") transposed per expert, its
+  scales the tile scales transposed (tested against numpy in test_quantize.py); a
+  trainable copy also keeps the untransposed bytes and the kernel. dequantize gives back
+  [G, K, N]. Shapes with partial tiles in both dimensions."""
+  _, kernel = make_inputs(90, 8, 272, 144, 3, jnp.bfloat16)
+  (kernel,) = on(backend, kernel)
+  q = jax.jit(lambda k: jaxfuse.quantize_experts(k, RECIPE, trainable=trainable,
+                                                 implementation=implementation))(kernel)
+  want = helpers.on_cpu(lambda w: jaxfuse.quantize(w, RECIPE, kind="weight",
+                                                   implementation="xla"), kernel)
+  assert q.scaling_mode == "expert_block_2d" and q.block_size == BLOCK
+  assert q.data.dtype == jnp.float8_e4m3fn and q.data.shape == (3, 144, 272)
+  assert q.scale_inv.shape == (3, blocks(144), blocks(272)) and q.shape == (3, 272, 144)
+  np.testing.assert_array_equal(np.asarray(q.data, np.float32),
+                                np.swapaxes(np.asarray(want.data, np.float32), 1, 2))
+  np.testing.assert_array_equal(np.asarray(q.scale_inv), np.swapaxes(np.asarray(want.scale_inv),
+                                                                     1, 2))
+  if trainable:
+    np.testing.assert_array_equal(np.asarray(q.data_untransposed, np.float32),
+                                  np.asarray(want.data, np.float32))
+    np.testing.assert_array_equal(np.asarray(q.master, np.float32),
+                                  np.asarray(kernel, np.float32))
+  else:
+    assert q.data_untransposed is None and q.master is None
+  np.testing.assert_array_equal(np.asarray(jaxfuse.dequantize(q), np.float32),
+                                np.asarray(jaxfuse.dequantize(want), np.float32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+def test_a_quantized_kernel_gives_the_16_bit_kernels_results(backend, trainable):
+  """The same FP8 tiles as the call would make: identical output and dx; a trainable
+  copy's master gets the 16-bit kernel's gradient, a frozen copy none, and neither step
+  quantizes the weights again."""
+  m, k, n = shapes(backend)
+  sizes = sizes_cases(m)["empty_groups"]
+  x, kernel = make_inputs(91, m, k, n, len(sizes), jnp.bfloat16)
+  d_out = helpers.random_array(np.random.default_rng(92), (m, n), jnp.bfloat16)
+  x, kernel, d_out, group_sizes = on(backend, x, kernel, d_out, jnp.asarray(sizes, jnp.int32))
+  quantized = jax.jit(lambda k: jaxfuse.quantize_experts(k, RECIPE, trainable=trainable))(kernel)
+  fn = lambda x, w: jaxfuse.grouped_linear(x, w, group_sizes, recipe=RECIPE,
+                                           implementation="ffi")
+  out, vjp = jax.vjp(fn, x, kernel)
+  q_out, q_vjp = jax.vjp(fn, x, quantized)
+  np.testing.assert_array_equal(np.asarray(q_out, np.float32), np.asarray(out, np.float32))
+  (d_x, d_kernel), (q_d_x, q_d_kernel) = jax.jit(vjp)(d_out), jax.jit(q_vjp)(d_out)
+  np.testing.assert_array_equal(np.asarray(q_d_x, np.float32), np.asarray(d_x, np.float32))
+  if trainable:
+    np.testing.assert_array_equal(np.asarray(q_d_kernel.master, np.float32),
+                                  np.asarray(d_kernel, np.float32))
+  else:
+    assert q_d_kernel.master is None
+  loss = lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32))
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, quantized)
+  for target in ("jaxfuse_quantize_blocks_transposed", "jaxfuse_batch_amax"):
+    assert helpers.count_primitives(jaxpr, helpers.ffi_target(target)) == 0, target
+  # x and dy only, in 1 x 128 blocks.
+  assert helpers.count_primitives(jaxpr, helpers.ffi_target("jaxfuse_quantize")) == 2
+  # The reference takes the copy too, with the same straight-through gradient.
+  ref = lambda x, w: jaxfuse.grouped_linear(x, w, group_sizes, recipe=RECIPE,
+                                            implementation="xla")
+  ref_out = helpers.on_cpu(ref, x, quantized)
+  assert_bf16_close(q_out, helpers.as_f64(ref_out), "reference on the copy")
+
+
+def test_quantize_experts_block_errors():
+  kernel = jnp.ones((2, 32, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"block_size must be 128, got 64"):
+    jaxfuse.quantize_experts(kernel, jaxfuse.quantization.Float8BlockScaling(block_size=64))
+  with pytest.raises(ValueError, match=r"forward_format must be 'e4m3'"):
+    jaxfuse.quantize_experts(kernel,
+                             jaxfuse.quantization.Float8BlockScaling(forward_format="e5m2"))
+  with pytest.raises(TypeError, match=r"Float8CurrentScaling.*or Float8BlockScaling"):
+    jaxfuse.quantize_experts(kernel, jaxfuse.quantization.MXFP8BlockScaling())
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  q = jaxfuse.quantize_experts(kernel, RECIPE)
+  bad = dataclasses.replace(q, scale_inv=jnp.ones((2, 1), jnp.float32))
+  with pytest.raises(ValueError, match=r"scale_inv float32 \[2, 1, 1\] \(one per 128 x 128 "
+                                       r"tile\), got \(2, 1\)"):
+    jaxfuse.grouped_linear(jnp.ones((32, 32), jnp.bfloat16), bad, jnp.ones((2,), jnp.int32))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

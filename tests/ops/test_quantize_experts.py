@@ -285,8 +285,8 @@ def _kernel():
 
 @pytest.mark.parametrize("call, error, match", [
     pytest.param(lambda: jaxfuse.quantize_experts(
-        _kernel(), jaxfuse.quantization.Float8BlockScaling()), TypeError,
-        "Float8CurrentScaling", id="block-recipe"),
+        _kernel(), jaxfuse.quantization.MXFP8BlockScaling()), TypeError,
+        "Float8CurrentScaling.*or Float8BlockScaling", id="mxfp8-recipe"),
     pytest.param(lambda: jaxfuse.quantize_experts(
         _kernel(), jaxfuse.quantization.Float8CurrentScaling(forward_format="e5m2")),
         ValueError, "forward_format", id="e5m2-weights"),

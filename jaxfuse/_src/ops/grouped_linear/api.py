@@ -40,22 +40,28 @@ def kernel_facts(name: str, kernel) -> tuple[np.dtype, tuple[int, int, int]]:
   """(dtype, [G, K, N] shape) of a grouped GEMM kernel: a 16-bit/fp32 array, or a
   QuantizedArray from ``quantize_experts`` (its original dtype and logical shape).
 
-  Raises TypeError for other QuantizedArrays (a kernel must be quantized per expert, in
-  E4M3, laid out [G, N, K]) and for non-float arrays; ValueError for a rank other than 3.
+  Raises TypeError for other QuantizedArrays (a kernel must be quantized per expert or in
+  128 x 128 tiles, in E4M3, laid out [G, N, K]) and for non-float arrays; ValueError for a
+  rank other than 3 or scales of the wrong shape.
   """
   if not is_quantized_kernel(kernel):
     dtype = checks.check_float_array(name, kernel)
     checks.check_rank(name, kernel, 3, "[G, K, N]")
     return dtype, tuple(kernel.shape)
-  if kernel.scaling_mode != "per_expert":
+  if kernel.scaling_mode not in recipes.EXPERT_MODES:
     raise TypeError(f"a quantized {name} must come from jaxfuse.quantize_experts (scaling_mode "
-                    f"'per_expert'), got scaling_mode {kernel.scaling_mode!r}")
+                    f"one of {recipes.EXPERT_MODES}), got scaling_mode {kernel.scaling_mode!r}")
   if kernel.data.dtype != jnp.dtype(jnp.float8_e4m3fn) or kernel.data.ndim != 3:
     raise TypeError(f"a quantized {name} holds float8_e4m3fn data [G, N, K], got "
                     f"{kernel.data.dtype} {tuple(kernel.data.shape)}")
   groups, n, k = kernel.data.shape
-  if tuple(kernel.scale_inv.shape) != (groups,):
-    raise ValueError(f"a quantized {name} needs scale_inv float32 [{groups}] (one per expert), "
+  if kernel.scaling_mode == "per_expert":
+    scales, what = (groups,), "one per expert"
+  else:
+    block = ffi.SCALE_BLOCK
+    scales, what = (groups, -(-n // block), -(-k // block)), f"one per {block} x {block} tile"
+  if tuple(kernel.scale_inv.shape) != scales:
+    raise ValueError(f"a quantized {name} needs scale_inv float32 {list(scales)} ({what}), "
                      f"got {tuple(kernel.scale_inv.shape)}")
   quantized_kernels.check_copy_arrays(name, kernel, (groups, k, n), "transposed per expert")
   return jnp.dtype(kernel.dtype), (groups, k, n)
@@ -77,6 +83,19 @@ def recipe_for_kernels(recipe, *kernels):
       raise ValueError(f"a quantized kernel made with {kernel.recipe!r} cannot run with "
                        f"recipe={recipe!r}; quantize it with the call's recipe")
   return recipe
+
+
+def check_kernel_mode(name: str, kernel, recipe) -> None:
+  """A quantized kernel's scales must be the recipe's: one per expert for
+  Float8CurrentScaling, one per 128 x 128 tile for Float8BlockScaling (TypeError)."""
+  if not is_quantized_kernel(kernel):
+    return
+  expected = ("expert_block_2d" if isinstance(recipe, recipes.Float8BlockScaling)
+              else "per_expert")
+  if kernel.scaling_mode != expected:
+    raise TypeError(f"a quantized {name} with scaling_mode {kernel.scaling_mode!r} cannot run "
+                    f"with recipe={recipe!r} (which takes {expected!r}); quantize it with "
+                    "jaxfuse.quantize_experts(kernel, recipe)")
 
 
 def kernel_leaf(kernel):
@@ -110,12 +129,9 @@ def _validate(x, kernel, group_sizes, recipe, implementation: str) -> None:
   if groups < 1:
     raise ValueError("kernel must have at least one group (kernel.shape[0] >= 1)")
   names = ("K (x.shape[1])", "N (kernel.shape[2])")
+  check_kernel_mode("kernel", kernel, recipe)
   if isinstance(recipe, recipes.Float8BlockScaling):
     validate_blockwise(recipe, k, n, "grouped_linear", names)
-    if is_quantized_kernel(kernel):
-      raise TypeError("grouped_linear with Float8BlockScaling quantizes the 16-bit kernel in "
-                      "128 x 128 tiles on every call; it takes no quantize_experts result "
-                      "(those hold one scale per expert)")
   elif recipe is not None:
     validate_fp8(recipe, k, n, "grouped_linear", names,
                  groups if implementation == "ffi" else 1, blockwise_too=True)
@@ -319,18 +335,9 @@ def validate_blockwise(recipe, k: int, n: int, op: str, names=("K", "N")) -> Non
   check_fp8_operands(recipe, k, n, op, names)
 
 
-def blockwise_weights(kernel, recipe, implementation: str):
-  """The weight's FP8 values in 128 x 128 tiles, in both layouts the GEMMs read.
-
-  kernel [G, K, N] -> (w_t [G, N, K], w_t_scale_inv [G, N/128, K/128]) for the forward and
-  (w [G, K, N], w_scale_inv [G, K/128, N/128]) for the dgrad (blocks rounded up). A tile's
-  amax does not depend on the orientation, so one quantization gives both; the forward's
-  copy is its transpose.
-  """
-  from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
-  q = quantize_api.quantize(kernel, recipe, kind="weight", role="forward",
-                            implementation=implementation)
-  return (jnp.swapaxes(q.data, 1, 2), jnp.swapaxes(q.scale_inv, 1, 2)), (q.data, q.scale_inv)
+def blockwise_weights(kernel, recipe, untransposed: bool):
+  """reference.expert_block_weights on the FFI path: the FP8 tiles the GEMMs read."""
+  return reference.expert_block_weights(kernel, recipe, "ffi", untransposed=untransposed)
 
 
 def blockwise_rows(value, recipe, role: str, implementation: str):
@@ -346,31 +353,53 @@ def grouped_linear_blockwise_with_offsets(x, kernel, group_offsets, recipe,
   """Blockwise FP8 grouped_linear on precomputed int32 [G + 1] offsets (FFI path).
 
   Forward: x in E4M3 with 1 x 128 block scales along K, the kernel in E4M3 with one scale
-  per 128 x 128 tile, the blockwise FP8 grouped GEMM. Backward: dgrad in FP8 (the output
-  gradient in the recipe's gradient format, 1 x 128 blocks along N, times the forward's
-  FP8 weight as [G, K, N]); wgrad in 16-bit from the saved x and the output gradient.
+  per 128 x 128 tile (both layouts from one pass: [G, N, K] for the forward, [G, K, N]
+  saved for the dgrad), the blockwise FP8 grouped GEMM. Backward: dgrad in FP8 (the
+  output gradient in the recipe's gradient format, 1 x 128 blocks along N, times the
+  forward's FP8 weight as [G, K, N]); wgrad in 16-bit from the saved x and the output
+  gradient. A ``quantize_experts`` kernel is used as it is: a frozen one gets no gradient
+  (x is not kept), a trainable one's gradient goes to its master.
   """
-  return _blockwise_forward(x, kernel, group_offsets, recipe, varying_axes)[0]
+  return _blockwise_forward(x, kernel, group_offsets, recipe, varying_axes,
+                            for_backward=False)[0]
 
 
-def _blockwise_forward(x, kernel, group_offsets, recipe, varying_axes):
+def _blockwise_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=True):
   del varying_axes
   x_data, x_scale_inv = blockwise_rows(x, recipe, "forward", "ffi")
-  (w_t, w_t_scale_inv), (w, w_scale_inv) = blockwise_weights(kernel, recipe, "ffi")
-  out = sharding.grouped_gemm_blockwise(x_data, w_t, group_offsets, x_scale_inv,
-                                        w_t_scale_inv, form=ffi.FORWARD)
-  return out.astype(x.dtype), (x, w, w_scale_inv, group_offsets)
+  w_t, w = blockwise_weights(kernel, recipe, untransposed=for_backward)
+  out = blockwise_gemm(x_data, x_scale_inv, w_t, group_offsets, ffi.FORWARD, x.dtype)
+  x_saved = None if quantized_kernels.is_frozen_kernel(kernel) else x
+  return out, (x_saved, w, group_offsets,
+                               quantized_kernels.cotangent_template(kernel))
+
+
+def blockwise_gemm(a_data, a_scale_inv, w, group_offsets, form, dtype):
+  """One blockwise FP8 grouped GEMM form: a (FP8 [M, C], 1 x 128 block scales [M,
+  ceil(C/128)]) times the weight tiles w = (data, tile scale_inv) in the form's layout
+  ([G, N, K] for the forward, [G, K, N] for the dgrad); the result in `dtype`."""
+  w_data, w_scale_inv = w
+  return sharding.grouped_gemm_blockwise(a_data, w_data, group_offsets, a_scale_inv,
+                                         w_scale_inv, form=form).astype(dtype)
+
+
+def blockwise_dgrad(d_out, w, group_offsets, recipe, dtype):
+  """The blockwise FP8 dgrad: d_out in 1 x 128 blocks (the recipe's gradient format) times
+  the FP8 weight tiles w = (data [G, K, N], scale_inv [G, K/128, N/128]); in `dtype`."""
+  dy_data, dy_scale_inv = blockwise_rows(d_out, recipe, "gradient", "ffi")
+  return blockwise_gemm(dy_data, dy_scale_inv, w, group_offsets, ffi.DGRAD, dtype)
 
 
 def _blockwise_backward(recipe, varying_axes, saved, d_out):
-  x, w, w_scale_inv, group_offsets = saved
-  d_out = d_out.astype(x.dtype)
-  dy_data, dy_scale_inv = blockwise_rows(d_out, recipe, "gradient", "ffi")
-  d_x = sharding.grouped_gemm_blockwise(dy_data, w, group_offsets, dy_scale_inv, w_scale_inv,
-                                        form=ffi.DGRAD).astype(x.dtype)
-  d_kernel = sharding.grouped_gemm(x, d_out, group_offsets, form=ffi.WGRAD)
-  return (compat.match_varying_axes(d_x, varying_axes[0]),
-          compat.match_varying_axes(d_kernel, varying_axes[1]), None)
+  x, w, group_offsets, template = saved
+  dtype = d_out.dtype  # the output's, which is x's
+  d_x = compat.match_varying_axes(blockwise_dgrad(d_out, w, group_offsets, recipe, dtype),
+                                  varying_axes[0])
+  if x is None:  # a frozen quantize_experts kernel: a constant
+    return d_x, None, None
+  d_kernel = sharding.grouped_gemm(x, d_out.astype(x.dtype), group_offsets, form=ffi.WGRAD)
+  d_kernel = compat.match_varying_axes(d_kernel, varying_axes[1])
+  return d_x, quantized_kernels.kernel_cotangent(template, d_kernel), None
 
 
 grouped_linear_blockwise_with_offsets.defvjp(_blockwise_forward, _blockwise_backward)
@@ -424,8 +453,8 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
       outlier only coarsens its own block. Backward: dgrad in FP8 (the output gradient in
       1 x 128 blocks along N, in recipe.gradient_format, E4M3 by default) against the
       forward's FP8 weight; wgrad in 16-bit from the saved x. block_size must be 128;
-      K and N multiples of 16 (partial blocks are fine). The kernel must be the 16-bit
-      array (quantize_experts holds one scale per expert).
+      K and N multiples of 16 (partial blocks are fine). The kernel's tiles are
+      quantized in both layouts by one pass per call, or once by ``quantize_experts``.
 
   Returns:
     [M, N] in x's dtype (fp32 accumulation, one rounding).
@@ -436,7 +465,7 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
 
   Raises:
     TypeError: non-float or mixed dtypes, group_sizes not int32, 32-bit x on the FFI path,
-      a quantized kernel with Float8BlockScaling.
+      a quantized kernel whose scaling does not match the recipe.
     ValueError: mismatched shapes; K or N not a multiple of 8 on the FFI path (16 with an
       FP8 recipe); an FP8 recipe other than Float8CurrentScaling(per_group=True) or
       Float8BlockScaling(block_size=128) with E4M3 forward tensors; a quantized kernel made
@@ -465,11 +494,12 @@ def quantize_experts(kernel: jax.Array, recipe, *, trainable: bool = False,
                      implementation: str | None = None) -> recipes.QuantizedArray:
   """FP8 expert weights for ``grouped_linear`` / ``grouped_mlp``, quantized once.
 
-  The FP8 recipes quantize a 16-bit kernel on every call: an amax pass per expert and a
-  quantizing pass that writes it transposed (the K-major layout the FP8 tensor cores
-  take). For weights that do not change between calls (inference, the micro-batches of
-  one optimizer step) quantize them once here and pass the result as the kernel: the same
-  FP8 values, without the two passes over the weights.
+  The FP8 recipes quantize a 16-bit kernel on every call: with per-group current scaling
+  an amax pass per expert and a quantizing pass that writes it transposed (the K-major
+  layout the FP8 tensor cores take); with block scaling a pass over 128 x 128 tiles that
+  writes both layouts. For weights that do not change between calls (inference, the
+  micro-batches of one optimizer step) quantize them once here and pass the result as the
+  kernel: the same FP8 values, without the passes over the weights.
 
   Training on such a copy: with ``trainable=True`` the result also keeps ``kernel`` (as
   ``master``) and the FP8 values in the dgrad's layout, from the same pass. The ops then
@@ -482,38 +512,59 @@ def quantize_experts(kernel: jax.Array, recipe, *, trainable: bool = False,
 
   Args:
     kernel: [G, K, N] float32/bfloat16/float16, ``grouped_linear``'s kernel layout.
-    recipe: ``jaxfuse.quantization.Float8CurrentScaling`` with E4M3 forward tensors (the
-      call that takes the result must use the same recipe).
+    recipe: ``jaxfuse.quantization.Float8CurrentScaling`` (one scale per expert) or
+      ``Float8BlockScaling()`` (one scale per 128 x 128 tile, block_size 128), with E4M3
+      forward tensors; the call that takes the result must use the same recipe.
     trainable: keep the kernel for its gradient (above); else the result is a constant.
     implementation: None, "ffi" or "xla" (same values).
 
   Returns:
-    QuantizedArray with scaling_mode "per_expert": data float8_e4m3fn [G, N, K] (expert
-    g's kernel transposed), scale_inv float32 [G] (1 / (448 / amax of expert g); 1 for an
-    all-zero expert), dtype kernel.dtype; with ``trainable`` also data_untransposed
+    QuantizedArray with data float8_e4m3fn [G, N, K] (expert g's kernel transposed) and
+    dtype kernel.dtype. Current scaling: scaling_mode "per_expert", scale_inv float32 [G]
+    (1 / (448 / amax of expert g); 1 for an all-zero expert). Block scaling: scaling_mode
+    "expert_block_2d", scale_inv float32 [G, ceil(N / 128), ceil(K / 128)] (tile (j, i)
+    of data[g] is tile (i, j) of kernel[g]; the values of ``jaxfuse.quantize(kernel,
+    recipe, kind="weight")`` transposed). With ``trainable`` also data_untransposed
     float8_e4m3fn [G, K, N] and master = kernel. ``jaxfuse.dequantize`` gives back
     [G, K, N]. The FP8 values carry no gradient (as for every quantize result); a
     trainable result's master is kernel itself, so its gradient reaches kernel.
 
   Raises:
-    TypeError: kernel not a float array, or a recipe that is not Float8CurrentScaling.
-    ValueError: kernel not of rank 3, or the recipe's forward format is not E4M3.
+    TypeError: kernel not a float array, or a recipe that is neither Float8CurrentScaling
+      nor Float8BlockScaling.
+    ValueError: kernel not of rank 3, the recipe's forward format is not E4M3, or a block
+      size other than 128.
   """
-  if not isinstance(recipe, recipes.Float8CurrentScaling):
+  blockwise = isinstance(recipe, recipes.Float8BlockScaling)
+  if not (blockwise or isinstance(recipe, recipes.Float8CurrentScaling)):
     raise TypeError("quantize_experts takes recipe=Float8CurrentScaling(...) (one scale per "
-                    f"expert, the FP8 grouped GEMMs' weight scaling), got {recipe!r}")
+                    "expert) or Float8BlockScaling() (one per 128 x 128 tile), the FP8 "
+                    f"grouped GEMMs' weight scalings, got {recipe!r}")
   if recipe.forward_format != "e4m3":
     raise ValueError(f"the FP8 grouped GEMMs take E4M3 weights: recipe.forward_format must be "
                      f"'e4m3', got {recipe.forward_format!r}")
+  if blockwise and recipe.block_size != ffi.SCALE_BLOCK:
+    raise ValueError(f"the blockwise FP8 grouped GEMMs scale {ffi.SCALE_BLOCK} x "
+                     f"{ffi.SCALE_BLOCK} weight tiles: Float8BlockScaling.block_size must be "
+                     f"{ffi.SCALE_BLOCK}, got {recipe.block_size}")
   dtype = checks.check_float_array("kernel", kernel)
   checks.check_rank("kernel", kernel, 3, "[G, K, N]")
   impl = implementation_lib.resolve(implementation)
-  data, scale_inv, *straight = reference.quantize_experts_t(
-      jax.lax.stop_gradient(kernel), recipe, impl, untransposed=bool(trainable))
-  return recipes.QuantizedArray(data=data, scale_inv=scale_inv,
-                                data_untransposed=straight[0] if trainable else None,
+  frozen = jax.lax.stop_gradient(kernel)
+  straight = None
+  if blockwise:
+    (data, scale_inv), untransposed = reference.expert_block_weights(
+        frozen, recipe, impl, untransposed=bool(trainable))
+    straight = untransposed[0] if trainable else None
+  else:
+    data, scale_inv, *copies = reference.quantize_experts_t(frozen, recipe, impl,
+                                                           untransposed=bool(trainable))
+    straight = copies[0] if trainable else None
+  return recipes.QuantizedArray(data=data, scale_inv=scale_inv, data_untransposed=straight,
                                 master=kernel if trainable else None, recipe=recipe,
-                                scaling_mode="per_expert", dtype=dtype, role="forward")
+                                scaling_mode="expert_block_2d" if blockwise else "per_expert",
+                                block_size=recipe.block_size if blockwise else 0,
+                                dtype=dtype, role="forward")
 
 
 def flops(m: int, k: int, n: int) -> int:

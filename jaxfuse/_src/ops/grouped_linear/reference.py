@@ -148,7 +148,44 @@ def _straight_through(value, dequantized):
 # --- Blockwise FP8 (Float8BlockScaling) ------------------------------------------------------
 
 
-def grouped_linear_blockwise(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
+def expert_block_weights(kernel, recipe, implementation: str, untransposed: bool = False):
+  """The FP8 weights of the blockwise grouped GEMMs: one scale per 128 x 128 tile.
+
+  kernel [G, K, N] (16-bit) -> ((w_t [G, N, K], w_t_scale_inv float32 [G, ceil(N/128),
+  ceil(K/128)]) for the forward, and with `untransposed` (w [G, K, N], w_scale_inv
+  [G, ceil(K/128), ceil(N/128)]) for the dgrad, else None). A tile's amax does not depend
+  on its orientation, so one quantization gives both layouts: on the FFI path one kernel
+  pass writes them (``quantize_blocks_transposed``); the XLA path quantizes [G, K, N] and
+  transposes. A ``quantize_experts`` result (scaling_mode "expert_block_2d") is used as it
+  is (its gradient stopped; a trainable one's [G, K, N] copy is its own).
+  """
+  from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
+  from jaxfuse._src.ops.quantize import sharding as quantize_sharding  # pylint: disable=g-import-not-at-top
+  if is_quantized_kernel(kernel):
+    w_t, w_t_scale_inv = (jax.lax.stop_gradient(a) for a in (kernel.data, kernel.scale_inv))
+    if not untransposed:
+      return (w_t, w_t_scale_inv), None
+    w = kernel.data_untransposed
+    w = jnp.swapaxes(w_t, 1, 2) if w is None else jax.lax.stop_gradient(w)
+    return (w_t, w_t_scale_inv), (w, jnp.swapaxes(w_t_scale_inv, 1, 2))
+  if implementation == "ffi":
+    w_t, w_scale_inv, w = quantize_sharding.quantize_blocks_transposed(
+        kernel, fmt=recipe.forward_format, untransposed=untransposed)
+  else:
+    q = quantize_api.quantize(kernel, recipe, kind="weight", role="forward",
+                              implementation=implementation)
+    w_t, w_scale_inv, w = jnp.swapaxes(q.data, 1, 2), q.scale_inv, q.data
+  forward = (w_t, jnp.swapaxes(w_scale_inv, 1, 2))
+  return forward, ((w, w_scale_inv) if untransposed else None)
+
+
+def dequantize_tiles(data, scale_inv, block: int) -> jax.Array:
+  """float32 data [..., R, C] times its tiles' scale_inv [..., ceil(R/block), ceil(C/block)]."""
+  scale = jnp.repeat(jnp.repeat(scale_inv, block, axis=-1), block, axis=-2)
+  return data.astype(jnp.float32) * scale[..., :data.shape[-2], :data.shape[-1]]
+
+
+def grouped_linear_blockwise(x: jax.Array, kernel, group_sizes: jax.Array,
                              recipe) -> jax.Array:
   """The blockwise FP8 forward as the kernels compute it (DeepSeek-V3's recipe).
 
@@ -157,16 +194,19 @@ def grouped_linear_blockwise(x: jax.Array, kernel: jax.Array, group_sizes: jax.A
   accumulated in fp32 and rounded once to bfloat16, then cast to x's dtype. Rows past the
   groups are zero. Gradients pass straight through the quantization (the gradients of the
   product of the dequantized operands); the FFI backward quantizes the output gradient for
-  its dgrad instead and runs a 16-bit wgrad.
+  its dgrad instead and runs a 16-bit wgrad. `kernel` may be a ``quantize_experts``
+  result: its FP8 tiles are used as they are, and it gets no gradient unless it is
+  trainable (then its master does).
   """
   from jaxfuse._src.ops.quantize import api as quantize_api  # pylint: disable=g-import-not-at-top
   from jaxfuse._src.ops.quantize import reference as quantize_reference  # pylint: disable=g-import-not-at-top
   offsets = clamped_offsets(group_sizes, x.shape[0])
   q_x = quantize_api.quantize(x, recipe, role="forward", implementation="xla")
-  q_w = quantize_api.quantize(kernel, recipe, kind="weight", role="forward",
-                              implementation="xla")
+  (w_t, w_t_scale_inv), _ = expert_block_weights(kernel, recipe, "xla")
+  w_dequantized = jnp.swapaxes(dequantize_tiles(w_t, w_t_scale_inv, recipe.block_size), 1, 2)
   x_st = _straight_through(x, quantize_reference.dequantize_float32(q_x))
-  w_st = _straight_through(kernel, quantize_reference.dequantize_float32(q_w))
+  target = gradient_target(kernel)  # the kernel, a trainable copy's master, or None
+  w_st = w_dequantized if target is None else _straight_through(target, w_dequantized)
   out = jax.lax.ragged_dot(x_st, w_st, jnp.diff(offsets), precision=jax.lax.Precision.HIGHEST,
                            preferred_element_type=jnp.float32)
   return out.astype(jnp.bfloat16).astype(x.dtype)

@@ -21,7 +21,8 @@ An FP8 recipe swaps three pieces (see ``_Fp8``): the GEMM inputs are quantized p
 the activation hand-off to FC2 is the fused ``scaled_activation_quantize`` and the backward
 activation is the fused ``scaled_dactivation_quantize`` feeding FC1's dgrad and wgrad.
 Weight gradients run in FP8 from those same FP8 tensors (``recipe.fp8_wgrad``, the
-default) or in 16-bit.
+default) or in 16-bit. Float8BlockScaling (``_Blockwise``) runs the blockwise FP8 GEMMs
+through the same fused activation stages, with 16-bit weight gradients.
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ from jaxfuse._src.ops.grouped_linear import api as linear_api
 from jaxfuse._src.ops.grouped_linear import ffi as gemm_ffi
 from jaxfuse._src.ops.grouped_linear import sharding as gemm_sharding
 from jaxfuse._src.ops.grouped_mlp import reference
+from jaxfuse._src.ops.quantize import api as quantize_api
 from jaxfuse._src.ops.quantize import columnwise as quantize_columnwise
 from jaxfuse._src.ops.quantize import kernels as quantized_kernels
 from jaxfuse._src.ops.scaled_activation import sharding as act_sharding
 from jaxfuse._src.ops.scaled_activation import reference as act_reference
+from jaxfuse.quantization import recipes
 
 _FFI_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _ALIGNMENT_ELEMENTS = 8
@@ -106,7 +109,11 @@ def _validate(x, kernel1, kernel2, group_sizes, scales, activation, recipe,
                      f"{tuple(scales.shape)}")
   if scales_dtype not in (jnp.dtype(jnp.float32), x_dtype):
     raise TypeError(f"scales dtype must be float32 or x's dtype ({x_dtype}), got {scales_dtype}")
-  if recipe is not None:
+  for name, value in (("kernel1", kernel1), ("kernel2", kernel2)):
+    linear_api.check_kernel_mode(name, value, recipe)
+  if isinstance(recipe, recipes.Float8BlockScaling):
+    _Blockwise.check(recipe, hidden, width, ffn)
+  elif recipe is not None:
     _Fp8.check(recipe, hidden, width, ffn, groups if implementation == "ffi" else 1)
   if implementation == "ffi":
     if x_dtype not in _FFI_DTYPES:
@@ -153,9 +160,10 @@ class _Fp8:
   @staticmethod
   def check(recipe, hidden: int, width: int, ffn: int, groups: int) -> None:
     linear_api.validate_fp8(recipe, hidden, width, "grouped_mlp",
-                            ("H (x.shape[1])", "kernel1.shape[2]"), groups)
+                            ("H (x.shape[1])", "kernel1.shape[2]"), groups, blockwise_too=True)
     linear_api.validate_fp8(recipe, ffn, hidden, "grouped_mlp",
-                            ("F (kernel2.shape[1])", "H (x.shape[1])"), groups)
+                            ("F (kernel2.shape[1])", "H (x.shape[1])"), groups,
+                            blockwise_too=True)
 
   @staticmethod
   def forward(x, kernel1, kernel2, group_offsets, scales, config, for_backward=True):
@@ -225,17 +233,99 @@ class _Fp8:
       d_kernel1 = linear_api.fp8_wgrad(x, dh_fp8, group_offsets, dtype, rows=rows)
     else:
       d_kernel1 = _gemm(x, dh, group_offsets, gemm_ffi.WGRAD)
-    x_axes, k1_axes, k2_axes, _, s_axes = varying_axes
+    return _cotangents(varying_axes, templates, dx, d_kernel1, d_kernel2, d_scales, scales)
 
-    def kernel_ct(d_kernel, axes, template):  # a trainable kernel's gradient: its master's
-      if d_kernel is None:
-        return None
-      return quantized_kernels.kernel_cotangent(template,
-                                               compat.match_varying_axes(d_kernel, axes))
 
-    return (compat.match_varying_axes(dx, x_axes), kernel_ct(d_kernel1, k1_axes, templates[0]),
-            kernel_ct(d_kernel2, k2_axes, templates[1]), None,
-            compat.match_varying_axes(d_scales.astype(scales.dtype), s_axes))
+class _Blockwise:
+  """The blockwise FP8 (Float8BlockScaling(): DeepSeek-V3's recipe) variant.
+
+    forward:  x_q = x in E4M3, one scale per row and 128 columns; w1 in E4M3, one scale
+              per 128 x 128 tile ([G, 2F, H] for the forward and [G, H, 2F] for the dgrad
+              from one pass, or a quantize_experts copy)
+              h = blockwise FP8 grouped GEMM(x_q, w1)                   (16-bit h, saved)
+              a_q = scaled_activation_quantize(h, scales)   (fused, 1 x 128 blocks of the
+                    fp32 activation, never rounded to 16-bit)
+              y = blockwise FP8 grouped GEMM(a_q, w2)
+    backward: da = blockwise FP8 dgrad(dy in 1 x 128 blocks of the gradient format, w2)
+              dk2 = 16-bit wgrad(act(h) * scales, dy)    (recomputed, or saved)
+              dh_q, dh, ds = scaled_dactivation_quantize(da, h, scales)  (one fused kernel:
+                    the FP8 dh for the dgrad and the 16-bit dh for the wgrad)
+              dx = blockwise FP8 dgrad(dh_q, w1), dk1 = 16-bit wgrad(x, dh)
+
+  The weight gradients run in 16-bit (as in grouped_linear's blockwise path): an FP8
+  wgrad would need 128 x 1 blocks down each group's rows.
+  """
+
+  @staticmethod
+  def check(recipe, hidden: int, width: int, ffn: int) -> None:
+    linear_api.validate_blockwise(recipe, hidden, width, "grouped_mlp",
+                                  ("H (x.shape[1])", "kernel1.shape[2]"))
+    linear_api.validate_blockwise(recipe, ffn, hidden, "grouped_mlp",
+                                  ("F (kernel2.shape[1])", "H (x.shape[1])"))
+
+  @staticmethod
+  def forward(x, kernel1, kernel2, group_offsets, scales, config, for_backward=True):
+    recipe = config.recipe
+    frozen1, frozen2 = config.frozen_kernels
+    x_data, x_scale_inv = linear_api.blockwise_rows(x, recipe, "forward", "ffi")
+    w1_t, w1 = linear_api.blockwise_weights(kernel1, recipe, untransposed=for_backward)
+    h = linear_api.blockwise_gemm(x_data, x_scale_inv, w1_t, group_offsets, gemm_ffi.FORWARD,
+                                  x.dtype)
+    a_q = quantize_api.scaled_activation_quantize(h, scales, recipe=recipe,
+                                                  implementation="ffi", **config.act_kwargs)
+    w2_t, w2 = linear_api.blockwise_weights(kernel2, recipe, untransposed=for_backward)
+    y = linear_api.blockwise_gemm(a_q.data, a_q.scale_inv, w2_t, group_offsets,
+                                  gemm_ffi.FORWARD, x.dtype)
+    if not for_backward:
+      return y, None
+    # A frozen quantized kernel gets no gradient: its wgrad's input need not be kept.
+    x_saved = None if frozen1 else x
+    a_saved = (_activation(h, scales, config)
+               if config.save_activation and not frozen2 else None)
+    templates = tuple(quantized_kernels.cotangent_template(k) for k in (kernel1, kernel2))
+    return y, (x_saved, w1, w2, group_offsets, scales, h, a_saved, templates)
+
+  @staticmethod
+  def backward(config, varying_axes, saved, dy):
+    x, w1, w2, group_offsets, scales, h, a, templates = saved
+    recipe = config.recipe
+    dtype = dy.dtype  # the output's, which is x's
+    frozen1, frozen2 = config.frozen_kernels
+    dy = dy.astype(h.dtype)
+    da = linear_api.blockwise_dgrad(dy, w2, group_offsets, recipe, dtype)
+    d_kernel2 = None
+    if not frozen2:
+      a = _activation(h, scales, config) if a is None else a
+      d_kernel2 = _gemm(a, dy, group_offsets, gemm_ffi.WGRAD)
+    dh_q, dh, d_scales = quantize_api.scaled_dactivation_quantize(
+        da, h, scales, recipe=recipe, return_dx=not frozen1, implementation="ffi",
+        **config.act_kwargs)
+    dx = linear_api.blockwise_gemm(dh_q.data, dh_q.scale_inv, w1, group_offsets,
+                                   gemm_ffi.DGRAD, dtype)
+    d_kernel1 = None if frozen1 else _gemm(x, dh, group_offsets, gemm_ffi.WGRAD)
+    return _cotangents(varying_axes, templates, dx, d_kernel1, d_kernel2, d_scales, scales)
+
+
+def _cotangents(varying_axes, templates, dx, d_kernel1, d_kernel2, d_scales, scales):
+  """The backward's cotangents for (x, kernel1, kernel2, offsets, scales): each matched to
+  its primal's shard_map varying axes; a trainable quantized kernel's gradient at its
+  master, none for a frozen one."""
+  x_axes, k1_axes, k2_axes, _, s_axes = varying_axes
+
+  def kernel_ct(d_kernel, axes, template):
+    if d_kernel is None:
+      return None
+    return quantized_kernels.kernel_cotangent(template,
+                                             compat.match_varying_axes(d_kernel, axes))
+
+  return (compat.match_varying_axes(dx, x_axes), kernel_ct(d_kernel1, k1_axes, templates[0]),
+          kernel_ct(d_kernel2, k2_axes, templates[1]), None,
+          compat.match_varying_axes(d_scales.astype(scales.dtype), s_axes))
+
+
+def _variant(recipe):
+  """The FP8 variant of a recipe: _Blockwise for Float8BlockScaling, else _Fp8."""
+  return _Blockwise if isinstance(recipe, recipes.Float8BlockScaling) else _Fp8
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -256,7 +346,8 @@ def _forward(x, kernel1, kernel2, group_offsets, scales, config, varying_axes,
   path skips what only the backward reads (the weights' untransposed FP8 copies)."""
   del varying_axes
   if config.recipe is not None:
-    return _Fp8.forward(x, kernel1, kernel2, group_offsets, scales, config, for_backward)
+    return _variant(config.recipe).forward(x, kernel1, kernel2, group_offsets, scales, config,
+                                           for_backward)
   h = _gemm(x, kernel1, group_offsets, gemm_ffi.FORWARD)
   a = _activation(h, scales, config)
   y = _gemm(a, kernel2, group_offsets, gemm_ffi.FORWARD)
@@ -266,7 +357,7 @@ def _forward(x, kernel1, kernel2, group_offsets, scales, config, varying_axes,
 
 def _backward(config, varying_axes, saved, dy):
   if config.recipe is not None:
-    return _Fp8.backward(config, varying_axes, saved, dy)
+    return _variant(config.recipe).backward(config, varying_axes, saved, dy)
   x, kernel1, kernel2, group_offsets, scales, h, a = saved
   dy = dy.astype(x.dtype)
   da = _gemm(dy, kernel2, group_offsets, gemm_ffi.DGRAD)
@@ -316,6 +407,10 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
       expert); the FC1 -> FC2 hand-off is the fused ``scaled_activation_quantize`` and the
       backward activation the fused ``scaled_dactivation_quantize``. Weight gradients run
       in FP8 from the same FP8 tensors (``recipe.fp8_wgrad``, the default) or in 16-bit.
+      Or ``jaxfuse.quantization.Float8BlockScaling()`` (DeepSeek-V3's recipe): the four
+      GEMMs and dgrads run the blockwise FP8 kernels (1 x 128 blocks of x, the activation
+      and the gradients, 128 x 128 tiles of the weights), through the same fused
+      activation and activation-gradient kernels; the weight gradients run in 16-bit.
       H, kernel1.shape[2] and F must be multiples of 16. The "xla" implementation is the
       FP8 reference (straight-through gradients).
     save_activation: keep the activation as a residual instead of recomputing it from FC1's
@@ -337,6 +432,9 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
   alpha = checks.static_float("alpha", alpha)
   linear_offset = checks.static_float("linear_offset", linear_offset)
   if implementation == "xla":
+    if isinstance(recipe, recipes.Float8BlockScaling):
+      return reference.grouped_mlp_blockwise(x, kernel1, kernel2, group_sizes, scales,
+                                             activation, limit, alpha, linear_offset, recipe)
     if recipe is not None:
       return reference.grouped_mlp_fp8(x, kernel1, kernel2, group_sizes, scales, activation,
                                        limit, alpha, linear_offset, recipe)

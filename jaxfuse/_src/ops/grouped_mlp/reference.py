@@ -33,3 +33,17 @@ def grouped_mlp_fp8(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array,
   act = act_reference.activation_f32(h, activation, limit, alpha, linear_offset)
   a = act * scales.astype(jnp.float32)[:, None]
   return linear_reference.grouped_linear_fp8(a, kernel2, group_sizes, recipe).astype(x.dtype)
+
+
+def grouped_mlp_blockwise(x: jax.Array, kernel1, kernel2, group_sizes: jax.Array,
+                          scales: jax.Array, activation: str, limit: float, alpha: float,
+                          linear_offset: float, recipe) -> jax.Array:
+  """The blockwise FP8 composition (Float8BlockScaling) as the kernels compute it, with
+  straight-through gradients: ``grouped_linear_blockwise`` for FC1 and FC2, the scaled
+  activation in fp32 between them (quantized in 1 x 128 blocks without rounding to x's
+  dtype). [M, H] in x's dtype."""
+  h = linear_reference.grouped_linear_blockwise(x, kernel1, group_sizes, recipe)
+  act = act_reference.activation_f32(h, activation, limit, alpha, linear_offset)
+  a = act * scales.astype(jnp.float32)[:, None]
+  out = linear_reference.grouped_linear_blockwise(a, kernel2, group_sizes, recipe)
+  return out.astype(x.dtype)

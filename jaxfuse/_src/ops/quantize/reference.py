@@ -140,9 +140,11 @@ def dequantize_float32(q) -> jax.Array:
     out = jnp.swapaxes(data * q.scale_inv[:, None, None], 1, 2)
   elif mode == "per_kernel":  # quantize_kernel: data [N, K] of a dense kernel [K, N]
     out = (data * q.scale_inv[0]).T
-  elif mode == "block_2d":
+  elif mode in ("block_2d", "expert_block_2d"):
     s = jnp.repeat(jnp.repeat(q.scale_inv, block, axis=-1), block, axis=-2)
     out = data * s[..., :data.shape[-2], :data.shape[-1]]
+    if mode == "expert_block_2d":  # quantize_experts: data [G, N, K] of a kernel [G, K, N]
+      out = jnp.swapaxes(out, 1, 2)
   else:
     raise ValueError(f"unknown scaling mode {mode!r}")
   return out

@@ -14,7 +14,7 @@ Cases: Mixtral-like (8 experts, top-2, H=4096, F=14336) and DeepSeek-like (64 ex
 top-6, H=2048, F=1408), 16384 tokens each. TFLOP/s count the experts' GEMMs over the T*k
 routed rows plus the router GEMM.
 
-    python -m benchmarks.bench_moe [--quick]
+    python -m benchmarks.bench_moe [--quick] [--no-reference]
 """
 
 from __future__ import annotations
@@ -97,6 +97,9 @@ def time_reference(fn, arguments, calls: int, pass_name: str):
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--no-reference", action="store_true",
+                      help="skip the ragged_dot reference layer (minutes per case; for runs "
+                           "that compare jaxfuse's variants only)")
   args = parser.parse_args()
   calls = 5 if args.quick else 20
   baseline_calls = 3 if args.quick else 10  # the ragged_dot layer is G times the work
@@ -128,6 +131,9 @@ def main():
       del variants
     del x, router, k1, k2, dy
     for pass_name, fn in step("xla", top_k).items():  # ~10x slower: drift does not matter
+      if args.no_reference:
+        times[("reference", pass_name)], notes[pass_name] = None, "not run (--no-reference)"
+        continue
       times[("reference", pass_name)], notes[pass_name] = time_reference(
           fn, arguments, baseline_calls + 3, pass_name)
     for pass_name in ("fwd", "fwd+bwd"):

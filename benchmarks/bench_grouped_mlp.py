@@ -7,6 +7,9 @@ the backward) around the jnp SwiGLU (benchmarks/tokamax_baseline.py), in the sam
 alternating chunks as jaxfuse when tokamax can be imported; tokamax_max_rel_error is its
 output against jaxfuse's bf16 output on the same inputs.
 
+jaxfuse_saved_activation_*: the bf16 op with save_activation=True (the forward's activation,
+FC2's input, kept as a residual: 2 * T * F bytes more memory, no recompute in the backward).
+
 jaxfuse_fp8_* columns: the same op with recipe=Float8CurrentScaling(per_group=True)
 (quantization kernels included; every GEMM in FP8, the wgrads from column-wise copies);
 jaxfuse_fp8_wgrad16_*: the same recipe with fp8_wgrad=False (16-bit wgrads);
@@ -77,21 +80,23 @@ def jax_inputs(tokens, hidden, ffn, seed):
 FP8_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
 FP8_WGRAD16_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True, fp8_wgrad=False)
 BLOCK_RECIPE = jaxfuse.quantization.Float8BlockScaling()
-JAX_IMPLS = ("jaxfuse", "jaxfuse_fp8", "jaxfuse_fp8_wgrad16", "jaxfuse_fp8_quantized_kernels",
+JAX_IMPLS = ("jaxfuse", "jaxfuse_saved_activation", "jaxfuse_fp8", "jaxfuse_fp8_wgrad16",
+             "jaxfuse_fp8_quantized_kernels",
              "jaxfuse_fp8_blockwise", "jaxfuse_fp8_blockwise_quantized_kernels", "tokamax",
              "ragged_dot")
 
 
-def jax_fns(implementation, recipe=None):
+def jax_fns(implementation, recipe=None, save_activation=False):
   def forward(x, k1, k2, scales, sizes, dy):
     del dy
     return jaxfuse.grouped_mlp(x, k1, k2, sizes, scales, implementation=implementation,
-                               recipe=recipe)
+                               recipe=recipe, save_activation=save_activation)
 
   def forward_backward(x, k1, k2, scales, sizes, dy):
     # The output is returned too, so XLA cannot drop the forward's last GEMM.
     out, vjp = jax.vjp(lambda x, k1, k2, s: jaxfuse.grouped_mlp(
-        x, k1, k2, sizes, s, implementation=implementation, recipe=recipe), x, k1, k2, scales)
+        x, k1, k2, sizes, s, implementation=implementation, recipe=recipe,
+        save_activation=save_activation), x, k1, k2, scales)
     return out, common.masters(vjp(dy))  # a trainable copy's gradient: its master's
 
   return {"fwd": jax.jit(forward), "fwd+bwd": jax.jit(forward_backward)}
@@ -142,6 +147,7 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls, tokamax=None):
   # jaxfuse bf16 and FP8 in alternating chunks (common.time_alternating): the FP8 speedup
   # is a ratio of two runs that saw the same clocks.
   bf16_fns, fp8_fns = jax_fns("ffi"), jax_fns("ffi", FP8_RECIPE)
+  saved_fns = jax_fns("ffi", save_activation=True)
   fp8_wgrad16_fns = jax_fns("ffi", FP8_WGRAD16_RECIPE)
   # Clocks settle under load first (the first timings of a fresh process ran 5-10% slow).
   common.warm_up_device(bf16_fns["fwd+bwd"], *arg_sets[0], seconds=2.0)
@@ -161,6 +167,7 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls, tokamax=None):
   block_fns = jax_fns("ffi", BLOCK_RECIPE)
   for pass_name in bf16_fns:
     variants = {"jaxfuse": common.rotating(bf16_fns[pass_name], arg_sets),
+                "jaxfuse_saved_activation": common.rotating(saved_fns[pass_name], arg_sets),
                 "jaxfuse_fp8": common.rotating(fp8_fns[pass_name], arg_sets),
                 "jaxfuse_fp8_wgrad16": common.rotating(fp8_wgrad16_fns[pass_name], arg_sets)}
     if pass_name in tokamax_steps:
@@ -354,6 +361,7 @@ def main():
     rows += rows_for("sweep", f"sweep T={tokens}", tokens, SWEEP_HIDDEN, SWEEP_FFN, jax_times,
                      torch_times)
   common.print_table(rows, ["case", "pass", "jaxfuse_ms", "jaxfuse_tflops",
+                            "jaxfuse_saved_activation_ms",
                             "jaxfuse_fp8_tflops", "jaxfuse_fp8_wgrad16_tflops",
                             "jaxfuse_fp8_quantized_kernels_tflops",
                             "jaxfuse_fp8_blockwise_tflops",

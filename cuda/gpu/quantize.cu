@@ -927,6 +927,30 @@ ffi::Error BatchAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi:
   });
 }
 
+// The outputs of both transposed quantizations and what their kernels may vectorize:
+// 16-byte loads of x along C, 16-byte stores of data along R, 8-byte stores of the
+// untransposed copy (nullptr unless asked for; it must be 8-byte aligned like x is 16-byte).
+struct TransposedOutputs {
+  uint8_t* data;
+  uint8_t* straight;
+  bool vector_in, vector_out, vector_straight;
+};
+
+template <typename T>
+TransposedOutputs TransposedOutputsOf(const TransposedProblem& problem, const T* x,
+                                      ffi::AnyBuffer& data, ffi::AnyBuffer& data_untransposed) {
+  TransposedOutputs out;
+  out.data = static_cast<uint8_t*>(data.untyped_data());
+  out.straight = problem.untransposed ? static_cast<uint8_t*>(data_untransposed.untyped_data())
+                                      : nullptr;
+  out.vector_in = problem.cols % 8 == 0 && PointerAligned16(x);
+  out.vector_out = problem.rows % 16 == 0 && PointerAligned16(out.data);
+  out.vector_straight = problem.cols % 8 == 0 &&
+                        (out.straight == nullptr ||
+                         (reinterpret_cast<uintptr_t>(out.straight) & 7u) == 0);
+  return out;
+}
+
 ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax,
                                   ffi::Result<ffi::AnyBuffer> data,
                                   ffi::Result<ffi::AnyBuffer> scale_inv,
@@ -949,15 +973,11 @@ ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
     const T* px = static_cast<const T*>(x.untyped_data());
     const float* pamax = static_cast<const float*>(amax.untyped_data());
     float* pscale_inv = static_cast<float*>(scale_inv->untyped_data());
-    uint8_t* pd = static_cast<uint8_t*>(data->untyped_data());
-    const bool vector_in = problem.cols % 8 == 0 && PointerAligned16(px);
-    const bool vector_out = problem.rows % 16 == 0 && PointerAligned16(pd);
-    uint8_t* straight = problem.untransposed
-                            ? static_cast<uint8_t*>(data_untransposed->untyped_data())
-                            : nullptr;
-    // 8-byte stores of the untransposed copy need it 8-byte aligned like x is 16-byte.
-    const bool vector_straight = straight == nullptr ||
-                                 (reinterpret_cast<uintptr_t>(straight) & 7u) == 0;
+    const TransposedOutputs out = TransposedOutputsOf(problem, px, *data, *data_untransposed);
+    uint8_t* pd = out.data;
+    uint8_t* straight = out.straight;
+    const bool vector_in = out.vector_in, vector_out = out.vector_out;
+    const bool vector_straight = out.vector_straight;
     // Every tile in its own block (up to 2^20; then each walks tiles with a stride).
     const auto grid_for = [](int64_t tiles) {
       return static_cast<unsigned>(std::min<int64_t>(tiles, int64_t{1} << 20));
@@ -1004,15 +1024,11 @@ ffi::Error QuantizeBlocksTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x,
     using T = decltype(zero);
     const T* px = static_cast<const T*>(x.untyped_data());
     float* pscale_inv = static_cast<float*>(scale_inv->untyped_data());
-    uint8_t* pd = static_cast<uint8_t*>(data->untyped_data());
-    const bool vector_in = problem.cols % 8 == 0 && PointerAligned16(px);
-    const bool vector_out = problem.rows % 16 == 0 && PointerAligned16(pd);
-    uint8_t* straight = problem.untransposed
-                            ? static_cast<uint8_t*>(data_untransposed->untyped_data())
-                            : nullptr;
-    const bool vector_straight = problem.cols % 8 == 0 &&
-                                 (straight == nullptr ||
-                                  (reinterpret_cast<uintptr_t>(straight) & 7u) == 0);
+    const TransposedOutputs out = TransposedOutputsOf(problem, px, *data, *data_untransposed);
+    uint8_t* pd = out.data;
+    uint8_t* straight = out.straight;
+    const bool vector_in = out.vector_in, vector_out = out.vector_out;
+    const bool vector_straight = out.vector_straight;
     // Every tile in its own block up to 2^20, as quantize_transposed.
     const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, int64_t{1} << 20));
     if constexpr (sizeof(T) == 2) {

@@ -78,21 +78,17 @@ def test_ffi_matches_the_fp8_reference(backend, activation, case, recipe):
   assert not np.asarray(out[covered:], np.float32).any(), "rows past the groups must be zero"
 
 
-@pytest.mark.parametrize("backend, implementation", BACKEND_IMPLEMENTATIONS)
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_accuracy_against_the_bf16_op(backend, implementation, activation):
-  """Two chained FP8 GEMMs compound their errors: one E4M3 GEMM is ~3-5% relative
-  (Frobenius, see test_grouped_linear_fp8), the MLP forward measures 6-7% on CPU shapes.
-  dx goes through two E5M2-quantized gradients (dy, then dh) and two E4M3 weights; it
-  measures up to ~14% (clamped_swiglu). The FP8 wgrads multiply an E4M3 input by an E5M2
-  gradient. Budgets: 10% forward, 20% gradients."""
-  m, hidden, ffn = (128, 64, 32) if backend == "cpu" else (2048, 1024, 512)
+def check_accuracy_against_the_bf16_op(fp8_call, backend, activation, shapes_, seed):
+  """fp8_call(activation) against the bf16 op: forward within 10% relative (Frobenius),
+  the four gradients within 20% and in the bf16 op's dtypes, exactly zero weight gradients
+  for empty groups. `shapes_` (m, hidden, ffn) for the CPU; the GPU runs (2048, 1024, 512)."""
+  m, hidden, ffn = shapes_ if backend == "cpu" else (2048, 1024, 512)
   sizes = sizes_cases(m)["empty_groups"]
-  x, k1, k2, scales = make_inputs(31, m, hidden, ffn, len(sizes), activation, jnp.bfloat16)
-  d_out = helpers.random_array(np.random.default_rng(32), (m, hidden), jnp.bfloat16)
+  x, k1, k2, scales = make_inputs(seed, m, hidden, ffn, len(sizes), activation, jnp.bfloat16)
+  d_out = helpers.random_array(np.random.default_rng(seed + 1), (m, hidden), jnp.bfloat16)
   x, k1, k2, scales, d_out, group_sizes = on(backend, x, k1, k2, scales, d_out,
                                              jnp.asarray(sizes, jnp.int32))
-  fp8 = lambda *a: call(implementation, activation)(*a[:3], group_sizes, a[3])
+  fp8 = lambda *a: fp8_call(activation)(*a[:3], group_sizes, a[3])
   bf16 = lambda *a: call("xla", activation, recipe=None)(*a[:3], group_sizes, a[3])
   out, vjp = jax.vjp(fp8, x, k1, k2, scales)
   want, want_vjp = jax.vjp(bf16, x, k1, k2, scales)
@@ -108,16 +104,34 @@ def test_accuracy_against_the_bf16_op(backend, implementation, activation):
       assert not np.asarray(got_grads[2][g], np.float32).any(), f"dkernel2[{g}]"
 
 
-def test_save_activation_gives_identical_gradients():
-  x, k1, k2, scales = make_inputs(33, 64, 32, 16, 4, "swiglu", jnp.bfloat16)
+@pytest.mark.parametrize("backend, implementation", BACKEND_IMPLEMENTATIONS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_accuracy_against_the_bf16_op(backend, implementation, activation):
+  """Two chained FP8 GEMMs compound their errors: one E4M3 GEMM is ~3-5% relative
+  (Frobenius, see test_grouped_linear_fp8), the MLP forward measures 6-7% on CPU shapes.
+  dx goes through two E5M2-quantized gradients (dy, then dh) and two E4M3 weights; it
+  measures up to ~14% (clamped_swiglu). The FP8 wgrads multiply an E4M3 input by an E5M2
+  gradient. Budgets: 10% forward, 20% gradients."""
+  check_accuracy_against_the_bf16_op(lambda act: call(implementation, act), backend,
+                                     activation, (128, 64, 32), seed=31)
+
+
+def check_save_activation_gives_identical_gradients(call_with, hidden, ffn, seed):
+  """call_with(save_activation) gives bit-identical gradients either way."""
+  x, k1, k2, scales = make_inputs(seed, 64, hidden, ffn, 4, "swiglu", jnp.bfloat16)
   sizes = jnp.asarray([16, 0, 30, 10], jnp.int32)
   grads = []
   for save in (False, True):
-    loss = lambda *a, save=save: jnp.sum(jnp.sin(call("ffi", "swiglu", save_activation=save)(
+    loss = lambda *a, save=save: jnp.sum(jnp.sin(call_with(save)(
         *a[:3], sizes, a[3]).astype(jnp.float32)))
     grads.append(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, k1, k2, scales))
   for a, b in zip(*grads):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_save_activation_gives_identical_gradients():
+  check_save_activation_gives_identical_gradients(
+      lambda save: call("ffi", "swiglu", save_activation=save), 32, 16, seed=33)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["transposing_kernels", "fused_copies"])

@@ -15,7 +15,10 @@ from tests import helpers
 from tests.ops.test_grouped_linear_fp8_blockwise import BLOCK, numpy_blockwise
 from tests.ops.test_grouped_mlp import (ACTIVATIONS, ALPHA, BACKENDS, LIMIT, LINEAR_OFFSET,
                                         group_rows, make_inputs, on, sizes_cases)
-from tests.ops.test_grouped_mlp_fp8 import BACKEND_IMPLEMENTATIONS, relative_error
+from tests.ops.test_grouped_mlp_fp8 import (BACKEND_IMPLEMENTATIONS,
+                                            check_accuracy_against_the_bf16_op,
+                                            check_save_activation_gives_identical_gradients,
+                                            relative_error)
 
 RECIPE = jaxfuse.quantization.Float8BlockScaling()
 E5M2_GRADIENTS = jaxfuse.quantization.Float8BlockScaling(gradient_format="e5m2")
@@ -135,33 +138,13 @@ def test_accuracy_against_the_bf16_op(backend, implementation, activation):
   """Two chained blockwise FP8 GEMMs: ~6% relative (Frobenius) forward error on CPU shapes
   (as per-group scaling), the gradients through two quantized gradients and two E4M3
   weights. Budgets as for per-group scaling: 10% forward, 20% gradients."""
-  m, hidden, ffn = (128, 144, 80) if backend == "cpu" else (2048, 1024, 512)
-  sizes = sizes_cases(m)["empty_groups"]
-  x, k1, k2, scales = make_inputs(43, m, hidden, ffn, len(sizes), activation, jnp.bfloat16)
-  d_out = helpers.random_array(np.random.default_rng(44), (m, hidden), jnp.bfloat16)
-  x, k1, k2, scales, d_out, group_sizes = on(backend, x, k1, k2, scales, d_out,
-                                             jnp.asarray(sizes, jnp.int32))
-  fp8 = lambda *a: call(implementation, activation)(*a[:3], group_sizes, a[3])
-  bf16 = lambda *a: call("xla", activation, recipe=None)(*a[:3], group_sizes, a[3])
-  out, vjp = jax.vjp(fp8, x, k1, k2, scales)
-  want, want_vjp = jax.vjp(bf16, x, k1, k2, scales)
-  assert relative_error(out, want) < 0.10
-  for name, got, expected in zip(("dx", "dkernel1", "dkernel2", "dscales"),
-                                 jax.jit(vjp)(d_out), want_vjp(d_out)):
-    assert got.dtype == expected.dtype, name
-    assert relative_error(got, expected) < 0.2, name
+  check_accuracy_against_the_bf16_op(lambda act: call(implementation, act), backend,
+                                     activation, (128, 144, 80), seed=43)
 
 
 def test_save_activation_gives_identical_gradients():
-  x, k1, k2, scales = make_inputs(45, 64, 144, 80, 4, "swiglu", jnp.bfloat16)
-  sizes = jnp.asarray([16, 0, 30, 10], jnp.int32)
-  grads = []
-  for save in (False, True):
-    loss = lambda *a, save=save: jnp.sum(jnp.sin(call("ffi", "swiglu", save_activation=save)(
-        *a[:3], sizes, a[3]).astype(jnp.float32)))
-    grads.append(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, k1, k2, scales))
-  for a, b in zip(*grads):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  check_save_activation_gives_identical_gradients(
+      lambda save: call("ffi", "swiglu", save_activation=save), 144, 80, seed=45)
 
 
 def _training_jaxpr(k1, k2, x, scales, sizes):

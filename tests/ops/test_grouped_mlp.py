@@ -244,6 +244,25 @@ def test_lowered_hlo_runs_the_fused_kernels():
   assert "ragged_dot" not in text and "stablehlo.dot_general" not in text
 
 
+@pytest.mark.parametrize("save_activation", [False, True])
+def test_one_activation_kernel_in_a_jitted_training_step(save_activation):
+  """grouped_mlp's docstring: in one program that runs the forward (its output kept) and
+  the backward, XLA merges the backward's recompute of the activation with the forward's
+  kernel (same operands), so either setting runs one forward activation kernel."""
+  x, k1, k2, scales = make_inputs(6, 32, 16, 8, 4, "swiglu", jnp.bfloat16)
+  sizes = jnp.asarray([8, 0, 16, 8], jnp.int32)
+  f = call("ffi", "swiglu", save_activation)
+
+  def step(x, k1, k2, s, dy):
+    out, vjp = jax.vjp(lambda *a: f(*a[:3], sizes, a[3]), x, k1, k2, s)
+    return out, vjp(dy)
+
+  lowered = jax.jit(step).lower(x, k1, k2, scales, jnp.ones_like(x))
+  assert lowered.as_text().count("@jaxfuse_scaled_activation_fwd") == 2 - save_activation
+  target = 'custom_call_target="jaxfuse_scaled_activation_fwd"'
+  assert lowered.compile().as_text().count(target) == 1
+
+
 # --- shard_map, errors ------------------------------------------------------------------
 
 def test_shard_map_tokens_sharded_kernels_replicated():

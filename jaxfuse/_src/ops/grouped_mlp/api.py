@@ -416,6 +416,11 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
     save_activation: keep the activation as a residual instead of recomputing it from FC1's
       output in the backward pass (more memory, one activation kernel less). Gradients are
       identical either way. (An FP8 recipe with fp8_wgrad saves the FP8 activation anyway.)
+      When the forward and backward passes are one XLA program (jax.grad inside one jit),
+      XLA's common-subexpression elimination merges the recompute with the forward's own
+      activation kernel, so the default runs one activation kernel as well and keeps its
+      result alive until FC2's wgrad; the choice matters where the residuals cross a
+      program boundary (a vjp applied in another jit, offloaded residuals).
     implementation: None, "ffi" or "xla" (the ``ragged_dot`` + jnp composition).
 
   Returns:

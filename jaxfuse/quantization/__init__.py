@@ -10,7 +10,8 @@ Recipes are frozen (hashable) dataclasses, so they can be static arguments:
   tensor cores' own accumulator; the gradient GEMMs always promote to fp32.
 * ``Float8BlockScaling()``: DeepSeek-V3's recipe: 1 x 128 blocks along the last dimension
   for activations (``scale_inv [rows, ceil(K / 128)]``), 128 x 128 tiles for weights
-  (``kind="weight"``), fp32 scales; E4M3 for both roles by default.
+  (``kind="weight"``), fp32 scales; E4M3 for both roles by default. ``grouped_linear``,
+  ``grouped_mlp`` and ``moe`` run it on the blockwise FP8 grouped GEMMs (16-bit wgrads).
 * ``MXFP8BlockScaling()``: the OCP MX format: 1 x 32 blocks with power-of-two E8M0 scales
   stored as uint8 biased exponents (quantize / dequantize only).
 
@@ -18,7 +19,9 @@ Recipes are frozen (hashable) dataclasses, so they can be static arguments:
 ``forward_format`` or ``gradient_format`` ("e4m3" or "e5m2").
 
 ``jaxfuse.quantize_experts(kernel, Float8CurrentScaling(...))`` quantizes grouped-GEMM
-weights [G, K, N] once, one scale per expert (scaling_mode "per_expert", data [G, N, K]):
+weights [G, K, N] once, one scale per expert (scaling_mode "per_expert", data [G, N, K]);
+with ``Float8BlockScaling()`` one scale per 128 x 128 tile (scaling_mode
+"expert_block_2d", data [G, N, K], scale_inv [G, ceil(N / 128), ceil(K / 128)]):
 ``grouped_linear``, ``grouped_mlp``, ``moe`` and the Flax modules take the result as a
 kernel and skip the per-call quantization of the weights. ``jaxfuse.quantize_kernel(kernel,
 Float8CurrentScaling(per_group=False))`` does the same for a dense kernel [K, N] and

@@ -12,6 +12,7 @@ unpermute. The router's load-balancing loss is added to the training loss.
     python examples/train_moe.py --preset gpu          # bigger model, on an NVIDIA GPU
     python examples/train_moe.py --steps 50 --implementation xla
     python examples/train_moe.py --fp8-inference       # also evaluate with FP8 experts
+                                                       # (per-group and blockwise scaling)
 
 The loss is printed every --log-every steps with the training throughput in tokens/s
 (measured after the first, compiling, step).
@@ -247,20 +248,24 @@ def main():
 
 
 def fp8_inference(config, dtype, implementation, params, valid_batches, loss_16bit):
-  """The validation loss with every expert GEMM in FP8 (per-group current scaling), the
-  expert weights quantized once: how much FP8 inference costs this model."""
-  recipe = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
-  model = MoETransformer(config, dtype, implementation, recipe)
-  fp8_params = jf_linen.quantize_expert_params(params, recipe, dtype=dtype)
+  """The validation loss with every expert GEMM in FP8, the expert weights quantized once,
+  under both FP8 recipes (per-group current scaling; DeepSeek-V3's 1 x 128 / 128 x 128
+  blocks): how much FP8 inference costs this model."""
+  recipes = {"FP8": jaxfuse.quantization.Float8CurrentScaling(per_group=True),
+             "blockwise FP8": jaxfuse.quantization.Float8BlockScaling()}
+  for name, recipe in recipes.items():
+    model = MoETransformer(config, dtype, implementation, recipe)
+    fp8_params = jf_linen.quantize_expert_params(params, recipe, dtype=dtype)
 
-  @jax.jit
-  def fp8_eval_loss(params, tokens, targets):
-    logits, _ = model.apply({"params": params}, tokens)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    @jax.jit
+    def fp8_eval_loss(params, tokens, targets, model=model):
+      logits, _ = model.apply({"params": params}, tokens)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-  losses = [float(fp8_eval_loss(fp8_params, *batch)) for batch in valid_batches]
-  print(f"validation loss with FP8 experts (weights quantized once): {np.mean(losses):.4f} "
-        f"nats ({np.mean(losses) - loss_16bit:+.4f} against {dtype.name})")
+    losses = [float(fp8_eval_loss(fp8_params, *batch)) for batch in valid_batches]
+    print(f"validation loss with {name} experts (weights quantized once): "
+          f"{np.mean(losses):.4f} nats ({np.mean(losses) - loss_16bit:+.4f} against "
+          f"{dtype.name})")
 
 
 if __name__ == "__main__":

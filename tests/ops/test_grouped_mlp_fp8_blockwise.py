@@ -10,7 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax.sharding import Mesh, PartitionSpec as P
+
 import jaxfuse
+from jaxfuse._src import compat
 from tests import helpers
 from tests.ops.test_grouped_linear_fp8_blockwise import BLOCK, numpy_blockwise
 from tests.ops.test_grouped_mlp import (ACTIVATIONS, ALPHA, BACKENDS, LIMIT, LINEAR_OFFSET,
@@ -244,6 +247,42 @@ def test_moe_layer_runs_the_blockwise_recipe():
   assert relative_error(out, want) < 0.10
   for name, got, expected in zip(("dx", "dkernel1", "dkernel2"), grads, want_grads):
     assert relative_error(got, expected) < 0.2, name
+
+
+def test_shard_map_tokens_sharded_matches_per_shard_calls():
+  """Under shard_map with the tokens sharded and the kernels replicated, each device runs
+  the blockwise MLP on its own rows and routing (1 x 128 blocks are per row, the weights'
+  tiles the same on every device): the output equals the op applied to each shard alone,
+  bit for bit; the kernels' gradients are the per-shard gradients summed (bf16 level)."""
+  mesh = Mesh(np.array(jax.devices("cpu")), ("data",))
+  devices = mesh.devices.size
+  m_local, groups, hidden, ffn = 16, 3, 144, 80
+  x, k1, k2, scales = make_inputs(50, m_local * devices, hidden, ffn, groups, "swiglu",
+                                  jnp.bfloat16)
+  rng = np.random.default_rng(51)
+  sizes = jnp.asarray(np.stack([rng.multinomial(m_local - 2, np.ones(groups) / groups)
+                                for _ in range(devices)]).astype(np.int32))
+  op = lambda x, k1, k2, s, sz: call("ffi", "swiglu")(x, k1, k2, sz, s)
+  layer = compat.shard_map(lambda x, k1, k2, s, sz: op(x, k1, k2, s, sz[0]), mesh=mesh,
+                           in_specs=(P("data"), P(), P(), P("data"), P("data")),
+                           out_specs=P("data"))
+  out = jax.jit(layer)(x, k1, k2, scales, sizes)
+  rows = lambda a, d: a[d * m_local:(d + 1) * m_local]
+  for d in range(devices):
+    np.testing.assert_array_equal(
+        np.asarray(rows(out, d), np.float32),
+        np.asarray(jax.jit(op)(rows(x, d), k1, k2, rows(scales, d), sizes[d]), np.float32))
+  loss = lambda f: lambda x, k1, k2, s, sz: jnp.sum(jnp.sin(f(x, k1, k2, s, sz)
+                                                            .astype(jnp.float32)))
+  grads = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2, 3)))(x, k1, k2, scales, sizes)
+  shard_grads = [jax.jit(jax.grad(loss(op), argnums=(0, 1, 2, 3)))(
+      rows(x, d), k1, k2, rows(scales, d), sizes[d]) for d in range(devices)]
+  for index, name in ((0, "dx"), (3, "dscales")):
+    want = np.concatenate([np.asarray(g[index], np.float32) for g in shard_grads])
+    np.testing.assert_array_equal(np.asarray(grads[index], np.float32), want, err_msg=name)
+  for index, name in ((1, "dkernel1"), (2, "dkernel2")):
+    want = sum(helpers.as_f64(g[index]) for g in shard_grads)
+    helpers.assert_close(grads[index], want, jnp.bfloat16, msg=name)
 
 
 @pytest.mark.parametrize("change, error, match", [

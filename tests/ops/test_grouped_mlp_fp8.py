@@ -187,14 +187,21 @@ def test_untransposed_weights_only_when_a_backward_follows():
 ])
 @pytest.mark.parametrize("implementation", ["ffi", "xla"])
 def test_errors(change, match, implementation):
+  with pytest.raises(ValueError, match=match):
+    call_with_changed_shapes(change, RECIPE, implementation)
+
+
+def call_with_changed_shapes(change, default_recipe, implementation):
+  """grouped_mlp on x [8, 16], kernel1 [2, 16, 32], kernel2 [2, 16, 16] (bf16, swiglu) with
+  the shapes and recipe of `change` swapped in: the error tests' call."""
   shapes_ = dict(x=(8, 16), k1=(2, 16, 32), k2=(2, 16, 16))
   shapes_.update({k: v for k, v in change.items() if k in shapes_})
   dtype = jnp.bfloat16
-  with pytest.raises(ValueError, match=match):
-    jaxfuse.grouped_mlp(jnp.ones(shapes_["x"], dtype), jnp.ones(shapes_["k1"], dtype),
-                        jnp.ones(shapes_["k2"], dtype), jnp.ones((2,), jnp.int32),
-                        jnp.ones((8,), jnp.float32), "swiglu",
-                        recipe=change.get("recipe", RECIPE), implementation=implementation)
+  return jaxfuse.grouped_mlp(jnp.ones(shapes_["x"], dtype), jnp.ones(shapes_["k1"], dtype),
+                             jnp.ones(shapes_["k2"], dtype), jnp.ones((2,), jnp.int32),
+                             jnp.ones((8,), jnp.float32), "swiglu",
+                             recipe=change.get("recipe", default_recipe),
+                             implementation=implementation)
 
 
 def test_fp8_wgrad_group_limit():

@@ -19,6 +19,7 @@ from tests.ops.test_grouped_linear_fp8_blockwise import BLOCK, numpy_blockwise
 from tests.ops.test_grouped_mlp import (ACTIVATIONS, ALPHA, BACKENDS, LIMIT, LINEAR_OFFSET,
                                         group_rows, make_inputs, on, sizes_cases)
 from tests.ops.test_grouped_mlp_fp8 import (BACKEND_IMPLEMENTATIONS,
+                                            call_with_changed_shapes,
                                             check_accuracy_against_the_bf16_op,
                                             check_save_activation_gives_identical_gradients,
                                             relative_error)
@@ -299,14 +300,8 @@ def test_shard_map_tokens_sharded_matches_per_shard_calls():
 ])
 @pytest.mark.parametrize("implementation", ["ffi", "xla"])
 def test_errors(change, error, match, implementation):
-  shapes_ = dict(x=(8, 16), k1=(2, 16, 32), k2=(2, 16, 16))
-  shapes_.update({k: v for k, v in change.items() if k in shapes_})
-  dtype = jnp.bfloat16
   with pytest.raises(error, match=match):
-    jaxfuse.grouped_mlp(jnp.ones(shapes_["x"], dtype), jnp.ones(shapes_["k1"], dtype),
-                        jnp.ones(shapes_["k2"], dtype), jnp.ones((2,), jnp.int32),
-                        jnp.ones((8,), jnp.float32), "swiglu",
-                        recipe=change.get("recipe", RECIPE), implementation=implementation)
+    call_with_changed_shapes(change, RECIPE, implementation)
 
 
 def test_a_kernel_quantized_with_the_other_scaling_is_rejected():

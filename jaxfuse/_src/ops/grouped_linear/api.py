@@ -370,8 +370,7 @@ def _blockwise_forward(x, kernel, group_offsets, recipe, varying_axes, for_backw
   w_t, w = blockwise_weights(kernel, recipe, untransposed=for_backward)
   out = blockwise_gemm(x_data, x_scale_inv, w_t, group_offsets, ffi.FORWARD, x.dtype)
   x_saved = None if quantized_kernels.is_frozen_kernel(kernel) else x
-  return out, (x_saved, w, group_offsets,
-                               quantized_kernels.cotangent_template(kernel))
+  return out, (x_saved, w, group_offsets, quantized_kernels.cotangent_template(kernel))
 
 
 def blockwise_gemm(a_data, a_scale_inv, w, group_offsets, form, dtype):
@@ -551,7 +550,6 @@ def quantize_experts(kernel: jax.Array, recipe, *, trainable: bool = False,
   checks.check_rank("kernel", kernel, 3, "[G, K, N]")
   impl = implementation_lib.resolve(implementation)
   frozen = jax.lax.stop_gradient(kernel)
-  straight = None
   if blockwise:
     (data, scale_inv), untransposed = reference.expert_block_weights(
         frozen, recipe, impl, untransposed=bool(trainable))

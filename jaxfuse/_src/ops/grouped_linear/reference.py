@@ -179,12 +179,6 @@ def expert_block_weights(kernel, recipe, implementation: str, untransposed: bool
   return forward, ((w, w_scale_inv) if untransposed else None)
 
 
-def dequantize_tiles(data, scale_inv, block: int) -> jax.Array:
-  """float32 data [..., R, C] times its tiles' scale_inv [..., ceil(R/block), ceil(C/block)]."""
-  scale = jnp.repeat(jnp.repeat(scale_inv, block, axis=-1), block, axis=-2)
-  return data.astype(jnp.float32) * scale[..., :data.shape[-2], :data.shape[-1]]
-
-
 def grouped_linear_blockwise(x: jax.Array, kernel, group_sizes: jax.Array,
                              recipe) -> jax.Array:
   """The blockwise FP8 forward as the kernels compute it (DeepSeek-V3's recipe).
@@ -203,7 +197,8 @@ def grouped_linear_blockwise(x: jax.Array, kernel, group_sizes: jax.Array,
   offsets = clamped_offsets(group_sizes, x.shape[0])
   q_x = quantize_api.quantize(x, recipe, role="forward", implementation="xla")
   (w_t, w_t_scale_inv), _ = expert_block_weights(kernel, recipe, "xla")
-  w_dequantized = jnp.swapaxes(dequantize_tiles(w_t, w_t_scale_inv, recipe.block_size), 1, 2)
+  w_dequantized = jnp.swapaxes(
+      quantize_reference.dequantize_tiles(w_t, w_t_scale_inv, recipe.block_size), 1, 2)
   x_st = _straight_through(x, quantize_reference.dequantize_float32(q_x))
   target = gradient_target(kernel)  # the kernel, a trainable copy's master, or None
   w_st = w_dequantized if target is None else _straight_through(target, w_dequantized)

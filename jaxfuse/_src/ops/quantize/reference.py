@@ -141,13 +141,19 @@ def dequantize_float32(q) -> jax.Array:
   elif mode == "per_kernel":  # quantize_kernel: data [N, K] of a dense kernel [K, N]
     out = (data * q.scale_inv[0]).T
   elif mode in ("block_2d", "expert_block_2d"):
-    s = jnp.repeat(jnp.repeat(q.scale_inv, block, axis=-1), block, axis=-2)
-    out = data * s[..., :data.shape[-2], :data.shape[-1]]
+    out = dequantize_tiles(data, q.scale_inv, block)
     if mode == "expert_block_2d":  # quantize_experts: data [G, N, K] of a kernel [G, K, N]
       out = jnp.swapaxes(out, 1, 2)
   else:
     raise ValueError(f"unknown scaling mode {mode!r}")
   return out
+
+
+def dequantize_tiles(data, scale_inv, block: int) -> jax.Array:
+  """float32 data [..., R, C] times the scale_inv [..., ceil(R/block), ceil(C/block)] of its
+  block x block tiles (the 2-D block scaling modes)."""
+  scale = jnp.repeat(jnp.repeat(scale_inv, block, axis=-1), block, axis=-2)
+  return data.astype(jnp.float32) * scale[..., :data.shape[-2], :data.shape[-1]]
 
 
 def scaled_activation_quantize(x, scales, offsets, activation, limit, alpha, linear_offset,

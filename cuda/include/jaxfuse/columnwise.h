@@ -60,4 +60,30 @@ JAXFUSE_HOST_DEVICE int64_t ColumnwiseIndex(int64_t k, int64_t begin, int64_t en
   return k * begin + i * (end - begin) + (col - begin);
 }
 
+// Blockwise scales of a column-wise copy (Float8BlockScaling's FP8 wgrad): each group's rows
+// are cut into blocks of kColumnwiseScaleBlock rows from the group's first row (block j of
+// group g: rows c_g + 128 j .. min(c_g + 128 (j + 1), c_{g+1})), and every column of a block
+// has its own scale: the wgrad's contraction runs over the rows, so these are the 1 x 128
+// blocks of x^T and dy^T along that contraction (DeepSeek-V3's 128 x 1 blocks of x and dy).
+// The scales are a float32 [ColumnwiseScaleRows(m, G), k] matrix: block j of group g is row
+// ColumnwiseScaleRow(c_g, g) + j, its k scales contiguous (the M- / N-major scale layout of
+// CUTLASS's blockwise mainloop, so group g's scales are one [blocks_g, k] matrix from that
+// row). Like ColumnwiseStart a closed form: floor(c_g / 128) + g never lets consecutive
+// groups overlap (ceil(L / 128) <= floor((c + L) / 128) - floor(c / 128) + 1), and the
+// rows of no block (between groups, past the last) hold 1.
+inline constexpr int64_t kColumnwiseScaleBlock = 128;
+
+JAXFUSE_HOST_DEVICE int64_t ColumnwiseScaleRow(int64_t clamped_offset, int64_t group) {
+  return clamped_offset / kColumnwiseScaleBlock + group;
+}
+
+JAXFUSE_HOST_DEVICE int64_t ColumnwiseScaleRows(int64_t rows, int64_t groups) {
+  return (rows + kColumnwiseScaleBlock - 1) / kColumnwiseScaleBlock + groups;
+}
+
+// Blocks of a group of `group_rows` rows (0 for an empty group).
+JAXFUSE_HOST_DEVICE int64_t ColumnwiseScaleBlocks(int64_t group_rows) {
+  return (group_rows + kColumnwiseScaleBlock - 1) / kColumnwiseScaleBlock;
+}
+
 }  // namespace jaxfuse

@@ -33,6 +33,7 @@ namespace py = pybind11;
   X("jaxfuse_grouped_gemm_fp8", JaxfuseGroupedGemmFp8Cpu)                         \
   X("jaxfuse_grouped_gemm_fp8_wgrad", JaxfuseGroupedGemmFp8WgradCpu)              \
   X("jaxfuse_grouped_gemm_fp8_blockwise", JaxfuseGroupedGemmFp8BlockwiseCpu)      \
+  X("jaxfuse_grouped_gemm_fp8_blockwise_wgrad", JaxfuseGroupedGemmFp8BlockwiseWgradCpu) \
   X("jaxfuse_group_columnwise", JaxfuseGroupColumnwiseCpu)                        \
   X("jaxfuse_group_offsets", JaxfuseGroupOffsetsCpu)                              \
   X("jaxfuse_scaled_activation_fwd", JaxfuseScaledActivationFwdCpu)               \
@@ -68,6 +69,7 @@ namespace py = pybind11;
   X("jaxfuse_grouped_gemm_fp8", JaxfuseGroupedGemmFp8Cuda)                          \
   X("jaxfuse_grouped_gemm_fp8_wgrad", JaxfuseGroupedGemmFp8WgradCuda)               \
   X("jaxfuse_grouped_gemm_fp8_blockwise", JaxfuseGroupedGemmFp8BlockwiseCuda)       \
+  X("jaxfuse_grouped_gemm_fp8_blockwise_wgrad", JaxfuseGroupedGemmFp8BlockwiseWgradCuda) \
   X("jaxfuse_group_columnwise", JaxfuseGroupColumnwiseCuda)                         \
   X("jaxfuse_group_offsets", JaxfuseGroupOffsetsCuda)                               \
   X("jaxfuse_scaled_activation_fwd", JaxfuseScaledActivationFwdCuda)                \
@@ -197,7 +199,7 @@ size_t LoadedCublasLtVersion() {
 // Scratch bytes of the CUDA grouped GEMM (0 without the CUDA part). Types: 0 bf16, 1 f16,
 // 2 float8_e4m3fn, 3 float8_e5m2; forms: 0 forward, 1 dgrad, 2 wgrad; fast_accumulation: the
 // FP8 forward's fast-accumulation kernels (their own tile shapes); block_scaling: the
-// blockwise FP8 forward/dgrad kernels.
+// blockwise FP8 kernels (forward, dgrad, and with form 2 the blockwise wgrad).
 size_t GroupedGemmWorkspaceBytes(int32_t form, int32_t a_type, int32_t b_type, int64_t m,
                                  int64_t k, int64_t n, int64_t groups, int sm_count,
                                  bool fast_accumulation, bool block_scaling) {

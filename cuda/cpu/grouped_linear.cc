@@ -261,23 +261,29 @@ ffi::Error GroupedGemmFp8BlockwiseCpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b,
   return ffi::Error::Success();
 }
 
-// The FP8 wgrad on column-wise copies (jaxfuse/columnwise.h), as the CUTLASS kernel
-// computes it: dw[g][i, j] = alpha_g * sum over the group's columns c of
-// xT[i, c] * dyT[j, c], exact products accumulated in fp32, one rounding to bfloat16; zero
-// for an empty group. Reads only the columns of each group's rows (never the padding).
-ffi::Error GroupedGemmFp8WgradCpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer offsets,
-                                      ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
-                                      ffi::Result<ffi::AnyBuffer> out, int64_t rows) {
+// The FP8 wgrad on column-wise copies (jaxfuse/columnwise.h), as the CUTLASS kernels
+// compute it: exact products of the FP8 values summed in fp32, one rounding to bfloat16;
+// zero for an empty group. Reads only the columns of each group's rows (never the padding).
+// Per-group scaling (block_scaling false): dw[g][i, j] = alpha_g * sum over the group's
+// columns c of xT[i, c] * dyT[j, c], alpha_g = a_scale_inv[g] * b_scale_inv[g]. Blockwise
+// (Float8BlockScaling's 128 x 1 blocks): the sum runs per 128-row block bj of the group,
+// times a_scale_inv[row_g + bj, i] * b_scale_inv[row_g + bj, j] (row_g =
+// ColumnwiseScaleRow), added to an fp32 accumulator, as the blockwise mainloop promotes.
+ffi::Error ColumnwiseWgradCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer offsets,
+                              ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
+                              ffi::AnyBuffer out, int64_t rows, bool block_scaling) {
   GroupedProblem p;
-  if (auto error = ParseColumnwiseWgrad(a, b, offsets, *out, rows, &p); error.failure()) {
+  if (auto error = ParseColumnwiseWgrad(a, b, offsets, out, rows, &p); error.failure()) {
     return error;
   }
-  if (auto error = CheckFp8Scales(a_scale_inv, b_scale_inv, p.groups); error.failure()) {
+  if (auto error = block_scaling ? CheckColumnwiseBlockScales(p, a_scale_inv, b_scale_inv)
+                                 : CheckFp8Scales(a_scale_inv, b_scale_inv, p.groups);
+      error.failure()) {
     return error;
   }
-  if (out->element_type() != ffi::DataType::BF16) {
+  if (out.element_type() != ffi::DataType::BF16) {
     return InvalidArgument("FP8 grouped wgrad output must be bfloat16, got ",
-                           DataTypeName(out->element_type()));
+                           DataTypeName(out.element_type()));
   }
   if (a.element_type() != ffi::DataType::F8E4M3FN) {
     return InvalidArgument("FP8 grouped wgrad: a (x^T) must be float8_e4m3fn, got ",
@@ -291,24 +297,47 @@ ffi::Error GroupedGemmFp8WgradCpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::A
   const auto clamped = ClampOffsets(offsets.typed_data<int32_t>(), p.groups, p.m);
   const auto* a_scales = static_cast<const float*>(a_scale_inv.untyped_data());
   const auto* b_scales = static_cast<const float*>(b_scale_inv.untyped_data());
-  auto* dw = static_cast<bfloat16_bits*>(out->untyped_data());
+  auto* dw = static_cast<bfloat16_bits*>(out.untyped_data());
+  const int64_t block = block_scaling ? kColumnwiseScaleBlock : std::max<int64_t>(1, p.m);
   for (int64_t g = 0; g < p.groups; ++g) {
     const int64_t start = ColumnwiseStart(clamped[g], g), count = clamped[g + 1] - clamped[g];
     const int64_t begin = ColumnwiseBlockBegin(clamped[g], g);
     const int64_t end = ColumnwiseStart(clamped[g + 1], g + 1);
-    const float alpha = a_scales[g] * b_scales[g];
+    const int64_t scale_row = ColumnwiseScaleRow(clamped[g], g);
     for (int64_t i = 0; i < p.k; ++i) {
       const float* x_i = a_values.data() + ColumnwiseIndex(p.k, begin, end, i, start);
       for (int64_t j = 0; j < p.n; ++j) {
         const float* dy_j = b_values.data() + ColumnwiseIndex(p.n, begin, end, j, start);
         float accumulator = 0.0f;
-        for (int64_t c = 0; c < count; ++c) accumulator += x_i[c] * dy_j[c];
+        for (int64_t c0 = 0, bj = 0; c0 < count; c0 += block, ++bj) {
+          float partial = 0.0f;
+          for (int64_t c = c0; c < std::min(count, c0 + block); ++c) partial += x_i[c] * dy_j[c];
+          accumulator += block_scaling ? partial * (a_scales[(scale_row + bj) * p.k + i] *
+                                                    b_scales[(scale_row + bj) * p.n + j])
+                                       : partial;
+        }
+        const float alpha = block_scaling ? 1.0f : a_scales[g] * b_scales[g];
         dw[(g * p.k + i) * p.n + j] =
             FromFloat<bfloat16_bits>(count > 0 ? alpha * accumulator : 0.0f);
       }
     }
   }
   return ffi::Error::Success();
+}
+
+ffi::Error GroupedGemmFp8WgradCpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer offsets,
+                                      ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
+                                      ffi::Result<ffi::AnyBuffer> out, int64_t rows) {
+  return ColumnwiseWgradCpu(a, b, offsets, a_scale_inv, b_scale_inv, *out, rows,
+                            /*block_scaling=*/false);
+}
+
+ffi::Error GroupedGemmFp8BlockwiseWgradCpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b,
+                                               ffi::AnyBuffer offsets, ffi::AnyBuffer a_scale_inv,
+                                               ffi::AnyBuffer b_scale_inv,
+                                               ffi::Result<ffi::AnyBuffer> out, int64_t rows) {
+  return ColumnwiseWgradCpu(a, b, offsets, a_scale_inv, b_scale_inv, *out, rows,
+                            /*block_scaling=*/true);
 }
 
 }  // namespace
@@ -353,3 +382,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8BlockwiseCpu,
                                   .Arg<xla::ffi::AnyBuffer>()  // b_scale_inv: float32 [G, ceil(nc / 128), ceil(kc / 128)]
                                   .Ret<xla::ffi::AnyBuffer>()  // out: bf16 y [m, n] or dx [m, k]
                                   .Attr<int32_t>("form"));     // 0 forward, 1 dgrad
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8BlockwiseWgradCpu,
+                              jaxfuse::GroupedGemmFp8BlockwiseWgradCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // a: x^T e4m3 [k, W], column-wise copy
+                                  .Arg<xla::ffi::AnyBuffer>()  // b: dy^T e4m3|e5m2 [n, W], column-wise copy
+                                  .Arg<xla::ffi::AnyBuffer>()  // group_offsets: int32 [G + 1]
+                                  .Arg<xla::ffi::AnyBuffer>()  // a_scale_inv: float32 [S, k], S = ColumnwiseScaleRows(rows, G)
+                                  .Arg<xla::ffi::AnyBuffer>()  // b_scale_inv: float32 [S, n]
+                                  .Ret<xla::ffi::AnyBuffer>()  // out: bf16 dw [G, k, n]
+                                  .Attr<int64_t>("rows"));     // m: rows the copies were made from

@@ -64,7 +64,9 @@ ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
     return error;
   }
   if (block_scaling) {
-    if (auto error = CheckBlockScales(shape, *a_scale_inv, *b_scale_inv); error.failure()) {
+    if (auto error = columnwise ? CheckColumnwiseBlockScales(shape, *a_scale_inv, *b_scale_inv)
+                                : CheckBlockScales(shape, *a_scale_inv, *b_scale_inv);
+        error.failure()) {
       return error;
     }
   }
@@ -151,6 +153,17 @@ ffi::Error GroupedGemmFp8BlockwiseCuda(cudaStream_t stream, int32_t device, ffi:
              /*block_scaling=*/true);
 }
 
+ffi::Error GroupedGemmFp8BlockwiseWgradCuda(cudaStream_t stream, int32_t device,
+                                            ffi::AnyBuffer a, ffi::AnyBuffer b,
+                                            ffi::AnyBuffer offsets, ffi::AnyBuffer a_scale_inv,
+                                            ffi::AnyBuffer b_scale_inv,
+                                            ffi::Result<ffi::AnyBuffer> out,
+                                            ffi::Result<ffi::AnyBuffer> workspace, int64_t rows) {
+  return Run(stream, device, a, b, offsets, &a_scale_inv, &b_scale_inv, *out, *workspace,
+             static_cast<int32_t>(GroupedForm::kWgrad), /*fast_accumulation=*/false,
+             /*columnwise=*/true, rows, /*block_scaling=*/true);
+}
+
 }  // namespace
 
 // Workspace the CUDA handler needs (for the Python wrapper, which sizes the scratch result).
@@ -165,7 +178,8 @@ size_t GroupedGemmWorkspaceBytes(int32_t form, int32_t a_type, int32_t b_type, i
   problem.b_type = static_cast<gg::ElementType>(b_type);
   problem.out_type = problem.a_type == gg::ElementType::kF16 ? gg::ElementType::kF16
                                                              : gg::ElementType::kBF16;
-  problem.columnwise = !block_scaling && form == static_cast<int32_t>(GroupedForm::kWgrad) &&
+  // Every FP8 wgrad (per-group or blockwise) reads the column-wise copies.
+  problem.columnwise = form == static_cast<int32_t>(GroupedForm::kWgrad) &&
                        (problem.a_type == gg::ElementType::kFloat8E4M3 ||
                         problem.a_type == gg::ElementType::kFloat8E5M2);
   problem.m = m;
@@ -233,4 +247,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8BlockwiseCuda,
                                   .Ret<ffi::AnyBuffer>()  // out: bf16 y [m, n] or dx [m, k]
                                   .Ret<ffi::AnyBuffer>()  // workspace
                                   .Attr<int32_t>("form"), // 0 forward, 1 dgrad
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8BlockwiseWgradCuda,
+                              jaxfuse::GroupedGemmFp8BlockwiseWgradCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // a: x^T e4m3 [k, W], column-wise copy
+                                  .Arg<ffi::AnyBuffer>()  // b: dy^T e4m3|e5m2 [n, W], column-wise copy
+                                  .Arg<ffi::AnyBuffer>()  // group_offsets: int32 [G + 1]
+                                  .Arg<ffi::AnyBuffer>()  // a_scale_inv: float32 [S, k], S = ColumnwiseScaleRows(rows, G)
+                                  .Arg<ffi::AnyBuffer>()  // b_scale_inv: float32 [S, n]
+                                  .Ret<ffi::AnyBuffer>()  // out: bf16 dw [G, k, n]
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<int64_t>("rows"), // m: rows the copies were made from
                               {ffi::Traits::kCmdBufferCompatible});

@@ -53,10 +53,20 @@ class Float8CurrentScaling:
 
 @dataclasses.dataclass(frozen=True)
 class Float8BlockScaling:
-  """1 x block_size blocks (activations) / block_size^2 tiles (weights), fp32 scales."""
+  """1 x block_size blocks (activations) / block_size^2 tiles (weights), fp32 scales.
+
+  fp8_wgrad: the grouped ops (grouped_linear, grouped_mlp, moe) compute weight gradients in
+  FP8 too, as DeepSeek-V3 does: x (forward_format) and the output gradient
+  (gradient_format) quantized in block_size x 1 blocks down each group's rows, transposed,
+  and the blockwise FP8 wgrad kernel. This needs a single device or shard_map with every
+  mesh axis manual (the transposed copies' width depends on the rows per device); under
+  automatic partitioning the weight gradients stay 16-bit. False: always 16-bit from the
+  16-bit x and output gradient (more accurate, slower).
+  """
   block_size: int = 128
   forward_format: str = "e4m3"
   gradient_format: str = "e4m3"
+  fp8_wgrad: bool = True
 
   def __post_init__(self):
     _check_format("forward_format", self.forward_format)

@@ -14,8 +14,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxfuse
 from jaxfuse._src import compat
+from jaxfuse._src.ops.quantize import columnwise
 from tests import helpers
 from tests.ops.test_grouped_linear_fp8_blockwise import BLOCK, numpy_blockwise
+from tests.ops.test_grouped_linear_fp8_blockwise_wgrad import column_blocks_of
 from tests.ops.test_grouped_mlp import (ACTIVATIONS, ALPHA, BACKENDS, LIMIT, LINEAR_OFFSET,
                                         group_rows, make_inputs, on, sizes_cases)
 from tests.ops.test_grouped_mlp_fp8 import (BACKEND_IMPLEMENTATIONS,
@@ -26,6 +28,7 @@ from tests.ops.test_grouped_mlp_fp8 import (BACKEND_IMPLEMENTATIONS,
 
 RECIPE = jaxfuse.quantization.Float8BlockScaling()
 E5M2_GRADIENTS = jaxfuse.quantization.Float8BlockScaling(gradient_format="e5m2")
+WGRAD16 = jaxfuse.quantization.Float8BlockScaling(fp8_wgrad=False)
 ACT = dict(limit=LIMIT, alpha=ALPHA, linear_offset=LINEAR_OFFSET)
 
 
@@ -86,7 +89,8 @@ def _np_wgrad(a, dy, sizes):
 
 
 @pytest.mark.parametrize("recipe", [pytest.param(RECIPE, id="e4m3"),
-                                    pytest.param(E5M2_GRADIENTS, id="e5m2")])
+                                    pytest.param(E5M2_GRADIENTS, id="e5m2"),
+                                    pytest.param(WGRAD16, id="e4m3-wgrad16")])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("case", ["uniform", "empty_groups", "sum_less_than_rows"])
@@ -95,7 +99,10 @@ def test_backward_matches_float64_numpy_on_its_fp8_values(backend, activation, c
   gradient format) times kernel2's tiles gives da (rounded to bf16, as the op stores it);
   the fused activation backward of (da, h) gives dh, its 1 x 128 blocks and dscales (the
   jnp reference of scaled_dactivation_quantize, tested against numpy on its own); dx is
-  dh's blocks times kernel1's tiles; the wgrads are 16-bit x^T dh and act(h)^T dy. h is
+  dh's blocks times kernel1's tiles; the wgrads x^T dh and act(h)^T dy, in FP8 (each
+  operand in 128 x 1 blocks down each group's rows, quantized here by the reference of
+  1 x 128 blocks on each block transposed; run with the column-wise copies enabled, as on
+  one device) or in 16-bit (fp8_wgrad=False). h is
   FC1's output from the op's own forward (jax.vjp's residual is not exposed, so it is
   recomputed by the FFI forward GEMM). Each step matches to bf16 roundings; a rounding
   that moves a value across an FP8 boundary moves it by one FP8 step, so the budget is 2%
@@ -107,8 +114,9 @@ def test_backward_matches_float64_numpy_on_its_fp8_values(backend, activation, c
   x, k1, k2, scales, d_out, group_sizes = on(backend, x, k1, k2, scales, d_out,
                                              jnp.asarray(sizes, jnp.int32))
   fn = lambda x, k1, k2, s: call("ffi", activation, recipe)(x, k1, k2, group_sizes, s)
-  _, vjp = jax.vjp(fn, x, k1, k2, scales)
-  dx, dk1, dk2, dscales = jax.jit(vjp)(d_out)
+  with columnwise.fused(everywhere=True):
+    _, vjp = jax.vjp(fn, x, k1, k2, scales)
+    dx, dk1, dk2, dscales = jax.jit(vjp)(d_out)
   h = jax.jit(lambda x, k: jaxfuse.grouped_linear(x, k, group_sizes, recipe=recipe,
                                                   implementation="ffi"))(x, k1)
   h = helpers.on_cpu(lambda v: v, h)
@@ -125,8 +133,15 @@ def test_backward_matches_float64_numpy_on_its_fp8_values(backend, activation, c
   a = helpers.on_cpu(lambda h, s: jaxfuse.scaled_activation(h, s, activation,
                                                             implementation="xla", **ACT),
                      h, scales)
-  checks = [("dx", dx, want_dx), ("dkernel1", dk1, _np_wgrad(x, dh, sizes)),
-            ("dkernel2", dk2, _np_wgrad(a, d_out, sizes)), ("dscales", dscales, want_dscales)]
+  if recipe.fp8_wgrad:
+    want_dk1 = _np_wgrad(column_blocks_of(x, sizes, recipe, "forward"),
+                         column_blocks_of(dh, sizes, recipe, "gradient"), sizes)
+    want_dk2 = _np_wgrad(column_blocks_of(a, sizes, recipe, "forward"),
+                         column_blocks_of(d_out, sizes, recipe, "gradient"), sizes)
+  else:
+    want_dk1, want_dk2 = _np_wgrad(x, dh, sizes), _np_wgrad(a, d_out, sizes)
+  checks = [("dx", dx, want_dx), ("dkernel1", dk1, want_dk1), ("dkernel2", dk2, want_dk2),
+            ("dscales", dscales, want_dscales)]
   for name, got, want in checks:
     assert got.dtype == (jnp.float32 if name == "dscales" else jnp.bfloat16), name
     assert relative_error(got, want) < 2e-2, f"{case} {name}"
@@ -157,20 +172,28 @@ def _training_jaxpr(k1, k2, x, scales, sizes):
   return jax.make_jaxpr(jax.grad(loss, argnums=(0, 3)))(x, k1, k2, scales)
 
 
-def test_blockwise_gemms_and_fused_quantization_run():
+@pytest.mark.parametrize("fp8_wgrad", [False, True], ids=["partitionable", "one-device"])
+def test_blockwise_gemms_and_fused_quantization_run(fp8_wgrad):
   """One offsets computation; FC1/FC2 forward and dgrad on the blockwise FP8 kernel, the
-  two wgrads on the 16-bit one; one pass per weight writes both FP8 layouts; the fused
-  activation kernels quantize the hand-offs; no XLA dot anywhere."""
+  two wgrads on the blockwise FP8 wgrad kernel from four column-wise block quantizations
+  where no partitioning follows (one device; forced here), else on the 16-bit one; one
+  pass per weight writes both FP8 layouts; the fused activation kernels quantize the
+  hand-offs; no XLA dot anywhere."""
   x, k1, k2, scales = make_inputs(46, 32, 16, 16, 4, "swiglu", jnp.bfloat16)
   sizes = jnp.asarray([8, 0, 16, 8], jnp.int32)
-  jaxpr = _training_jaxpr(k1, k2, x, scales, sizes)
+  with columnwise.fused(fp8_wgrad, everywhere=fp8_wgrad):
+    jaxpr = _training_jaxpr(k1, k2, x, scales, sizes)
   count = lambda predicate: helpers.count_primitives(jaxpr, predicate)
   name_is = lambda *names: lambda e: e.primitive.name in names
   assert count(helpers.ffi_target("jaxfuse_group_offsets")) == 1
   assert count(name_is("cumsum")) == 0
   # Each GEMM in both platform branches of platform_dependent.
   assert count(helpers.ffi_target("jaxfuse_grouped_gemm_fp8_blockwise")) == 4 * 2
-  assert count(helpers.ffi_target("jaxfuse_grouped_gemm")) == 2 * 2
+  assert count(helpers.ffi_target("jaxfuse_grouped_gemm")) == (0 if fp8_wgrad else 2 * 2)
+  assert count(helpers.ffi_target("jaxfuse_grouped_gemm_fp8_blockwise_wgrad")) == (
+      2 * 2 if fp8_wgrad else 0)
+  assert count(helpers.ffi_target("jaxfuse_quantize_columnwise_blocks")) == (
+      4 if fp8_wgrad else 0)
   assert count(helpers.ffi_target("jaxfuse_quantize_blocks_transposed")) == 2
   assert count(helpers.ffi_target("jaxfuse_quantize")) == 2  # x and dy, 1 x 128 blocks
   assert count(helpers.ffi_target("jaxfuse_scaled_activation_quantize")) == 1
@@ -218,9 +241,12 @@ def test_weights_quantized_once(backend, trainable):
   jaxpr = _training_jaxpr(q1, q2, x, scales, group_sizes)
   assert helpers.count_primitives(
       jaxpr, helpers.ffi_target("jaxfuse_quantize_blocks_transposed")) == 0
-  # A frozen copy needs no wgrad: only the dgrads' and forwards' GEMMs remain.
-  assert helpers.count_primitives(
-      jaxpr, helpers.ffi_target("jaxfuse_grouped_gemm")) == (2 * 2 if trainable else 0)
+  # A frozen copy needs no wgrad: only the dgrads' and forwards' GEMMs remain. (The wgrad
+  # is FP8 where no partitioning follows: a single GPU.)
+  wgrad = ("jaxfuse_grouped_gemm_fp8_blockwise_wgrad" if columnwise.fusion_enabled()
+           else "jaxfuse_grouped_gemm")
+  assert helpers.count_primitives(jaxpr, helpers.ffi_target(wgrad)) == (
+      2 * 2 if trainable else 0)
 
 
 def test_moe_layer_runs_the_blockwise_recipe():
@@ -276,8 +302,10 @@ def test_shard_map_tokens_sharded_matches_per_shard_calls():
   loss = lambda f: lambda x, k1, k2, s, sz: jnp.sum(jnp.sin(f(x, k1, k2, s, sz)
                                                             .astype(jnp.float32)))
   grads = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2, 3)))(x, k1, k2, scales, sizes)
-  shard_grads = [jax.jit(jax.grad(loss(op), argnums=(0, 1, 2, 3)))(
-      rows(x, d), k1, k2, rows(scales, d), sizes[d]) for d in range(devices)]
+  # Each device alone, as inside shard_map (every axis manual): the FP8 wgrads.
+  with columnwise.fused(everywhere=True):
+    shard_grads = [jax.jit(jax.grad(loss(op), argnums=(0, 1, 2, 3)))(
+        rows(x, d), k1, k2, rows(scales, d), sizes[d]) for d in range(devices)]
   for index, name in ((0, "dx"), (3, "dscales")):
     want = np.concatenate([np.asarray(g[index], np.float32) for g in shard_grads])
     np.testing.assert_array_equal(np.asarray(grads[index], np.float32), want, err_msg=name)

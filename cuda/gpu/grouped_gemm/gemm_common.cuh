@@ -332,13 +332,25 @@ using BlockScaleConfig =
 using BlockLayoutSFA = decltype(BlockScaleConfig::deduce_layoutSFA());
 using BlockLayoutSFB = decltype(BlockScaleConfig::deduce_layoutSFB());
 
+// The blockwise FP8 wgrad's scales (Float8BlockScaling's 128 x 1 blocks of x and dy): its
+// contraction is a group's rows, so A = x^T and B = dy^T carry one scale per output row /
+// column and 128-row block of the group, M- and N-major: group g's scales are one
+// [ceil(rows_g / 128), k] (A) and [ceil(rows_g / 128), n] (B) matrix, the layout of
+// jaxfuse/columnwise.h's ColumnwiseScaleRow. (Both majors must match: CUTLASS 4.2's
+// smem_atom_layoutSFB tests majorSFA.)
+using WgradBlockScaleConfig =
+    cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, kBlockScaleSize, cute::GMMA::Major::MN,
+                                              cute::GMMA::Major::MN>;
+using WgradBlockLayoutSFA = decltype(WgradBlockScaleConfig::deduce_layoutSFA());
+using WgradBlockLayoutSFB = decltype(WgradBlockScaleConfig::deduce_layoutSFB());
+
 }  // namespace jaxfuse::grouped_gemm::detail
 
-// One blockwise-scaled FP8 kernel NAME (EA x e4m3 -> bf16; A RowMajor, B ColumnMajor: both
-// K-major; CTA tile TM x TN x 128, so each k-tile is one scale block). The mainloop
-// multiplies each k-tile's partial sums by its scales while promoting them to fp32; the
-// epilogue has no per-group alpha.
-#define JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(NAME, EA, TM, TN, CM, CN, KS, ES)                  \
+// One blockwise-scaled FP8 kernel NAME (EA x EB -> bf16; A RowMajor, B ColumnMajor: both
+// K-major; CTA tile TM x TN x 128, so each k-tile is one scale block; SFA / SFB the scale
+// layouts). The mainloop multiplies each k-tile's partial sums by its scales while promoting
+// them to fp32; the epilogue has no per-group alpha.
+#define JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(NAME, EA, EB, SFA, SFB, TM, TN, CM, CN, KS, ES)    \
   namespace NAME##_types {                                                                    \
   using TileShape = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<kBlockScaleSize>>;    \
   using ClusterShape = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;                   \
@@ -354,8 +366,8 @@ using BlockLayoutSFB = decltype(BlockScaleConfig::deduce_layoutSFB());
                                                    float>>::CollectiveOp;                     \
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<           \
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, EA,                                \
-      cute::tuple<cutlass::layout::RowMajor*, BlockLayoutSFA*>, kAlignA,                      \
-      cutlass::float_e4m3_t, cute::tuple<cutlass::layout::ColumnMajor*, BlockLayoutSFB*>,     \
+      cute::tuple<cutlass::layout::RowMajor*, SFA*>, kAlignA,                                 \
+      EB, cute::tuple<cutlass::layout::ColumnMajor*, SFB*>,                                   \
       kAlignB, float, TileShape, ClusterShape,                                                \
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(                     \
           sizeof(typename CollectiveEpilogue::SharedStorage))>,                               \
@@ -369,11 +381,21 @@ using BlockLayoutSFB = decltype(BlockScaleConfig::deduce_layoutSFB());
 //   large: cooperative 128x128x128, cluster 1x2; small: ping-pong 64x128x128, cluster 1x1.
 #define JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_FAMILY(NAME, EA)                                        \
   JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
-      NAME##Large, EA, 128, 128, 1, 2,                                                         \
+      NAME##Large, EA, cutlass::float_e4m3_t, BlockLayoutSFA, BlockLayoutSFB, 128, 128, 1, 2,  \
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,                  \
       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
   JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
-      NAME##Small, EA, 64, 128, 1, 1,                                                          \
+      NAME##Small, EA, cutlass::float_e4m3_t, BlockLayoutSFA, BlockLayoutSFB, 64, 128, 1, 1,   \
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,                     \
       cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)                                   \
   JAXFUSE_GG_DEFINE_FAMILY_2(NAME, NAME##Large, NAME##Small)
+
+// A blockwise FP8 wgrad family (e4m3 x^T x EB dy^T -> bf16, from the column-wise copies,
+// WgradBlockScaleConfig's scales), one config: cooperative 128x128x128, cluster 1x2 (the
+// output tiles are k x n per group, as the promoted FP8 wgrad's large config).
+#define JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_WGRAD_FAMILY(NAME, EB)                                  \
+  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
+      NAME##Gemm, cutlass::float_e4m3_t, EB, WgradBlockLayoutSFA, WgradBlockLayoutSFB, 128,    \
+      128, 1, 2, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,       \
+      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
+  JAXFUSE_GG_DEFINE_FAMILY_1(NAME, NAME##Gemm)

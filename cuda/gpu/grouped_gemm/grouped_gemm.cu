@@ -79,12 +79,17 @@ Family PickFamily(const Problem& p) {
   if (IsFp8(p.a_type)) {
     if (p.out_type != ElementType::kBF16) return {};
     if (p.block_scaling) {
+      if (p.fast_accumulation) return {};
+      if (p.form == Form::kWgrad) {
+        // x^T e4m3 x dy^T (gradient format) from the column-wise copies, 128 x 1 blocks.
+        if (!p.columnwise || p.a_type != ElementType::kFloat8E4M3) return {};
+        return p.b_type == ElementType::kFloat8E5M2
+                   ? JAXFUSE_GG_FAMILY(Fp8BlockWgradE4m3E5m2, false)
+                   : JAXFUSE_GG_FAMILY(Fp8BlockWgradE4m3E4m3, false);
+      }
       // Forward (e4m3 x) and dgrad (e4m3 or e5m2 dy) against the e4m3 weight; the scales
       // live in the mainloop, so no alpha.
-      if (p.form == Form::kWgrad || p.columnwise || p.fast_accumulation ||
-          p.b_type != ElementType::kFloat8E4M3) {
-        return {};
-      }
+      if (p.columnwise || p.b_type != ElementType::kFloat8E4M3) return {};
       if (p.form == Form::kForward && p.a_type != ElementType::kFloat8E4M3) return {};
       return p.a_type == ElementType::kFloat8E5M2 ? JAXFUSE_GG_FAMILY(Fp8BlockE5m2E4m3, false)
                                                   : JAXFUSE_GG_FAMILY(Fp8BlockE4m3E4m3, false);
@@ -193,7 +198,9 @@ struct SetupParams {
   float* alpha;
   const float** alpha_ptrs;
   // Blockwise FP8 (block_scaling): each group's scale pointers (nullptr otherwise), and the
-  // scale counts per row of a (contraction blocks) and per expert of b (tiles).
+  // scale counts per row of a (contraction blocks) and per expert of b (tiles); the wgrad
+  // (columnwise) instead per scale row of x^T (k) and of dy^T (n), from the group's first
+  // scale row (ColumnwiseScaleRow).
   const float** ptr_sfa;
   const float** ptr_sfb;
   int64_t sfa_per_row;
@@ -332,7 +339,11 @@ __device__ __forceinline__ void WriteGroup(const SetupParams& p, int g, int64_t 
     p.ptr_d[g] = p.out + weight * p.out_bytes;
     p.stride_d[g] = p.n;
   }
-  if (p.ptr_sfa != nullptr) {
+  if (p.ptr_sfa != nullptr && p.columnwise) {  // blockwise wgrad: [blocks_g, k] / [blocks_g, n]
+    const int64_t scale_row = ColumnwiseScaleRow(lo, g);
+    p.ptr_sfa[g] = p.a_scale_inv + scale_row * p.sfa_per_row;
+    p.ptr_sfb[g] = p.b_scale_inv + scale_row * p.sfb_per_group;
+  } else if (p.ptr_sfa != nullptr) {
     p.ptr_sfa[g] = p.a_scale_inv + lo * p.sfa_per_row;
     p.ptr_sfb[g] = p.b_scale_inv + g * p.sfb_per_group;
   }
@@ -649,11 +660,16 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   s.alpha_ptrs = family.has_alpha ? reinterpret_cast<const float**>(base + layout.alpha_ptrs)
                                   : nullptr;
   if (p.block_scaling) {
-    const int64_t contraction_blocks = CeilDiv(contraction, detail::kBlockScale);
     s.ptr_sfa = reinterpret_cast<const float**>(base + layout.ptr_sfa);
     s.ptr_sfb = reinterpret_cast<const float**>(base + layout.ptr_sfb);
-    s.sfa_per_row = contraction_blocks;
-    s.sfb_per_group = CeilDiv(out_cols, detail::kBlockScale) * contraction_blocks;
+    if (wgrad) {  // one scale per column of the copies per scale row (columnwise.h)
+      s.sfa_per_row = p.k;
+      s.sfb_per_group = p.n;
+    } else {
+      const int64_t contraction_blocks = CeilDiv(contraction, detail::kBlockScale);
+      s.sfa_per_row = contraction_blocks;
+      s.sfb_per_group = CeilDiv(out_cols, detail::kBlockScale) * contraction_blocks;
+    }
   }
   const bool adaptive = config == TileConfig::kAdaptive;
   s.shapes_uniform =

@@ -27,7 +27,8 @@ struct GemmArrays {
   int64_t* stride_d = nullptr;        // [G]
   const float** alpha_ptrs = nullptr; // [G] (per-group FP8 only; nullptr otherwise)
   const float** ptr_sfa = nullptr;    // [G] (blockwise FP8 only): group g's first row of
-  const float** ptr_sfb = nullptr;    // [G]   a's scales, expert g's tile scales of b
+  const float** ptr_sfb = nullptr;    // [G]   a's scales, expert g's tile scales of b (wgrad:
+                                      //       group g's first scale rows of x^T and dy^T)
   void* cutlass_workspace = nullptr;  // CUTLASS's own workspace (tensormaps per SM)
   size_t cutlass_workspace_bytes = 0;
   char raster = 'M';                  // tile scheduler raster order: 'M' or 'N' (host value)
@@ -79,6 +80,10 @@ JAXFUSE_GG_DECLARE_FAMILY(Fp8E4m3E5m2)       // wgrad only: x^T e4m3, dy^T e5m2 
 // e4m3 with 128 x 128 tile scales, applied in the mainloop; bf16 output, no alpha.
 JAXFUSE_GG_DECLARE_FAMILY(Fp8BlockE4m3E4m3)
 JAXFUSE_GG_DECLARE_FAMILY(Fp8BlockE5m2E4m3)  // dgrad with E5M2 output gradients
+// Blockwise FP8 wgrad (single config): x^T e4m3 x dy^T (e4m3 | e5m2) from the column-wise
+// copies, 128 x 1 block scales of both along the rows (jaxfuse/columnwise.h).
+JAXFUSE_GG_DECLARE_FAMILY(Fp8BlockWgradE4m3E4m3)
+JAXFUSE_GG_DECLARE_FAMILY(Fp8BlockWgradE4m3E5m2)
 
 // kUniform kernels (bf16 forward/dgrad), one config each; NAME_RowGranularity() = its CTA
 // tile M x cluster M.

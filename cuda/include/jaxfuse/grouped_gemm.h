@@ -27,6 +27,13 @@
 //   out[r, j] = sum over blocks kb of a_scale_inv[r, kb] * b_scale_inv[g, j / 128, kb] *
 //   (the block's FP8 products), applied in the mainloop (fp32 accumulation every 128 k).
 //   Both pointers are required; a is e4m3 or (dgrad) e5m2, b e4m3.
+//   block_scaling with kWgrad (and columnwise, required): 128 x 1 blocks of x and dy along
+//   the contraction, one scale per column of each copy per 128-row block of a group
+//   (jaxfuse/columnwise.h, ColumnwiseScaleRow): a_scale_inv float32
+//   [ColumnwiseScaleRows(m, G), k], b_scale_inv float32 [ColumnwiseScaleRows(m, G), n];
+//   dw[g][i, j] = sum over the group's blocks bj of a_scale_inv[row_g + bj, i] *
+//   b_scale_inv[row_g + bj, j] * (the block's FP8 products), row_g = ColumnwiseScaleRow(c_g, g);
+//   a is e4m3, b e4m3 or e5m2.
 //   fast_accumulation (kForward with e4m3 x e4m3 only): accumulate in the tensor cores' FP8
 //   accumulator without promoting to fp32 registers every few k-blocks (faster, a little less
 //   precise; TransformerEngine's default for the forward GEMM).
@@ -99,8 +106,8 @@ cudaError_t Run(const Problem& problem, int sm_count, cudaStream_t stream);
 
 // Host check of types, shapes and alignment (k, n multiples of 8 for 16-bit types, of 16 for
 // FP8; 16-byte aligned a/b/out pointers; m, k, n < 2^31; G >= 1; fast_accumulation only for
-// the e4m3 x e4m3 forward; block_scaling only for the FP8 forward/dgrad, with both scale
-// pointers). Upstream raises on false.
+// the e4m3 x e4m3 forward; block_scaling only for FP8, with both scale pointers, and for the
+// wgrad only from column-wise copies). Upstream raises on false.
 bool IsSupported(const Problem& problem);
 
 // The tile configuration the heuristic picks from form, types, m, k, n, G and sm_count (host

@@ -140,11 +140,35 @@ inline int64_t OutColumnsOf(const GroupedProblem& p) {
   return p.form == GroupedForm::kForward ? p.n : p.k;
 }
 
+// The blockwise FP8 wgrad (p from ParseColumnwiseWgrad): 128 x 1 blocks of x and dy along
+// each group's rows, a_scale_inv float32 [ColumnwiseScaleRows(m, G), k] and b_scale_inv
+// float32 [ColumnwiseScaleRows(m, G), n] (jaxfuse/columnwise.h).
+inline ffi::Error CheckColumnwiseBlockScales(const GroupedProblem& p,
+                                             const ffi::AnyBuffer& a_scale_inv,
+                                             const ffi::AnyBuffer& b_scale_inv) {
+  const int64_t scale_rows = ColumnwiseScaleRows(p.m, p.groups);
+  const char* names[2] = {"a_scale_inv", "b_scale_inv"};
+  const ffi::AnyBuffer* scales[2] = {&a_scale_inv, &b_scale_inv};
+  const int64_t columns[2] = {p.k, p.n};
+  for (int i = 0; i < 2; ++i) {
+    const auto dims = scales[i]->dimensions();
+    if (scales[i]->element_type() != ffi::DataType::F32 || dims.size() != 2 ||
+        dims[0] != scale_rows || dims[1] != columns[i]) {
+      return InvalidArgument("blockwise FP8 grouped wgrad: ", names[i], " must be float32 "
+                             "[ColumnwiseScaleRows(rows, G), ", i == 0 ? "K" : "N", "] = [",
+                             scale_rows, ", ", columns[i], "], got ",
+                             DataTypeName(scales[i]->element_type()), ShapeString(dims));
+    }
+  }
+  return ffi::Error::Success();
+}
+
 inline ffi::Error CheckBlockScales(const GroupedProblem& p, const ffi::AnyBuffer& a_scale_inv,
                                    const ffi::AnyBuffer& b_scale_inv) {
   if (p.form == GroupedForm::kWgrad) {
     return InvalidArgument("blockwise FP8 grouped GEMM: only the forward (0) and dgrad (1) "
-                           "forms, got the wgrad form (2)");
+                           "forms, got the wgrad form (2): call "
+                           "jaxfuse_grouped_gemm_fp8_blockwise_wgrad");
   }
   const int64_t kc = ScaleBlocks(ContractionOf(p)), nc = ScaleBlocks(OutColumnsOf(p));
   const auto a_dims = a_scale_inv.dimensions(), b_dims = b_scale_inv.dimensions();

@@ -356,9 +356,10 @@ def grouped_linear_blockwise_with_offsets(x, kernel, group_offsets, recipe,
   per 128 x 128 tile (both layouts from one pass: [G, N, K] for the forward, [G, K, N]
   saved for the dgrad), the blockwise FP8 grouped GEMM. Backward: dgrad in FP8 (the
   output gradient in the recipe's gradient format, 1 x 128 blocks along N, times the
-  forward's FP8 weight as [G, K, N]); wgrad in 16-bit from the saved x and the output
-  gradient. A ``quantize_experts`` kernel is used as it is: a frozen one gets no gradient
-  (x is not kept), a trainable one's gradient goes to its master.
+  forward's FP8 weight as [G, K, N]); wgrad from the saved x and the output gradient,
+  in FP8 with 128 x 1 blocks (recipe.fp8_wgrad, see blockwise_wgrad) or 16-bit. A
+  ``quantize_experts`` kernel is used as it is: a frozen one gets no gradient (x is not
+  kept), a trainable one's gradient goes to its master.
   """
   return _blockwise_forward(x, kernel, group_offsets, recipe, varying_axes,
                             for_backward=False)[0]
@@ -389,6 +390,26 @@ def blockwise_dgrad(d_out, w, group_offsets, recipe, dtype):
   return blockwise_gemm(dy_data, dy_scale_inv, w, group_offsets, ffi.DGRAD, dtype)
 
 
+def blockwise_wgrad(x, dy, group_offsets, recipe):
+  """The weight gradient dw[g] = x_g^T @ dy_g ([G, K, N] in x's dtype) of the blockwise
+  recipe from the 16-bit x [M, K] and dy [M, N]: with recipe.fp8_wgrad, where no
+  partitioning can follow (quantize_columnwise.fusion_enabled), both quantized in 128 x 1
+  blocks down each group's rows into their column-wise copies (x in the forward format, dy
+  in the gradient format) and the blockwise FP8 wgrad kernel; else the 16-bit grouped
+  GEMM (sharding rules included)."""
+  dy = dy.astype(x.dtype)
+  if not (recipe.fp8_wgrad and quantize_columnwise.fusion_enabled()):
+    return sharding.grouped_gemm(x, dy, group_offsets, form=ffi.WGRAD)
+  from jaxfuse._src.ops.quantize import ffi as quantize_ffi  # pylint: disable=g-import-not-at-top
+  x_t, x_t_scale_inv = quantize_ffi.quantize_columnwise_blocks(
+      jax.lax.stop_gradient(x), group_offsets, fmt=recipes.fp8_format(recipe, "forward"))
+  dy_t, dy_t_scale_inv = quantize_ffi.quantize_columnwise_blocks(
+      jax.lax.stop_gradient(dy), group_offsets, fmt=recipes.fp8_format(recipe, "gradient"))
+  d_kernel = ffi.fp8_blockwise_wgrad_columnwise(x_t, dy_t, group_offsets, x_t_scale_inv,
+                                                dy_t_scale_inv, rows=x.shape[0])
+  return d_kernel.astype(x.dtype)
+
+
 def _blockwise_backward(recipe, varying_axes, saved, d_out):
   x, w, group_offsets, template = saved
   dtype = d_out.dtype  # the output's, which is x's
@@ -396,7 +417,7 @@ def _blockwise_backward(recipe, varying_axes, saved, d_out):
                                   varying_axes[0])
   if x is None:  # a frozen quantize_experts kernel: a constant
     return d_x, None, None
-  d_kernel = sharding.grouped_gemm(x, d_out.astype(x.dtype), group_offsets, form=ffi.WGRAD)
+  d_kernel = blockwise_wgrad(x, d_out, group_offsets, recipe)
   d_kernel = compat.match_varying_axes(d_kernel, varying_axes[1])
   return d_x, quantized_kernels.kernel_cotangent(template, d_kernel), None
 
@@ -451,7 +472,10 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
       (every 128-deep partial sum times its two scales, accumulated in fp32), so an
       outlier only coarsens its own block. Backward: dgrad in FP8 (the output gradient in
       1 x 128 blocks along N, in recipe.gradient_format, E4M3 by default) against the
-      forward's FP8 weight; wgrad in 16-bit from the saved x. block_size must be 128;
+      forward's FP8 weight; wgrad in FP8 too (``recipe.fp8_wgrad``, the default: x and
+      the output gradient in 128 x 1 blocks down each group's rows, transposed, on one
+      device or inside shard_map with every axis manual; 16-bit elsewhere or with
+      fp8_wgrad=False, from the saved 16-bit x). block_size must be 128;
       K and N multiples of 16 (partial blocks are fine). The kernel's tiles are
       quantized in both layouts by one pass per call, or once by ``quantize_experts``.
 

@@ -156,3 +156,23 @@ def fp8_wgrad_columnwise(x_t, dy_t, group_offsets, x_scale_inv, dy_scale_inv, *,
   workspace_bytes = _workspace_bytes(WGRAD, x_t, dy_t, m, k, n, groups, False)
   return _call("jaxfuse_grouped_gemm_fp8_wgrad", out_type, operands,
                dict(rows=np.int64(m)), workspace_bytes)
+
+
+def fp8_blockwise_wgrad_columnwise(x_t, dy_t, group_offsets, x_t_scale_inv, dy_t_scale_inv, *,
+                                   rows: int):
+  """The blockwise FP8 wgrad kernel (Float8BlockScaling) on column-wise copies of `rows`
+  grouped rows quantized in 128 x 1 blocks (quantize ffi.quantize_columnwise_blocks):
+  x_t [k, W] E4M3 with x_t_scale_inv float32 [S, k], dy_t [n, W] E4M3 or E5M2 with
+  dy_t_scale_inv float32 [S, n], W = ColumnwiseWidth(rows, G), S = ColumnwiseScaleRows(rows,
+  G) (cuda/include/jaxfuse/columnwise.h) -> bfloat16 [G, k, n]: per group, each 128-row
+  block's fp32 partial sums times its two scales (zero for an empty group)."""
+  ffi_registry.ensure_registered()
+  (k, _), (n, _) = x_t.shape, dy_t.shape
+  m = int(rows)
+  groups = group_offsets.shape[0] - 1
+  out_type = jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16)
+  operands = (x_t, dy_t, group_offsets, x_t_scale_inv, dy_t_scale_inv)
+  workspace_bytes = _workspace_bytes(WGRAD, x_t, dy_t, m, k, n, groups, False,
+                                     block_scaling=True)
+  return _call("jaxfuse_grouped_gemm_fp8_blockwise_wgrad", out_type, operands,
+               dict(rows=np.int64(m)), workspace_bytes)

@@ -247,13 +247,14 @@ class _Blockwise:
                     fp32 activation, never rounded to 16-bit)
               y = blockwise FP8 grouped GEMM(a_q, w2)
     backward: da = blockwise FP8 dgrad(dy in 1 x 128 blocks of the gradient format, w2)
-              dk2 = 16-bit wgrad(act(h) * scales, dy)    (recomputed, or saved)
+              dk2 = wgrad(act(h) * scales, dy)    (recomputed, or saved)
               dh_q, dh, ds = scaled_dactivation_quantize(da, h, scales)  (one fused kernel:
                     the FP8 dh for the dgrad and the 16-bit dh for the wgrad)
-              dx = blockwise FP8 dgrad(dh_q, w1), dk1 = 16-bit wgrad(x, dh)
+              dx = blockwise FP8 dgrad(dh_q, w1), dk1 = wgrad(x, dh)
 
-  The weight gradients run in 16-bit (as in grouped_linear's blockwise path): an FP8
-  wgrad would need 128 x 1 blocks down each group's rows.
+  The weight gradients (grouped_linear's blockwise_wgrad) run in FP8 with recipe.fp8_wgrad
+  where no partitioning follows: each operand quantized in 128 x 1 blocks down each group's
+  rows from its 16-bit value; else in 16-bit.
   """
 
   @staticmethod
@@ -296,13 +297,13 @@ class _Blockwise:
     d_kernel2 = None
     if not frozen2:
       a = _activation(h, scales, config) if a is None else a
-      d_kernel2 = _gemm(a, dy, group_offsets, gemm_ffi.WGRAD)
+      d_kernel2 = linear_api.blockwise_wgrad(a, dy, group_offsets, recipe)
     dh_q, dh, d_scales = quantize_api.scaled_dactivation_quantize(
         da, h, scales, recipe=recipe, return_dx=not frozen1, implementation="ffi",
         **config.act_kwargs)
     dx = linear_api.blockwise_gemm(dh_q.data, dh_q.scale_inv, w1, group_offsets,
                                    gemm_ffi.DGRAD, dtype)
-    d_kernel1 = None if frozen1 else _gemm(x, dh, group_offsets, gemm_ffi.WGRAD)
+    d_kernel1 = None if frozen1 else linear_api.blockwise_wgrad(x, dh, group_offsets, recipe)
     return _cotangents(varying_axes, templates, dx, d_kernel1, d_kernel2, d_scales, scales)
 
 

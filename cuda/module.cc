@@ -41,6 +41,7 @@ namespace py = pybind11;
   X("jaxfuse_quantize", JaxfuseQuantizeCpu)                                       \
   X("jaxfuse_quantize_transposed", JaxfuseQuantizeTransposedCpu)                  \
   X("jaxfuse_quantize_blocks_transposed", JaxfuseQuantizeBlocksTransposedCpu)     \
+  X("jaxfuse_quantize_columnwise_blocks", JaxfuseQuantizeColumnwiseBlocksCpu)     \
   X("jaxfuse_batch_amax", JaxfuseBatchAmaxCpu)                                    \
   X("jaxfuse_scaled_activation_quantize", JaxfuseScaledActivationQuantizeCpu)     \
   X("jaxfuse_scaled_dactivation_quantize", JaxfuseScaledDactivationQuantizeCpu)   \
@@ -77,6 +78,7 @@ namespace py = pybind11;
   X("jaxfuse_quantize", JaxfuseQuantizeCuda)                                        \
   X("jaxfuse_quantize_transposed", JaxfuseQuantizeTransposedCuda)                   \
   X("jaxfuse_quantize_blocks_transposed", JaxfuseQuantizeBlocksTransposedCuda)      \
+  X("jaxfuse_quantize_columnwise_blocks", JaxfuseQuantizeColumnwiseBlocksCuda)      \
   X("jaxfuse_batch_amax", JaxfuseBatchAmaxCuda)                                     \
   X("jaxfuse_scaled_activation_quantize", JaxfuseScaledActivationQuantizeCuda)      \
   X("jaxfuse_scaled_dactivation_quantize", JaxfuseScaledDactivationQuantizeCuda)    \

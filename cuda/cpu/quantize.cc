@@ -90,6 +90,20 @@ ffi::Error QuantizeBlocksTransposedCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::An
   return ffi::Error::Success();
 }
 
+ffi::Error QuantizeColumnwiseBlocksCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer offsets,
+                                           ffi::Result<ffi::AnyBuffer> data,
+                                           ffi::Result<ffi::AnyBuffer> scale_inv) {
+  ColumnwiseBlocksProblem problem;
+  if (auto error = ParseQuantizeColumnwiseBlocks(x, offsets, *data, *scale_inv, &problem);
+      error.failure()) {
+    return error;
+  }
+  QuantizeColumnwiseBlocksCpu(problem, x, offsets.typed_data<int32_t>(),
+                              static_cast<uint8_t*>(data->untyped_data()),
+                              static_cast<float*>(scale_inv->untyped_data()));
+  return ffi::Error::Success();
+}
+
 ffi::Error BatchAmaxCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> amax) {
   BatchAmaxProblem problem;
   if (auto error = ParseBatchAmax(x, *amax, &problem); error.failure()) return error;
@@ -240,6 +254,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeBlocksTransposedCpu,
                                   .Ret<xffi::AnyBuffer>()   // data fp8 [B, C, R]
                                   .Ret<xffi::AnyBuffer>()   // scale_inv f32 [B, R/128, C/128]
                                   .Ret<xffi::AnyBuffer>()); // data_untransposed [B, R, C] or [0]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeColumnwiseBlocksCpu,
+                              jaxfuse::QuantizeColumnwiseBlocksCpuImpl,
+                              xffi::Ffi::Bind()
+                                  .Arg<xffi::AnyBuffer>()   // x [M, C], rows grouped
+                                  .Arg<xffi::AnyBuffer>()   // group offsets int32 [G + 1]
+                                  .Ret<xffi::AnyBuffer>()   // data FP8 [C, ColumnwiseWidth(M, G)]
+                                  .Ret<xffi::AnyBuffer>()); // scale_inv f32 [S(M, G), C]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseBatchAmaxCpu, jaxfuse::BatchAmaxCpuImpl,
                               xffi::Ffi::Bind()

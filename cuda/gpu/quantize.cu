@@ -1536,6 +1536,274 @@ ffi::Error DactivationQuantizeCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::
   });
 }
 
+// --- the blockwise-scaled column-wise copy (Float8BlockScaling's FP8 grouped wgrad) ---------
+//
+// quantize_columnwise_blocks (jaxfuse/quantize.h, layouts in jaxfuse/columnwise.h): one
+// block per (scale slot, tile of kBlocksCopyCols columns of x), grid (S, ceil(C / 128)),
+// S = ColumnwiseScaleRows(M, G). Each block computes the clamped offsets of every group in
+// shared memory (as ColumnwiseKernel) and finds, by binary search, the last group g with
+// ColumnwiseScaleRow(c_g, g) <= slot (the rows strictly increase in g); j = slot - that row.
+//  - j < blocks of g: block j of group g. The block's <= 128 rows x 128 columns are loaded
+//    along C (coalesced, 8 units in flight per thread), each column's amax is reduced over
+//    the rows (registers, a shuffle, then shared memory across warps), its scale_inv
+//    written, and the FP8 bytes staged transposed in shared memory (one 4-byte word per 4
+//    consecutive rows) and stored along the rows: one 16-byte-aligned run of the block's
+//    rows per column, 16-byte stores (rows past the block's end stage zeros).
+//  - otherwise the slot is no block's: its scale row gets 1.
+// Zero columns (every column that holds no row) need an owner each; the closed forms of
+// jaxfuse/columnwise.h give every one of them a block of this grid, so nothing else runs
+// and nothing is written twice:
+//  - padding after a non-empty group (to the next block's begin): the group's last block,
+//    extending its run (both ends are multiples of 16);
+//  - an empty group's 16 columns: slot ColumnwiseScaleRow(c_g, g) belongs to no block
+//    (the previous group's rows end at or before it, the next group's start after it);
+//  - columns [0, start_0) before group 0 (offsets[0] > 0): the slots below group 0's first
+//    row take 128 columns each, and the slot of that first row the remainder (< 128);
+//  - the tail [start_G, W): the slots past the last group's rows (past its one slot when
+//    it is empty), 128 columns each; there are at least ceil((W - start_G) / 128) of them,
+//    since floor(c / 128) + ceil(L / 128) <= floor((c + L) / 128) + 1.
+constexpr int kBlocksCopyCols = 128;  // columns of x per block: 16 units of 8
+constexpr int kBlocksCopyThreads = kColumnwiseThreads;  // ClampedOffsetsToShared's block size
+constexpr int kBlocksCopyUnits = kBlocksCopyCols / gpu::kUnit;              // 16 per row
+constexpr int kBlocksCopyLoads = kColumnwiseScaleBlock * kBlocksCopyUnits / kBlocksCopyThreads;
+// Shared row pitch of the staged bytes (one row per column of x): 33 words keep the 16-byte
+// stores of a warp conflict-free in the store phase (4-byte reads).
+constexpr int kBlocksCopyPitch = kColumnwiseScaleBlock + 4;
+static_assert(kColumnwiseScaleBlock == 128 && kBlocksCopyLoads == 8,
+              "each thread holds 8 rows (two runs of 4) of one unit");
+
+// The 8 values of x one thread holds per row: raw 16-byte registers for aligned 16-bit x
+// (converted where used: half the registers of floats, so four blocks fit on an SM), else
+// floats from gpu::Load8 (any C, any alignment; 0 past C).
+template <typename T, bool kRaw>
+struct CopyUnit {
+  float v[8];
+  __device__ __forceinline__ void Load(const T* p, bool vector, int valid) {
+    gpu::Load8(p, vector, valid, v);
+  }
+  __device__ __forceinline__ void Zero() {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = 0.0f;
+  }
+  __device__ __forceinline__ float At(int e) const { return v[e]; }
+};
+
+template <typename T>
+struct CopyUnit<T, true> {
+  uint4 raw;
+  // C % 8 == 0: a unit is whole (valid == 8) or past C (never loaded).
+  __device__ __forceinline__ void Load(const T* p, bool, int) {
+    raw = __ldg(reinterpret_cast<const uint4*>(p));
+  }
+  __device__ __forceinline__ void Zero() { raw = make_uint4(0, 0, 0, 0); }
+  __device__ __forceinline__ float At(int e) const {
+    return gpu::LoadOne(reinterpret_cast<const T*>(&raw) + e);
+  }
+};
+
+// Zeros columns [lo, hi) (multiples of 16, inside the storage block [begin, end)) of the
+// copy rows k0 .. k0 + tile_cols - 1: 16-byte stores, consecutive threads along a row.
+__device__ __forceinline__ void ZeroCopyColumns(uint8_t* data, int64_t cols, int64_t begin,
+                                                int64_t end, int64_t lo, int64_t hi, int64_t k0,
+                                                int tile_cols) {
+  if (lo >= hi) return;
+  const int64_t chunks = (hi - lo) / 16;
+  const int64_t items = chunks * tile_cols;
+  for (int64_t i = threadIdx.x; i < items; i += kBlocksCopyThreads) {
+    const int64_t c = i / chunks, q = i % chunks;
+    *reinterpret_cast<uint4*>(data + ColumnwiseIndex(cols, begin, end, k0 + c, lo + 16 * q)) =
+        make_uint4(0, 0, 0, 0);
+  }
+}
+
+__device__ __forceinline__ void WriteUnitScales(float* scale_row, int tile_cols) {
+  for (int c = threadIdx.x; c < tile_cols; c += kBlocksCopyThreads) scale_row[c] = 1.0f;
+}
+
+// Row (within the block) of a thread's load j: rows 4 q .. 4 q + 3 and 64 + 4 q .. + 3 for
+// the thread's quad q = threadIdx.x / 16, so four consecutive rows' bytes of a column pack
+// into one word; a warp's load j still reads two whole 256-byte rows.
+__device__ __forceinline__ int CopyRowOfLoad(int j) {
+  return 4 * (static_cast<int>(threadIdx.x) / kBlocksCopyUnits) + j % 4 + 64 * (j / 4);
+}
+
+template <typename T, bool kRaw>
+__global__ void __launch_bounds__(kBlocksCopyThreads, kRaw ? 4 : 2)
+QuantizeColumnwiseBlocksKernel(const T* __restrict__ x, const int32_t* __restrict__ offsets,
+                               int groups, int64_t rows, int64_t cols, int64_t width,
+                               bool vector, Fp8Format format, uint8_t* __restrict__ data,
+                               float* __restrict__ scale_inv) {
+  extern __shared__ int32_t clamped[];  // [groups + 1]
+  __shared__ __align__(16) uint8_t tile[kBlocksCopyCols * kBlocksCopyPitch];
+  __shared__ float warp_amax[kBlocksCopyThreads / 32][kBlocksCopyCols];
+  __shared__ float column_scale[kBlocksCopyCols];
+  constexpr int64_t kBlock = kColumnwiseScaleBlock;
+  ClampedOffsetsToShared(offsets, groups + 1, rows, clamped);
+  const int64_t slot = blockIdx.x;
+  const int64_t k0 = static_cast<int64_t>(blockIdx.y) * kBlocksCopyCols;
+  const int tile_cols = static_cast<int>(min(static_cast<int64_t>(kBlocksCopyCols), cols - k0));
+  float* scale_row = scale_inv + slot * cols + k0;
+  const int64_t first_slot = ColumnwiseScaleRow(clamped[0], 0);
+  if (slot < first_slot) {  // a slot before group 0's rows: 128 columns of [0, start_0)
+    WriteUnitScales(scale_row, tile_cols);
+    ZeroCopyColumns(data, cols, 0, ColumnwiseStart(clamped[1], 1), kBlock * slot,
+                    kBlock * (slot + 1), k0, tile_cols);
+    return;
+  }
+  int g = 0, hi = groups - 1;  // the last group whose first scale row is <= slot
+  while (g < hi) {
+    const int mid = (g + hi + 1) / 2;
+    if (ColumnwiseScaleRow(clamped[mid], mid) <= slot) {
+      g = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int64_t c_g = clamped[g], c_next = clamped[g + 1];
+  const int64_t j = slot - ColumnwiseScaleRow(c_g, g);
+  const int64_t blocks = ColumnwiseScaleBlocks(c_next - c_g);
+  const int64_t begin = ColumnwiseBlockBegin(c_g, g);
+  const int64_t start = ColumnwiseStart(c_g, g), end = ColumnwiseStart(c_next, g + 1);
+  if (slot == first_slot) {  // the rest of [0, start_0) (g is 0)
+    ZeroCopyColumns(data, cols, 0, end, kBlock * first_slot, start, k0, tile_cols);
+  }
+  if (j >= blocks) {  // no block's slot
+    WriteUnitScales(scale_row, tile_cols);
+    if (j == 0) ZeroCopyColumns(data, cols, begin, end, start, end, k0, tile_cols);  // empty g
+    const int64_t tail_chunk = j - max(blocks, int64_t{1});
+    if (g == groups - 1 && tail_chunk >= 0) {  // block G: [end, width)
+      const int64_t lo = end + kBlock * tail_chunk;
+      ZeroCopyColumns(data, cols, end, width, lo, min(width, lo + kBlock), k0, tile_cols);
+    }
+    return;
+  }
+  // Block j of group g: rows r0 .. r0 + n - 1, columns k0 .. k0 + tile_cols - 1 of x.
+  const int64_t r0 = c_g + kBlock * j;
+  const int n = static_cast<int>(min(kBlock, c_next - r0));
+  const int u = threadIdx.x % kBlocksCopyUnits;
+  const int64_t col = k0 + u * gpu::kUnit;
+  const int valid = static_cast<int>(max(int64_t{0}, min(int64_t{8}, cols - col)));
+  CopyUnit<T, kRaw> values[kBlocksCopyLoads];
+#pragma unroll
+  for (int l = 0; l < kBlocksCopyLoads; ++l) {  // every load issued before any math
+    const int row = CopyRowOfLoad(l);
+    if (row < n && valid > 0) {
+      values[l].Load(x + (r0 + row) * cols + col, vector, valid);
+    } else {
+      values[l].Zero();
+    }
+  }
+  // Each column's amax: the thread's 8 rows, the other quad of the warp (lane ^ 16 holds
+  // the same unit), then the 8 warps through shared memory. MaxAbs drops NaN, as
+  // block_1d's reduction does.
+  float amax[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    amax[e] = 0.0f;
+#pragma unroll
+    for (int l = 0; l < kBlocksCopyLoads; ++l) amax[e] = gpu::MaxAbs(amax[e], values[l].At(e));
+    amax[e] = fmaxf(amax[e], __shfl_xor_sync(0xffffffffu, amax[e], 16));
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane < 16) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) warp_amax[warp][u * 8 + e] = amax[e];
+  }
+  __syncthreads();
+  if (threadIdx.x < kBlocksCopyCols) {
+    float reduced = warp_amax[0][threadIdx.x];
+#pragma unroll
+    for (int w = 1; w < kBlocksCopyThreads / 32; ++w) {
+      reduced = fmaxf(reduced, warp_amax[w][threadIdx.x]);
+    }
+    const float scale = ScaleFromAmax(reduced, Fp8Max(format));
+    column_scale[threadIdx.x] = scale;
+    if (static_cast<int>(threadIdx.x) < tile_cols) scale_row[threadIdx.x] = 1.0f / scale;
+  }
+  __syncthreads();
+  // Quantize (block_1d's product and rounding) into the staged rows: a column's 4
+  // consecutive rows as one word. Rows past n and columns past C hold zeros (never stored
+  // past the run's last chunk).
+  const int quad = threadIdx.x / kBlocksCopyUnits;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float scale = column_scale[u * 8 + e];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const CopyUnit<T, kRaw>* v = values + 4 * half;
+      const uint32_t low = gpu::Fp8x2(v[0].At(e) * scale, v[1].At(e) * scale, format);
+      const uint32_t high = gpu::Fp8x2(v[2].At(e) * scale, v[3].At(e) * scale, format);
+      *reinterpret_cast<uint32_t*>(tile + (u * 8 + e) * kBlocksCopyPitch + 64 * half +
+                                   4 * quad) = low | (high << 16);
+    }
+  }
+  __syncthreads();
+  // Store phase: column c's run of the block's rows from column start + 128 j of the copy,
+  // ceil(n / 16) 16-byte chunks (its last chunk's bytes past n are the staged zeros, inside
+  // the group's padding: the run's end is a multiple of 16 no later than `end`).
+  constexpr int kChunks = kColumnwiseScaleBlock / 16;
+  const int chunks = (n + 15) / 16;
+  const int64_t run = start + kBlock * j;
+  for (int i = threadIdx.x; i < kBlocksCopyCols * kChunks; i += kBlocksCopyThreads) {
+    const int c = i / kChunks, q = i % kChunks;
+    if (c >= tile_cols || q >= chunks) continue;
+    const uint32_t* src =
+        reinterpret_cast<const uint32_t*>(tile + c * kBlocksCopyPitch + 16 * q);
+    *reinterpret_cast<uint4*>(data + ColumnwiseIndex(cols, begin, end, k0 + c, run + 16 * q)) =
+        make_uint4(src[0], src[1], src[2], src[3]);
+  }
+  if (j == blocks - 1) {  // the group's padding after its rows, up to the next block
+    ZeroCopyColumns(data, cols, begin, end, run + 16 * chunks, end, k0, tile_cols);
+  }
+}
+
+// The aligned 16-bit kernel (raw registers) for bf16/f16 x with C % 8 == 0, 16-byte
+// aligned; the float one otherwise. Needs data 16-byte aligned (XLA's buffers are).
+ffi::Error QuantizeColumnwiseBlocksCuda(cudaStream_t stream, ffi::AnyBuffer x,
+                                        ffi::AnyBuffer offsets,
+                                        ffi::Result<ffi::AnyBuffer> data,
+                                        ffi::Result<ffi::AnyBuffer> scale_inv) {
+  ColumnwiseBlocksProblem problem;
+  if (auto error = ParseQuantizeColumnwiseBlocks(x, offsets, *data, *scale_inv, &problem);
+      error.failure()) {
+    return error;
+  }
+  if (problem.cols == 0) return ffi::Error::Success();  // data and scale_inv are empty
+  uint8_t* pdata = static_cast<uint8_t*>(data->untyped_data());
+  if (!PointerAligned16(pdata)) {
+    return InvalidArgument("quantize_columnwise_blocks: data must be 16-byte aligned");
+  }
+  const int64_t column_tiles = CeilDiv(problem.cols, kBlocksCopyCols);
+  if (column_tiles > 65535 || problem.scale_rows > (int64_t{1} << 31) - 1) {
+    return InvalidArgument("quantize_columnwise_blocks: C = ", problem.cols, " exceeds ",
+                           int64_t{65535} * kBlocksCopyCols, " or M = ", problem.rows,
+                           " is too large");
+  }
+  const dim3 grid(static_cast<unsigned>(problem.scale_rows),
+                  static_cast<unsigned>(column_tiles));
+  const size_t shared = static_cast<size_t>(problem.groups + 1) * sizeof(int32_t);
+  return gpu::DispatchFloat(x.element_type(), [&](auto zero) -> ffi::Error {
+    using T = decltype(zero);
+    const T* px = static_cast<const T*>(x.untyped_data());
+    const bool vector = problem.cols % gpu::kUnit == 0 && PointerAligned16(px);
+    const int32_t* poffsets = offsets.typed_data<int32_t>();
+    float* pscale_inv = static_cast<float*>(scale_inv->untyped_data());
+    const int groups = static_cast<int>(problem.groups);
+    if constexpr (sizeof(T) == 2) {
+      if (vector) {
+        QuantizeColumnwiseBlocksKernel<T, true><<<grid, kBlocksCopyThreads, shared, stream>>>(
+            px, poffsets, groups, problem.rows, problem.cols, problem.width, vector,
+            problem.format, pdata, pscale_inv);
+        return gpu::LaunchError("blockwise column-wise quantization kernel");
+      }
+    }
+    QuantizeColumnwiseBlocksKernel<T, false><<<grid, kBlocksCopyThreads, shared, stream>>>(
+        px, poffsets, groups, problem.rows, problem.cols, problem.width, vector,
+        problem.format, pdata, pscale_inv);
+    return gpu::LaunchError("blockwise column-wise quantization kernel");
+  });
+}
+
 }  // namespace
 }  // namespace jaxfuse
 
@@ -1572,6 +1840,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeBlocksTransposedCuda,
                                   .Ret<xffi::AnyBuffer>()  // data fp8 [B, C, R]
                                   .Ret<xffi::AnyBuffer>()  // scale_inv f32 [B, R/128, C/128]
                                   .Ret<xffi::AnyBuffer>(), // data_untransposed [B, R, C] or [0]
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeColumnwiseBlocksCuda,
+                              jaxfuse::QuantizeColumnwiseBlocksCuda,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::AnyBuffer>()   // x [M, C], rows grouped
+                                  .Arg<xffi::AnyBuffer>()   // group offsets int32 [G + 1]
+                                  .Ret<xffi::AnyBuffer>()   // data FP8 [C, ColumnwiseWidth(M, G)]
+                                  .Ret<xffi::AnyBuffer>(),  // scale_inv f32 [S(M, G), C]
                               {xffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseBatchAmaxCuda, jaxfuse::BatchAmaxCuda,

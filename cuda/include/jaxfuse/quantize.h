@@ -327,6 +327,68 @@ inline ffi::Error CheckColumnwiseOutput(const QuantizeProblem& problem,
   return ffi::Error::Success();
 }
 
+// The blockwise-scaled column-wise copy (Float8BlockScaling's FP8 grouped wgrad,
+// jaxfuse/columnwise.h): x [rows, cols] float with its rows grouped by offsets int32
+// [G + 1] -> data FP8 [cols, ColumnwiseWidth(rows, G)] in the blocked column-wise layout
+// (row r of group g is column ColumnwiseStart(c_g, g) + r - c_g; every other column zero)
+// and scale_inv float32 [ColumnwiseScaleRows(rows, G), cols]: block j of group g (rows
+// c_g + 128 j .. min(c_g + 128 (j + 1), c_{g+1})) is scale row ColumnwiseScaleRow(c_g, g) +
+// j, one scale per column of x; rows of no block hold 1. Each (block, column) is quantized
+// as the 1 x 128 block quantization (block_1d) quantizes that block's values of the column
+// as one row: the same amax (NaN counted as 0), ScaleFromAmax, rounding and scale_inv.
+// The FP8 format is data's dtype.
+struct ColumnwiseBlocksProblem {
+  int64_t rows = 0, cols = 0, groups = 0, width = 0, scale_rows = 0;
+  Fp8Format format = Fp8Format::kE4M3;
+};
+
+inline ffi::Error ParseQuantizeColumnwiseBlocks(const ffi::AnyBuffer& x,
+                                                const ffi::AnyBuffer& offsets,
+                                                const ffi::AnyBuffer& data,
+                                                const ffi::AnyBuffer& scale_inv,
+                                                ColumnwiseBlocksProblem* problem) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 2 || !IsFloatType(x.element_type())) {
+    return InvalidArgument("quantize_columnwise_blocks: x must be a float32/bfloat16/float16 "
+                           "array [M, C], got ", DataTypeName(x.element_type()), " ",
+                           ShapeString(dims));
+  }
+  const auto o_dims = offsets.dimensions();
+  if (o_dims.size() != 1 || o_dims[0] < 2 || offsets.element_type() != ffi::DataType::S32) {
+    return InvalidArgument("quantize_columnwise_blocks: group_offsets must be int32 [G + 1] "
+                           "with G >= 1, got ", DataTypeName(offsets.element_type()), " ",
+                           ShapeString(o_dims));
+  }
+  problem->rows = dims[0];
+  problem->cols = dims[1];
+  problem->groups = o_dims[0] - 1;
+  if (problem->groups > kColumnwiseMaxGroups) {
+    return InvalidArgument("quantize_columnwise_blocks: at most ", kColumnwiseMaxGroups,
+                           " groups, got ", problem->groups);
+  }
+  problem->width = ColumnwiseWidth(problem->rows, problem->groups);
+  problem->scale_rows = ColumnwiseScaleRows(problem->rows, problem->groups);
+  if (auto error = Fp8FormatOf(data.element_type(), &problem->format); error.failure()) {
+    return error;
+  }
+  const auto data_dims = data.dimensions();
+  if (data_dims.size() != 2 || data_dims[0] != problem->cols ||
+      data_dims[1] != problem->width) {
+    return InvalidArgument("quantize_columnwise_blocks: data must be [C, ColumnwiseWidth(M, G)]"
+                           " = [", problem->cols, ", ", problem->width, "], got ",
+                           ShapeString(data_dims));
+  }
+  const auto scale_dims = scale_inv.dimensions();
+  if (scale_inv.element_type() != ffi::DataType::F32 || scale_dims.size() != 2 ||
+      scale_dims[0] != problem->scale_rows || scale_dims[1] != problem->cols) {
+    return InvalidArgument("quantize_columnwise_blocks: scale_inv must be float32 "
+                           "[ColumnwiseScaleRows(M, G), C] = [", problem->scale_rows, ", ",
+                           problem->cols, "], got ", DataTypeName(scale_inv.element_type()),
+                           " ", ShapeString(scale_dims));
+  }
+  return ffi::Error::Success();
+}
+
 #if !defined(__CUDACC__)
 // --- CPU reference implementation (plain loops) ------------------------------------
 
@@ -508,6 +570,41 @@ inline void ColumnwiseCpu(const ColumnwiseProblem& p, const uint8_t* data,
       const int64_t col = start + (r - clamped[g]);
       for (int64_t i = 0; i < p.cols; ++i) {
         out[ColumnwiseIndex(p.cols, begin, end, i, col)] = data[r * p.cols + i];
+      }
+    }
+  }
+}
+// The blockwise-scaled column-wise copy above, on the host: every column and scale row
+// first set to its "no block" value (0, 1), then each block's columns as block_1d's loop
+// in QuantizeCpu quantizes a block of a row.
+inline void QuantizeColumnwiseBlocksCpu(const ColumnwiseBlocksProblem& p, const ffi::AnyBuffer& x,
+                                        const int32_t* offsets, uint8_t* data,
+                                        float* scale_inv) {
+  std::fill(data, data + p.cols * p.width, uint8_t{0});
+  std::fill(scale_inv, scale_inv + p.scale_rows * p.cols, 1.0f);
+  const float fp8_max = Fp8Max(p.format);
+  const auto value = [&](int64_t row, int64_t col) {
+    return LoadAsFloat(x.untyped_data(), x.element_type(), row * p.cols + col);
+  };
+  // c_g exactly as the grouped GEMM (and the wgrad reading this copy) clamps them.
+  const std::vector<int64_t> clamped = ClampOffsets(offsets, p.groups, p.rows);
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const int64_t begin = ColumnwiseBlockBegin(clamped[g], g);
+    const int64_t end = ColumnwiseStart(clamped[g + 1], g + 1);
+    const int64_t start = ColumnwiseStart(clamped[g], g);
+    const int64_t first_scale_row = ColumnwiseScaleRow(clamped[g], g);
+    for (int64_t r0 = clamped[g], j = 0; r0 < clamped[g + 1]; r0 += kColumnwiseScaleBlock, ++j) {
+      const int64_t r1 = std::min(clamped[g + 1], r0 + kColumnwiseScaleBlock);
+      for (int64_t i = 0; i < p.cols; ++i) {
+        float amax = 0.0f;
+        for (int64_t r = r0; r < r1; ++r) amax = std::max(amax, AbsForAmax(value(r, i)));
+        const float scale = ScaleFromAmax(amax, fp8_max);
+        scale_inv[(first_scale_row + j) * p.cols + i] = 1.0f / scale;
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t col = start + (r - clamped[g]);
+          data[ColumnwiseIndex(p.cols, begin, end, i, col)] = FloatToFp8(value(r, i) * scale,
+                                                                         p.format);
+        }
       }
     }
   }

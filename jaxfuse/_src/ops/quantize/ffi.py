@@ -206,3 +206,62 @@ def group_columnwise(data, offsets):
   out = jax.ffi.ffi_call("jaxfuse_group_columnwise", out_type,
                          vmap_method="sequential")(data, offsets)
   return compat.vary_like(out, data, offsets)
+
+
+# Mirrors kColumnwiseScaleBlock and kColumnwiseMaxGroups (jaxfuse/columnwise.h, quantize.h):
+# rows per scaling block of a group's column-wise copy; the most groups the CUDA kernels
+# hold in shared memory.
+COLUMNWISE_SCALE_BLOCK = 128
+COLUMNWISE_MAX_GROUPS = 4096
+
+
+def columnwise_scale_rows(rows: int, groups: int) -> int:
+  """Rows of the blockwise scales of a column-wise copy of `rows` grouped rows
+  (ColumnwiseScaleRows in jaxfuse/columnwise.h): ceil(rows / 128) + groups."""
+  return -(-rows // COLUMNWISE_SCALE_BLOCK) + groups
+
+
+def columnwise_scale_row(clamped_offset, group):
+  """Scale row of block 0 of group `group` whose rows start at `clamped_offset` (ints or
+  arrays; ColumnwiseScaleRow): block j of the group is this row + j."""
+  return clamped_offset // COLUMNWISE_SCALE_BLOCK + group
+
+
+def quantize_columnwise_blocks(x, offsets, *, fmt):
+  """x [M, C] (float32/bfloat16/float16), rows grouped by offsets int32 [G + 1] ->
+  (data FP8 [C, columnwise_width(M, G)], scale_inv float32 [columnwise_scale_rows(M, G), C]),
+  FP8 of ``fmt`` ("e4m3" or "e5m2"): the FP8 grouped wgrad's operand under
+  Float8BlockScaling, x transposed per group with one scale per column of x and 128-row
+  block of the group (cuda/include/jaxfuse/columnwise.h).
+
+  With the clamped offsets c_g (clamp(offsets, 0, M), made non-decreasing, as the grouped
+  GEMM reads them), row r of group g is column columnwise_start(c_g, g) + r - c_g of the
+  copy, stored in the blocked layout of group_columnwise; every other column is zero.
+  Block j of group g (rows c_g + 128 j .. min(c_g + 128 (j + 1), c_{g+1})) is scale row
+  columnwise_scale_row(c_g, g) + j; rows of no block hold 1. Each (block, column) has the
+  bits the 1 x 128 block quantization (Float8BlockScaling, block_1d) gives that block's
+  values of the column as one row: scale = fp8_max / amax (NaN counted as 0; 1 when the
+  amax is 0 or inf), scale_inv = 1 / scale. Any offsets are safe (no out-of-bounds access).
+
+  Raises:
+    ValueError: x not of rank 2, offsets not [G + 1] with 1 <= G <= 4096, unknown fmt.
+    TypeError: x not float32/bfloat16/float16, offsets not int32.
+  """
+  checks.check_rank("x", x, 2, "[M, C]")
+  checks.check_float_array("x", x)
+  if checks.dtype_of("offsets", offsets) != jnp.int32:
+    raise TypeError(f"offsets must be int32 [G + 1], got {jnp.result_type(offsets)}")
+  if np.ndim(offsets) != 1 or not 2 <= np.shape(offsets)[0] <= COLUMNWISE_MAX_GROUPS + 1:
+    raise ValueError(f"offsets must be int32 [G + 1] with 1 <= G <= {COLUMNWISE_MAX_GROUPS}, "
+                     f"got shape {np.shape(offsets)}")
+  if fmt not in recipes.FP8_DTYPES:
+    raise ValueError(f"fmt must be one of {tuple(recipes.FP8_DTYPES)}, got {fmt!r}")
+  ffi_registry.ensure_registered()
+  rows, cols = x.shape
+  groups = offsets.shape[0] - 1
+  out_types = (jax.ShapeDtypeStruct((cols, columnwise_width(rows, groups)),
+                                    recipes.FP8_DTYPES[fmt]),
+               jax.ShapeDtypeStruct((columnwise_scale_rows(rows, groups), cols), jnp.float32))
+  data, scale_inv = jax.ffi.ffi_call("jaxfuse_quantize_columnwise_blocks", out_types,
+                                     vmap_method="sequential")(x, offsets)
+  return compat.vary_like(data, x, offsets), compat.vary_like(scale_inv, x, offsets)

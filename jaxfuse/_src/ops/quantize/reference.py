@@ -171,3 +171,60 @@ def scaled_dactivation_quantize(dy, x, scales, offsets, activation, limit, alpha
                                                              alpha, linear_offset)
   data, scale_inv = quantize_values(dx, scaling_mode, block, offsets, fmt)
   return data, scale_inv, dx, dscales
+
+
+def quantize_columnwise_blocks(x, offsets, fmt: str):
+  """(data FP8 [C, W], scale_inv float32 [S, C]) of ffi.quantize_columnwise_blocks for
+  x [M, C] and offsets int32 [G + 1] (any values; traceable), W = columnwise_width(M, G),
+  S = columnwise_scale_rows(M, G).
+
+  Every scale slot s is block j of group g (s = columnwise_scale_row(c_g, g) + j, with the
+  clamped offsets c_g) or no block's. The slots' rows, transposed, are the rows of one
+  [S * C, 128] array (a block's values of column i, zeros past the block and for slots of
+  no block), quantized by block_1d (quantize_values, block 128), so each (block, column) is
+  literally the 1 x 128 block quantization and slots of no block get scale_inv 1. Their
+  bytes are then scattered to the copy's columns and the columns into the blocked storage
+  of cuda/include/jaxfuse/columnwise.h (int32 indices: C * W < 2^31).
+  """
+  from jaxfuse._src.ops.quantize import ffi as quantize_ffi  # layout helpers (no cycle)
+
+  block = quantize_ffi.COLUMNWISE_SCALE_BLOCK
+  m, c = x.shape
+  groups = offsets.shape[0] - 1
+  width = quantize_ffi.columnwise_width(m, groups)
+  slots = quantize_ffi.columnwise_scale_rows(m, groups)
+  clamped = jax.lax.cummax(jnp.clip(offsets.astype(jnp.int32), 0, m))
+  group_ids = jnp.arange(groups, dtype=jnp.int32)
+  first_slot = quantize_ffi.columnwise_scale_row(clamped[:-1], group_ids)  # increasing
+  slot = jnp.arange(slots, dtype=jnp.int32)
+  g = jnp.searchsorted(first_slot, slot, side="right").astype(jnp.int32) - 1  # -1: before g 0
+  g_in = jnp.clip(g, 0, groups - 1)
+  j = slot - first_slot[g_in]
+  begin_row, end_row = clamped[g_in], clamped[g_in + 1]
+  live = (g >= 0) & (j < (end_row - begin_row + block - 1) // block)
+  rows = (begin_row + block * j)[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]
+  valid = live[:, None] & (rows < end_row[:, None])  # [S, 128]
+  if m == 0:
+    values = jnp.zeros((slots, block, c), jnp.float32)
+  else:
+    values = jnp.where(valid[..., None], x.astype(jnp.float32)[jnp.clip(rows, 0, m - 1)], 0.0)
+  data, scale_inv = quantize_values(jnp.swapaxes(values, 1, 2), "block_1d", block, None, fmt)
+  # data [S, C, 128] -> the copy's columns [C, W]: slot s's byte p of column i at copy column
+  # columnwise_start(c_g, g) + 128 j + p (dropped where not valid).
+  codes = jax.lax.bitcast_convert_type(data, jnp.uint8)
+  column = quantize_ffi.columnwise_start(begin_row, g_in)[:, None] + (rows - begin_row[:, None])
+  column = jnp.where(valid, column, width)
+  columns = jnp.zeros((c, width), jnp.uint8).at[:, column.reshape(-1)].set(
+      jnp.moveaxis(codes, 1, 0).reshape(c, slots * block), mode="drop")
+  # Blocked storage: column col of block b (begins[b] <= col < begins[b + 1]), row i at
+  # c * begins[b] + i * (begins[b + 1] - begins[b]) + col - begins[b].
+  begins = jnp.concatenate([jnp.zeros((1,), jnp.int32), quantize_ffi.columnwise_start(
+      clamped[1:], jnp.arange(1, groups + 1, dtype=jnp.int32)), jnp.full((1,), width, jnp.int32)])
+  col = jnp.arange(width, dtype=jnp.int32)
+  b = jnp.searchsorted(begins[:-1], col, side="right").astype(jnp.int32) - 1
+  lo, hi = begins[b], begins[b + 1]
+  i = jnp.arange(c, dtype=jnp.int32)[:, None]
+  flat = c * lo[None, :] + i * (hi - lo)[None, :] + (col - lo)[None, :]
+  stored = jnp.zeros((c * width,), jnp.uint8).at[flat.reshape(-1)].set(columns.reshape(-1))
+  data_out = jax.lax.bitcast_convert_type(stored.reshape(c, width), recipes.FP8_DTYPES[fmt])
+  return data_out, scale_inv[..., 0]

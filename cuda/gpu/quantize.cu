@@ -1601,6 +1601,34 @@ struct CopyUnit<T, true> {
   }
 };
 
+// max |x| of each of a unit's 8 columns over a thread's loads (NaN counted as 0, as
+// block_1d's MaxAbs). Raw 16-bit values stay packed (AccumulateAbsMax keeps the two
+// columns of a pair apart; the max of bf16/f16 values is exact): converting every value
+// twice, here and when quantizing, took the bf16 kernel past 64 registers (spills).
+template <typename T, bool kRaw>
+__device__ __forceinline__ void ColumnAmax(const CopyUnit<T, kRaw> (&values)[kBlocksCopyLoads],
+                                           float (&amax)[8]) {
+  if constexpr (kRaw) {
+    AbsMaxLane<T> lanes[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) Zero(lanes[i]);
+#pragma unroll
+    for (int l = 0; l < kBlocksCopyLoads; ++l) AccumulateAbsMax(values[l].raw, lanes);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      amax[2 * i] = __low2float(lanes[i]);
+      amax[2 * i + 1] = __high2float(lanes[i]);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      amax[e] = 0.0f;
+#pragma unroll
+      for (int l = 0; l < kBlocksCopyLoads; ++l) amax[e] = gpu::MaxAbs(amax[e], values[l].At(e));
+    }
+  }
+}
+
 // Zeros columns [lo, hi) (multiples of 16, inside the storage block [begin, end)) of the
 // copy rows k0 .. k0 + tile_cols - 1: 16-byte stores, consecutive threads along a row.
 __device__ __forceinline__ void ZeroCopyColumns(uint8_t* data, int64_t cols, int64_t begin,
@@ -1697,13 +1725,9 @@ QuantizeColumnwiseBlocksKernel(const T* __restrict__ x, const int32_t* __restric
   // the same unit), then the 8 warps through shared memory. MaxAbs drops NaN, as
   // block_1d's reduction does.
   float amax[8];
+  ColumnAmax(values, amax);
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    amax[e] = 0.0f;
-#pragma unroll
-    for (int l = 0; l < kBlocksCopyLoads; ++l) amax[e] = gpu::MaxAbs(amax[e], values[l].At(e));
-    amax[e] = fmaxf(amax[e], __shfl_xor_sync(0xffffffffu, amax[e], 16));
-  }
+  for (int e = 0; e < 8; ++e) amax[e] = fmaxf(amax[e], __shfl_xor_sync(0xffffffffu, amax[e], 16));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane < 16) {
 #pragma unroll

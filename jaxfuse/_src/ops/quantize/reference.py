@@ -218,8 +218,10 @@ def quantize_columnwise_blocks(x, offsets, fmt: str):
       jnp.moveaxis(codes, 1, 0).reshape(c, slots * block), mode="drop")
   # Blocked storage: column col of block b (begins[b] <= col < begins[b + 1]), row i at
   # c * begins[b] + i * (begins[b + 1] - begins[b]) + col - begins[b].
-  begins = jnp.concatenate([jnp.zeros((1,), jnp.int32), quantize_ffi.columnwise_start(
-      clamped[1:], jnp.arange(1, groups + 1, dtype=jnp.int32)), jnp.full((1,), width, jnp.int32)])
+  group_starts = quantize_ffi.columnwise_start(clamped[1:],
+                                               jnp.arange(1, groups + 1, dtype=jnp.int32))
+  begins = jnp.concatenate([jnp.zeros((1,), jnp.int32), group_starts,
+                            jnp.full((1,), width, jnp.int32)])  # [G + 2]: blocks 0 .. G, W
   col = jnp.arange(width, dtype=jnp.int32)
   b = jnp.searchsorted(begins[:-1], col, side="right").astype(jnp.int32) - 1
   lo, hi = begins[b], begins[b + 1]

@@ -93,3 +93,27 @@ def on_cpu(fn, *args):
   cpu = jax.devices("cpu")[0]
   with jax.default_device(cpu):
     return jax.jit(fn)(*[jax.device_put(a, cpu) for a in args])
+
+
+# XLA flags of the two runs of plain_and_graph_runs: without command buffers, and with CUDA
+# graphs for fusions and custom calls from the first instruction on.
+_COMMAND_BUFFER_FLAGS = (("plain", "--xla_gpu_enable_command_buffer="),
+                         ("graphs", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
+                                    "--xla_gpu_graph_min_graph_size=1"))
+
+
+def plain_and_graph_runs(script: str, tmp_path) -> np.ndarray:
+  """Runs the Python source `script` (it saves one array to the .npy path in sys.argv[1])
+  in two fresh processes, without and with XLA's CUDA graphs, checks that both saved the
+  same array and returns it: a replayed graph must follow what changed on the device."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  outputs = {}
+  for name, flags in _COMMAND_BUFFER_FLAGS:
+    path = tmp_path / f"{name}.npy"
+    subprocess.run([sys.executable, "-c", script, str(path)],
+                   env=dict(os.environ, XLA_FLAGS=flags), check=True, timeout=300)
+    outputs[name] = np.load(path)
+  np.testing.assert_array_equal(outputs["plain"], outputs["graphs"])
+  return outputs["graphs"]

@@ -133,6 +133,8 @@ ffi::Error GroupedGemmFp8Cuda(cudaStream_t stream, int32_t device, ffi::AnyBuffe
              fast_accumulation);
 }
 
+// The FP8 wgrads on column-wise copies: per-group scales, or (kBlockScaling) 128 x 1 blocks.
+template <bool kBlockScaling>
 ffi::Error GroupedGemmFp8WgradCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
                                    ffi::AnyBuffer b, ffi::AnyBuffer offsets,
                                    ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
@@ -140,7 +142,7 @@ ffi::Error GroupedGemmFp8WgradCuda(cudaStream_t stream, int32_t device, ffi::Any
                                    ffi::Result<ffi::AnyBuffer> workspace, int64_t rows) {
   return Run(stream, device, a, b, offsets, &a_scale_inv, &b_scale_inv, *out, *workspace,
              static_cast<int32_t>(GroupedForm::kWgrad), /*fast_accumulation=*/false,
-             /*columnwise=*/true, rows);
+             /*columnwise=*/true, rows, kBlockScaling);
 }
 
 ffi::Error GroupedGemmFp8BlockwiseCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
@@ -151,17 +153,6 @@ ffi::Error GroupedGemmFp8BlockwiseCuda(cudaStream_t stream, int32_t device, ffi:
   return Run(stream, device, a, b, offsets, &a_scale_inv, &b_scale_inv, *out, *workspace, form,
              /*fast_accumulation=*/false, /*columnwise=*/false, /*columnwise_rows=*/0,
              /*block_scaling=*/true);
-}
-
-ffi::Error GroupedGemmFp8BlockwiseWgradCuda(cudaStream_t stream, int32_t device,
-                                            ffi::AnyBuffer a, ffi::AnyBuffer b,
-                                            ffi::AnyBuffer offsets, ffi::AnyBuffer a_scale_inv,
-                                            ffi::AnyBuffer b_scale_inv,
-                                            ffi::Result<ffi::AnyBuffer> out,
-                                            ffi::Result<ffi::AnyBuffer> workspace, int64_t rows) {
-  return Run(stream, device, a, b, offsets, &a_scale_inv, &b_scale_inv, *out, *workspace,
-             static_cast<int32_t>(GroupedForm::kWgrad), /*fast_accumulation=*/false,
-             /*columnwise=*/true, rows, /*block_scaling=*/true);
 }
 
 }  // namespace
@@ -220,7 +211,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8Cuda, jaxfuse::GroupedGemmFp8
                                   .Attr<bool>("fast_accumulation"),  // forward only: FP8 accumulator
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8WgradCuda, jaxfuse::GroupedGemmFp8WgradCuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8WgradCuda,
+                              jaxfuse::GroupedGemmFp8WgradCuda</*kBlockScaling=*/false>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -250,7 +242,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8BlockwiseCuda,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8BlockwiseWgradCuda,
-                              jaxfuse::GroupedGemmFp8BlockwiseWgradCuda,
+                              jaxfuse::GroupedGemmFp8WgradCuda</*kBlockScaling=*/true>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()

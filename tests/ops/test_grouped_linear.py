@@ -255,16 +255,8 @@ _GRAPH_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.gpu
 def test_cuda_graph_replays_follow_device_side_sizes(tmp_path):
-  outputs = {}
-  for name, flags in (("plain", "--xla_gpu_enable_command_buffer="),
-                      ("graphs", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
-                                 "--xla_gpu_graph_min_graph_size=1")):
-    path = tmp_path / f"{name}.npy"
-    subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, str(path)],
-                   env=dict(os.environ, XLA_FLAGS=flags), check=True, timeout=300)
-    outputs[name] = np.load(path)
-  np.testing.assert_array_equal(outputs["plain"], outputs["graphs"])
-  assert not np.array_equal(outputs["graphs"][0], outputs["graphs"][1])
+  graphs = helpers.plain_and_graph_runs(_GRAPH_SCRIPT, tmp_path)
+  assert not np.array_equal(graphs[0], graphs[1])
 
 
 _TILE_SCRIPT = textwrap.dedent("""

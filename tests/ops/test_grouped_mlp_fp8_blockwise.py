@@ -16,7 +16,7 @@ import jaxfuse
 from jaxfuse._src import compat
 from jaxfuse._src.ops.quantize import columnwise
 from tests import helpers
-from tests.ops.test_grouped_linear_fp8_blockwise import BLOCK, numpy_blockwise
+from tests.ops.test_grouped_linear_fp8_blockwise import numpy_blockwise
 from tests.ops.test_grouped_linear_fp8_blockwise_wgrad import column_blocks_of
 from tests.ops.test_grouped_mlp import (ACTIVATIONS, ALPHA, BACKENDS, LIMIT, LINEAR_OFFSET,
                                         group_rows, make_inputs, on, sizes_cases)

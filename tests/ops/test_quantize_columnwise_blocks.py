@@ -15,9 +15,6 @@ the GPU both kernels (raw 16-bit, float) against the CPU handler, and CUDA graph
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -505,16 +502,8 @@ _GRAPH_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replays_follow_device_side_offsets(tmp_path):
-  outputs = {}
-  for name, flags in (("plain", "--xla_gpu_enable_command_buffer="),
-                      ("graphs", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
-                                 "--xla_gpu_graph_min_graph_size=1")):
-    path = tmp_path / f"{name}.npy"
-    subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, str(path)],
-                   env=dict(os.environ, XLA_FLAGS=flags), check=True, timeout=300)
-    outputs[name] = np.load(path)
-  np.testing.assert_array_equal(outputs["plain"], outputs["graphs"])
-  for a, b in zip(outputs["graphs"][:-1], outputs["graphs"][1:]):
+  graphs = helpers.plain_and_graph_runs(_GRAPH_SCRIPT, tmp_path)
+  for a, b in zip(graphs[:-1], graphs[1:]):
     assert not np.array_equal(a, b)
   # And the same as the CPU handler for each set of offsets.
   x = jnp.asarray(np.random.default_rng(0).standard_normal((4096, 512)), jnp.bfloat16)
@@ -522,4 +511,4 @@ def test_gpu_cuda_graph_replays_follow_device_side_offsets(tmp_path):
                                    [300, 200, 5000, -1, 4096], [0, 1, 2, 3, 4])):
     data, scale_inv = run_op("cpu", x * 2, np.asarray(offsets, np.int32), "e4m3")
     want = np.concatenate([codes(data).astype(np.float32).ravel(), scale_inv.ravel()])
-    np.testing.assert_array_equal(outputs["graphs"][index], want)
+    np.testing.assert_array_equal(graphs[index], want)

@@ -22,8 +22,8 @@ from tests.ops.test_grouped_linear_fp8 import (COLUMNWISE_CASES, FP8_ACCUMULATIO
                                                blocked_storage, group_rows, numpy_columnwise,
                                                random_fp8, relative_error)
 
-RECIPE = jaxfuse.quantization.Float8BlockScaling()
-E5M2_GRADIENTS = jaxfuse.quantization.Float8BlockScaling(gradient_format="e5m2")
+RECIPE = jaxfuse.quantization.Float8BlockScaling(fp8_wgrad=True)
+E5M2_GRADIENTS = jaxfuse.quantization.Float8BlockScaling(gradient_format="e5m2", fp8_wgrad=True)
 WGRAD16 = jaxfuse.quantization.Float8BlockScaling(fp8_wgrad=False)
 BLOCK = 128
 

@@ -29,6 +29,8 @@ from tests.ops.test_grouped_mlp_fp8 import (BACKEND_IMPLEMENTATIONS,
 RECIPE = jaxfuse.quantization.Float8BlockScaling()
 E5M2_GRADIENTS = jaxfuse.quantization.Float8BlockScaling(gradient_format="e5m2")
 WGRAD16 = jaxfuse.quantization.Float8BlockScaling(fp8_wgrad=False)
+FP8_WGRAD = jaxfuse.quantization.Float8BlockScaling(fp8_wgrad=True)
+FP8_WGRAD_E5M2 = jaxfuse.quantization.Float8BlockScaling(gradient_format="e5m2", fp8_wgrad=True)
 ACT = dict(limit=LIMIT, alpha=ALPHA, linear_offset=LINEAR_OFFSET)
 
 
@@ -88,8 +90,8 @@ def _np_wgrad(a, dy, sizes):
   return out
 
 
-@pytest.mark.parametrize("recipe", [pytest.param(RECIPE, id="e4m3"),
-                                    pytest.param(E5M2_GRADIENTS, id="e5m2"),
+@pytest.mark.parametrize("recipe", [pytest.param(FP8_WGRAD, id="e4m3"),
+                                    pytest.param(FP8_WGRAD_E5M2, id="e5m2"),
                                     pytest.param(WGRAD16, id="e4m3-wgrad16")])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -166,8 +168,8 @@ def test_save_activation_gives_identical_gradients():
       lambda save: call("ffi", "swiglu", save_activation=save), 144, 80, seed=45)
 
 
-def _training_jaxpr(k1, k2, x, scales, sizes):
-  loss = lambda x, k1, k2, s: jnp.sum(call("ffi", "swiglu")(x, k1, k2, sizes, s)
+def _training_jaxpr(k1, k2, x, scales, sizes, recipe=RECIPE):
+  loss = lambda x, k1, k2, s: jnp.sum(call("ffi", "swiglu", recipe)(x, k1, k2, sizes, s)
                                       .astype(jnp.float32))
   return jax.make_jaxpr(jax.grad(loss, argnums=(0, 3)))(x, k1, k2, scales)
 
@@ -182,7 +184,7 @@ def test_blockwise_gemms_and_fused_quantization_run(fp8_wgrad):
   x, k1, k2, scales = make_inputs(46, 32, 16, 16, 4, "swiglu", jnp.bfloat16)
   sizes = jnp.asarray([8, 0, 16, 8], jnp.int32)
   with columnwise.fused(fp8_wgrad, everywhere=fp8_wgrad):
-    jaxpr = _training_jaxpr(k1, k2, x, scales, sizes)
+    jaxpr = _training_jaxpr(k1, k2, x, scales, sizes, FP8_WGRAD)
   count = lambda predicate: helpers.count_primitives(jaxpr, predicate)
   name_is = lambda *names: lambda e: e.primitive.name in names
   assert count(helpers.ffi_target("jaxfuse_group_offsets")) == 1
@@ -243,8 +245,8 @@ def test_weights_quantized_once(backend, trainable):
       jaxpr, helpers.ffi_target("jaxfuse_quantize_blocks_transposed")) == 0
   # A frozen copy needs no wgrad: only the dgrads' and forwards' GEMMs remain. (The wgrad
   # is FP8 where no partitioning follows: a single GPU.)
-  wgrad = ("jaxfuse_grouped_gemm_fp8_blockwise_wgrad" if columnwise.fusion_enabled()
-           else "jaxfuse_grouped_gemm")
+  wgrad = ("jaxfuse_grouped_gemm_fp8_blockwise_wgrad"
+           if RECIPE.fp8_wgrad and columnwise.fusion_enabled() else "jaxfuse_grouped_gemm")
   assert helpers.count_primitives(jaxpr, helpers.ffi_target(wgrad)) == (
       2 * 2 if trainable else 0)
 

@@ -391,11 +391,17 @@ using WgradBlockLayoutSFB = decltype(WgradBlockScaleConfig::deduce_layoutSFB());
   JAXFUSE_GG_DEFINE_FAMILY_2(NAME, NAME##Large, NAME##Small)
 
 // A blockwise FP8 wgrad family (e4m3 x^T x EB dy^T -> bf16, from the column-wise copies,
-// WgradBlockScaleConfig's scales), one config: cooperative 128x128x128, cluster 1x2 (the
-// output tiles are k x n per group, as the promoted FP8 wgrad's large config).
+// WgradBlockScaleConfig's scales; the output tiles are k x n per group): large cooperative
+// 128x128x128, cluster 1x2; small ping-pong 64x128x128, cluster 1x1, whose two warp groups
+// take turns, so one's per-element promotion (a row and a column scale per output, every
+// 128 rows) runs while the other's wgmma does.
 #define JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_WGRAD_FAMILY(NAME, EB)                                  \
   JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
-      NAME##Gemm, cutlass::float_e4m3_t, EB, WgradBlockLayoutSFA, WgradBlockLayoutSFB, 128,    \
+      NAME##Large, cutlass::float_e4m3_t, EB, WgradBlockLayoutSFA, WgradBlockLayoutSFB, 128,   \
       128, 1, 2, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,       \
       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
-  JAXFUSE_GG_DEFINE_FAMILY_1(NAME, NAME##Gemm)
+  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
+      NAME##Small, cutlass::float_e4m3_t, EB, WgradBlockLayoutSFA, WgradBlockLayoutSFB, 64,    \
+      128, 1, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,          \
+      cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)                                   \
+  JAXFUSE_GG_DEFINE_FAMILY_2(NAME, NAME##Large, NAME##Small)

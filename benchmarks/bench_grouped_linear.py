@@ -19,8 +19,9 @@ copies (jaxfuse_group_columnwise); "fp8 columnwise" is the wgrad kernel alone on
 copies. "fp8 blockwise": Float8BlockScaling (DeepSeek-V3's recipe), its fwd and dgrad
 kernels on pre-quantized operands (x / dy in E4M3 with 1 x 128 block scales, w in E4M3 with
 128 x 128 tile scales), its wgrad kernel on x and dy quantized in 128 x 1 blocks down each
-group's rows (column-wise copies), and the op with quantization included (FP8 wgrad);
-"fp8 blockwise wgrad16" the op with fp8_wgrad=False (16-bit wgrad); "fp8 blockwise
+group's rows (column-wise copies), and the op with quantization included (16-bit wgrad);
+"fp8 blockwise fp8 wgrad" the op with fp8_wgrad=True (results of 2da1c0b6 and before have
+the 16-bit one as "fp8 blockwise wgrad16"); "fp8 blockwise
 quantized kernel" that op on tiles quantized once (a constant copy for its forward, a
 trainable one for fwd+bwd), as "fp8 quantized kernel".
 
@@ -69,7 +70,7 @@ FORMS = ("fwd", "dgrad", "wgrad")
 FP8_PRECISIONS = ("fp8", "fp8 promoted", "fp8 columnwise", "fp8 blockwise")
 # The whole op: grouped_linear.
 OP_FP8_PRECISIONS = ("fp8", "fp8 quantized kernel", "fp8 blockwise",
-                     "fp8 blockwise quantized kernel", "fp8 blockwise wgrad16")
+                     "fp8 blockwise quantized kernel", "fp8 blockwise fp8 wgrad")
 CHUNK = 20  # calls per alternating chunk (see the module docstring)
 
 
@@ -133,8 +134,8 @@ def fp8_steps(x, w, dy, offsets):
   block_gemm = lambda form: jax.jit(lambda a, b, o, sa, sb: grouped_ffi.grouped_gemm_blockwise(
       a, b, o, sa, sb, form=form))
   block_fwd, block_fwd_bwd = op(block_recipe)
-  # The same op with 16-bit weight gradients (fp8_wgrad=False): what the FP8 wgrad replaces.
-  _, block_wgrad16_fwd_bwd = op(jaxfuse.quantization.Float8BlockScaling(fp8_wgrad=False))
+  # The same op with FP8 weight gradients (fp8_wgrad=True; 16-bit by default).
+  _, block_fp8_wgrad_fwd_bwd = op(jaxfuse.quantization.Float8BlockScaling(fp8_wgrad=True))
   # The blockwise FP8 wgrad alone, on x and dy quantized in 128 x 1 blocks down each group's
   # rows into their column-wise copies (what the op's backward feeds it).
   x_tb, x_tbs = quantize_ffi.quantize_columnwise_blocks(x, offsets, fmt="e4m3")
@@ -153,7 +154,7 @@ def fp8_steps(x, w, dy, offsets):
                                    (dy_b, w_b, offsets, dy_bs, w_bs)),
       ("fp8 blockwise", "wgrad"): (block_wgrad, (x_tb, dy_tb, offsets, x_tbs, dy_tbs)),
       ("fp8 blockwise", "op fwd"): (block_fwd, (x, w, sizes)),
-      ("fp8 blockwise wgrad16", "op fwd+bwd"): (block_wgrad16_fwd_bwd, (x, w, sizes, dy)),
+      ("fp8 blockwise fp8 wgrad", "op fwd+bwd"): (block_fp8_wgrad_fwd_bwd, (x, w, sizes, dy)),
       ("fp8 blockwise", "op fwd+bwd"): (block_fwd_bwd, (x, w, sizes, dy)),
       ("fp8 blockwise quantized kernel", "op fwd"): (quantized_kernel_fwd,
                                                      (x, w_block_quantized, sizes)),

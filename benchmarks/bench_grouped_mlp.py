@@ -18,8 +18,9 @@ calls: the forward on jaxfuse.quantize_experts copies (inference), the forward +
 trainable copies (quantize_experts(..., trainable=True), the gradients going to their
 masters): a micro-batch's step when the weights are quantized once per optimizer step and
 shared by its micro-batches. jaxfuse_fp8_blockwise_*: recipe=Float8BlockScaling()
-(DeepSeek-V3's 1 x 128 / 128 x 128 blocks, the blockwise FP8 GEMMs, FP8 wgrads from 128 x 1
-blocks), jaxfuse_fp8_blockwise_wgrad16_* the same with fp8_wgrad=False (16-bit wgrads), and
+(DeepSeek-V3's 1 x 128 / 128 x 128 blocks, the blockwise FP8 GEMMs, 16-bit wgrads),
+jaxfuse_fp8_blockwise_fp8_wgrad_* the same with fp8_wgrad=True (FP8 wgrads from 128 x 1
+blocks; results of 2da1c0b6 and before have a *_wgrad16_* column instead), and
 jaxfuse_fp8_blockwise_quantized_kernels_* the blockwise op on copies quantized once. All timed in
 alternating chunks with the bf16 op (common.time_alternating), after 2 s of warm-up; a
 chunk holds ~10 ms of calls (5 to 200, calls_per_sync), so that one sync's latency is not
@@ -81,10 +82,10 @@ def jax_inputs(tokens, hidden, ffn, seed):
 FP8_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
 FP8_WGRAD16_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True, fp8_wgrad=False)
 BLOCK_RECIPE = jaxfuse.quantization.Float8BlockScaling()
-BLOCK_WGRAD16_RECIPE = jaxfuse.quantization.Float8BlockScaling(fp8_wgrad=False)
+BLOCK_FP8_WGRAD_RECIPE = jaxfuse.quantization.Float8BlockScaling(fp8_wgrad=True)
 JAX_IMPLS = ("jaxfuse", "jaxfuse_saved_activation", "jaxfuse_fp8", "jaxfuse_fp8_wgrad16",
              "jaxfuse_fp8_quantized_kernels",
-             "jaxfuse_fp8_blockwise", "jaxfuse_fp8_blockwise_wgrad16",
+             "jaxfuse_fp8_blockwise", "jaxfuse_fp8_blockwise_fp8_wgrad",
              "jaxfuse_fp8_blockwise_quantized_kernels", "tokamax", "ragged_dot")
 
 
@@ -167,7 +168,7 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls, tokamax=None):
 
   quantized_sets, block_quantized_sets = quantized(FP8_RECIPE), quantized(BLOCK_RECIPE)
   block_fns = jax_fns("ffi", BLOCK_RECIPE)
-  block_wgrad16_fns = jax_fns("ffi", BLOCK_WGRAD16_RECIPE)
+  block_fp8_wgrad_fns = jax_fns("ffi", BLOCK_FP8_WGRAD_RECIPE)
   for pass_name in bf16_fns:
     variants = {"jaxfuse": common.rotating(bf16_fns[pass_name], arg_sets),
                 "jaxfuse_saved_activation": common.rotating(saved_fns[pass_name], arg_sets),
@@ -179,8 +180,8 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls, tokamax=None):
                                                                 quantized_sets[pass_name])
     variants["jaxfuse_fp8_blockwise"] = common.rotating(block_fns[pass_name], arg_sets)
     if pass_name == "fwd+bwd":  # the forward is the same
-      variants["jaxfuse_fp8_blockwise_wgrad16"] = common.rotating(
-          block_wgrad16_fns[pass_name], arg_sets)
+      variants["jaxfuse_fp8_blockwise_fp8_wgrad"] = common.rotating(
+          block_fp8_wgrad_fns[pass_name], arg_sets)
     variants["jaxfuse_fp8_blockwise_quantized_kernels"] = common.rotating(
         block_fns[pass_name], block_quantized_sets[pass_name])
     stats = common.time_alternating(variants, rounds=max(2, calls // common.CHUNK), chunk=chunk)
@@ -370,7 +371,7 @@ def main():
                             "jaxfuse_saved_activation_ms",
                             "jaxfuse_fp8_tflops", "jaxfuse_fp8_wgrad16_tflops",
                             "jaxfuse_fp8_quantized_kernels_tflops",
-                            "jaxfuse_fp8_blockwise_tflops", "jaxfuse_fp8_blockwise_wgrad16_ms",
+                            "jaxfuse_fp8_blockwise_tflops", "jaxfuse_fp8_blockwise_fp8_wgrad_ms",
                             "jaxfuse_fp8_blockwise_quantized_kernels_tflops",
                             "fp8_speedup", "torch_tflops",
                             "torch_graph_tflops", "tokamax_tflops", "ragged_dot_tflops",

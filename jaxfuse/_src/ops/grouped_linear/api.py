@@ -472,10 +472,10 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, r
       (every 128-deep partial sum times its two scales, accumulated in fp32), so an
       outlier only coarsens its own block. Backward: dgrad in FP8 (the output gradient in
       1 x 128 blocks along N, in recipe.gradient_format, E4M3 by default) against the
-      forward's FP8 weight; wgrad in FP8 too (``recipe.fp8_wgrad``, the default: x and
-      the output gradient in 128 x 1 blocks down each group's rows, transposed, on one
-      device or inside shard_map with every axis manual; 16-bit elsewhere or with
-      fp8_wgrad=False, from the saved 16-bit x). block_size must be 128;
+      forward's FP8 weight; wgrad in 16-bit from the saved x, or in FP8 with
+      ``recipe.fp8_wgrad=True`` (x and the output gradient in 128 x 1 blocks down each
+      group's rows, transposed, on one device or inside shard_map with every axis manual;
+      not yet faster on the H200, see Float8BlockScaling). block_size must be 128;
       K and N multiples of 16 (partial blocks are fine). The kernel's tiles are
       quantized in both layouts by one pass per call, or once by ``quantize_experts``.
 

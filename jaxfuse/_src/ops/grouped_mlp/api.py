@@ -22,7 +22,8 @@ the activation hand-off to FC2 is the fused ``scaled_activation_quantize`` and t
 activation is the fused ``scaled_dactivation_quantize`` feeding FC1's dgrad and wgrad.
 Weight gradients run in FP8 from those same FP8 tensors (``recipe.fp8_wgrad``, the
 default) or in 16-bit. Float8BlockScaling (``_Blockwise``) runs the blockwise FP8 GEMMs
-through the same fused activation stages, with 16-bit weight gradients.
+through the same fused activation stages, with 16-bit weight gradients (FP8 ones from
+128 x 1 blocks with ``fp8_wgrad=True``).
 """
 
 from __future__ import annotations
@@ -411,7 +412,9 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
       Or ``jaxfuse.quantization.Float8BlockScaling()`` (DeepSeek-V3's recipe): the four
       GEMMs and dgrads run the blockwise FP8 kernels (1 x 128 blocks of x, the activation
       and the gradients, 128 x 128 tiles of the weights), through the same fused
-      activation and activation-gradient kernels; the weight gradients run in 16-bit.
+      activation and activation-gradient kernels; the weight gradients run in 16-bit, or
+      with ``fp8_wgrad=True`` in FP8 from 128 x 1 blocks of their operands (on one device
+      or inside shard_map with every axis manual; not yet faster on the H200).
       H, kernel1.shape[2] and F must be multiples of 16. The "xla" implementation is the
       FP8 reference (straight-through gradients).
     save_activation: keep the activation as a residual instead of recomputing it from FC1's

@@ -391,18 +391,14 @@ using WgradBlockLayoutSFB = decltype(WgradBlockScaleConfig::deduce_layoutSFB());
   JAXFUSE_GG_DEFINE_FAMILY_2(NAME, NAME##Large, NAME##Small)
 
 // A blockwise FP8 wgrad family (e4m3 x^T x EB dy^T -> bf16, from the column-wise copies,
-// WgradBlockScaleConfig's scales; the output tiles are k x n per group): large cooperative
-// 128x128x128, cluster 1x2; small ping-pong 64x128x128, cluster 1x1 (chosen for small
-// problems only, as the other FP8 wgrads: on the H200 its warp groups taking turns did not
-// hide the per-element promotion, a row and a column scale per output every 128 rows, and it
-// ran 0.79x the large config at 8 x 8192 rows, 0.94x at 64 x 512).
+// WgradBlockScaleConfig's scales; the output tiles are k x n per group), one config:
+// cooperative 128x128x128, cluster 1x2. (A ping-pong 64x128x128 config ran 0.79x of it at
+// 8 x 8192 rows and 0.94x at 64 x 512 on the H200, 2da1c0b6: its warp groups taking turns
+// did not hide the per-element promotion, a row and a column scale per output every 128
+// rows.)
 #define JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_WGRAD_FAMILY(NAME, EB)                                  \
   JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
-      NAME##Large, cutlass::float_e4m3_t, EB, WgradBlockLayoutSFA, WgradBlockLayoutSFB, 128,   \
+      NAME##Gemm, cutlass::float_e4m3_t, EB, WgradBlockLayoutSFA, WgradBlockLayoutSFB, 128,    \
       128, 1, 2, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,       \
       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
-  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
-      NAME##Small, cutlass::float_e4m3_t, EB, WgradBlockLayoutSFA, WgradBlockLayoutSFB, 64,    \
-      128, 1, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,          \
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)                                   \
-  JAXFUSE_GG_DEFINE_FAMILY_2(NAME, NAME##Large, NAME##Small)
+  JAXFUSE_GG_DEFINE_FAMILY_1(NAME, NAME##Gemm)

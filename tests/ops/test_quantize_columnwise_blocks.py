@@ -71,6 +71,13 @@ CASES = {
 }
 QUICK_CASES = ["empty_first_middle_last", "odd_sizes_sum_less", "first_offset_positive",
                "negative_offsets"]
+# Offsets group_offsets cannot produce (clamping changes them).
+HOSTILE_CASES = ["negative_offsets", "decreasing_offsets", "past_rows", "first_offset_positive",
+                 "first_offset_past_blocks", "int32_extremes", "all_past_rows"]
+# Every case in bfloat16 / E4M3, the quick ones in the other dtypes and formats (CI time).
+DTYPE_FORMAT_CASES = [(case, dtype, fmt) for dtype in DTYPES for fmt in FORMATS
+                      for case in CASES
+                      if case in QUICK_CASES or (dtype == jnp.bfloat16 and fmt == "e4m3")]
 
 
 def clamp_offsets(offsets, m):
@@ -201,9 +208,7 @@ def check_against_numpy(x, offsets, data, scale_inv, fmt):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case, dtype, fmt", DTYPE_FORMAT_CASES)
 def test_matches_the_reference_and_numpy(backend, fmt, dtype, case):
   m, offsets = CASES[case]
   c = 40 if backend == "cpu" else 272  # not a multiple of 16; GPU: 3 column tiles
@@ -214,7 +219,7 @@ def test_matches_the_reference_and_numpy(backend, fmt, dtype, case):
   check_against_numpy(x, offsets, *got, fmt)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", HOSTILE_CASES)
 def test_hostile_offsets_equal_their_clamped_offsets(case):
   m, offsets = CASES[case]
   x = random_x(7, m, 24, jnp.bfloat16)

@@ -28,13 +28,9 @@ WGRAD16 = jaxfuse.quantization.Float8BlockScaling(fp8_wgrad=False)
 BLOCK = 128
 
 
-def scale_row(clamped_offset: int, group: int) -> int:
-  """Group g's first scale row (cuda/include/jaxfuse/columnwise.h, ColumnwiseScaleRow)."""
-  return clamped_offset // BLOCK + group
-
-
-def scale_rows(m: int, groups: int) -> int:
-  return -(-m // BLOCK) + groups
+# Group g's first scale row and the scale rows of a copy (jaxfuse/columnwise.h).
+scale_row = quantize_ffi.columnwise_scale_row
+scale_rows = quantize_ffi.columnwise_scale_rows
 
 
 def shapes(backend):

@@ -4,6 +4,8 @@ amax, NaN/Inf, groups (empty, short of rows, negative sizes), vmap, jit, grad, e
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -79,15 +81,23 @@ def test_fp8_rounding_matches_ml_dtypes_bit_for_bit(backend, fmt):
 # --- handlers vs the reference, bit for bit --------------------------------------------
 
 
+@functools.cache
+def _jitted_ffi_quantize(recipe, static_kwargs):
+  """One jitted handler call per (recipe, static keywords): arrays such as group_sizes are
+  arguments, so new values reuse the compiled program (CI time)."""
+  return jax.jit(lambda x, arrays: jaxfuse.quantize(x, recipe, implementation="ffi",
+                                                    **dict(static_kwargs), **arrays))
+
+
 def quantize_both(backend, x, recipe, **kw):
   """The handler on `backend` and the reference on the CPU.
 
   The reference is evaluated where its arithmetic is IEEE-exact: XLA's GPU lowering may
   round fp8_max / amax differently in the last bit, which moves scale_inv by an ulp.
   """
-  kw_backend = {k: (on(backend, v)[0] if isinstance(v, jax.Array) else v) for k, v in kw.items()}
-  q_ffi = jax.jit(lambda x: jaxfuse.quantize(x, recipe, implementation="ffi", **kw_backend))(
-      on(backend, x)[0])
+  arrays = {k: on(backend, v)[0] for k, v in kw.items() if isinstance(v, jax.Array)}
+  static = tuple(sorted((k, v) for k, v in kw.items() if not isinstance(v, jax.Array)))
+  q_ffi = _jitted_ffi_quantize(recipe, static)(on(backend, x)[0], arrays)
   kw_cpu = {k: (on("cpu", v)[0] if isinstance(v, jax.Array) else v) for k, v in kw.items()}
   with jax.default_device(jax.devices("cpu")[0]):
     q_ref = jaxfuse.quantize(on("cpu", x)[0], recipe, implementation="xla", **kw_cpu)

@@ -37,9 +37,21 @@ def _shardings(mesh, specs):
   return tuple(NamedSharding(mesh, spec) for spec in specs)
 
 
+def _compiled(fn, args, mesh, specs):
+  return jax.jit(fn, in_shardings=_shardings(mesh, specs)).lower(*args).compile()
+
+
 def _all_gathers(fn, args, mesh, specs) -> int:
-  compiled = jax.jit(fn, in_shardings=_shardings(mesh, specs)).lower(*args).compile()
-  return compiled.as_text().count("all-gather")
+  return _compiled(fn, args, mesh, specs).as_text().count("all-gather")
+
+
+def _run_sharded(fn, args, mesh, specs, gathers_allowed):
+  """fn's sharded results, from one compile that is also checked for all-gathers (CI time:
+  compiling once instead of once to run and once to read the HLO)."""
+  compiled = _compiled(fn, args, mesh, specs)
+  if not gathers_allowed:
+    assert compiled.as_text().count("all-gather") == 0, "the sharded program all-gathers"
+  return compiled(*args)
 
 
 def _check(fn, args, mesh, specs, dtype, *, gathers_allowed=False, grad_argnums=None,
@@ -49,13 +61,10 @@ def _check(fn, args, mesh, specs, dtype, *, gathers_allowed=False, grad_argnums=
   grad_rtol: the gradients' relative error budget instead of dtype's (for gradients that
   are quantized again after a summed partial, where one FP8 step is the difference).
   """
-  shardings = _shardings(mesh, specs)
   expected = fn(*args)
-  actual = jax.jit(fn, in_shardings=shardings)(*args)
+  actual = _run_sharded(fn, args, mesh, specs, gathers_allowed)
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
     helpers.assert_close(a, helpers.as_f64(e), dtype, msg="forward")
-  if not gathers_allowed:
-    assert _all_gathers(fn, args, mesh, specs) == 0
   if grad_argnums is None:
     return
 
@@ -65,7 +74,7 @@ def _check(fn, args, mesh, specs, dtype, *, gathers_allowed=False, grad_argnums=
 
   grad = jax.grad(loss, argnums=grad_argnums)
   expected = grad(*args)
-  actual = jax.jit(grad, in_shardings=shardings)(*args)
+  actual = _run_sharded(grad, args, mesh, specs, gathers_allowed)
   for i, (a, e) in enumerate(zip(actual, expected)):
     if grad_rtol is None:
       helpers.assert_close(a, helpers.as_f64(e), dtype, msg=f"gradient {i}")
@@ -73,8 +82,6 @@ def _check(fn, args, mesh, specs, dtype, *, gathers_allowed=False, grad_argnums=
     a, e = helpers.as_f64(a), helpers.as_f64(e)
     error = np.abs(a - e).max(initial=0.0) / max(np.abs(e).max(initial=0.0), 1e-30)
     assert error <= grad_rtol, f"gradient {i}: relative error {error:.3g} > {grad_rtol}"
-  if not gathers_allowed:
-    assert _all_gathers(grad, args, mesh, specs) == 0
 
 
 # --- linear_scale_add -------------------------------------------------------------------

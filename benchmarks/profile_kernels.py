@@ -41,10 +41,11 @@ from benchmarks import tokamax_baseline  # noqa: E402
 STEPS = 10
 
 
-def grouped_mlp_case(tokens, hidden, ffn, recipe=None, pass_name="fwd+bwd"):
+def grouped_mlp_case(tokens, hidden, ffn, recipe=None, pass_name="fwd+bwd",
+                     save_activation=False):
   x, k1, k2, scales, dy = bench_grouped_mlp.jax_inputs(tokens, hidden, ffn, 0)
   sizes = jnp.asarray(bench_grouped_mlp.group_sizes(tokens))
-  step = bench_grouped_mlp.jax_fns("ffi", recipe)[pass_name]
+  step = bench_grouped_mlp.jax_fns("ffi", recipe, save_activation)[pass_name]
   return step, (x, k1, k2, scales, sizes, dy)
 
 
@@ -190,6 +191,10 @@ def grouped_gemm_case(groups, rows_per_group, form, torch_baseline=False):
 CASES = {
     "grouped_mlp T=2048 H=1024 F=1024": lambda: grouped_mlp_case(2048, 1024, 1024),
     "grouped_mlp T=65536 H=2048 F=2048": lambda: grouped_mlp_case(65536, 2048, 2048),
+    # The kernels of save_activation=True against the default's (which XLA's CSE makes
+    # one activation kernel too, see grouped_mlp's docstring).
+    "grouped_mlp saved activation T=65536 H=2048 F=2048": lambda: grouped_mlp_case(
+        65536, 2048, 2048, save_activation=True),
     "grouped_mlp fwd T=2048 H=1024 F=1024": lambda: grouped_mlp_case(2048, 1024, 1024,
                                                                      pass_name="fwd"),
     "tokamax grouped_mlp fwd T=2048 H=1024 F=1024": lambda: tokamax_mlp_case(2048, 1024, 1024),

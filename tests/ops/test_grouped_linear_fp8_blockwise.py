@@ -417,6 +417,16 @@ _TILE_SCRIPT = textwrap.dedent("""
 """)
 
 
+def run_tile_script(tmp_path, env_overrides, size_sets):
+  """_TILE_SCRIPT's outputs (forward and dgrad per size set) in a process with
+  `env_overrides` set (the knobs are read once per process)."""
+  env = dict(os.environ, **env_overrides)
+  subprocess.run([sys.executable, "-c", _TILE_SCRIPT, str(tmp_path)]
+                 + [",".join(map(str, s)) for s in size_sets],
+                 env=env, check=True, timeout=300)
+  return dict(np.load(tmp_path / "out.npz"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile, flags", [
     ("large", ""),
@@ -435,12 +445,9 @@ def test_tile_configs_and_graph_replays_match_float64_numpy(tmp_path, tile, flag
   np.savez(tmp_path / "in.npz", x=np.asarray(x, np.float32), w=np.asarray(kernel, np.float32),
            d_out=np.asarray(d_out, np.float32))
   size_sets = [[512] * 4, [700, 0, 1500, 100], [300, 41, 0, 1000]]
-  env = dict(os.environ, JAXFUSE_GROUPED_GEMM_TILE=tile)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
-  subprocess.run([sys.executable, "-c", _TILE_SCRIPT, str(tmp_path)]
-                 + [",".join(map(str, s)) for s in size_sets],
-                 env=env, check=True, timeout=300)
-  results = np.load(tmp_path / "out.npz")
+  xla_flags = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
+  results = run_tile_script(tmp_path, {"JAXFUSE_GROUPED_GEMM_TILE": tile,
+                                       "XLA_FLAGS": xla_flags}, size_sets)
   x_q, x_s, w_t, w_t_s = quantized_operands(x, kernel)
   q_dy = helpers.on_cpu(lambda d: jaxfuse.quantize(d, RECIPE, role="gradient",
                                                    implementation="xla"), d_out)
@@ -454,6 +461,34 @@ def test_tile_configs_and_graph_replays_match_float64_numpy(tmp_path, tile, flag
                                      sizes)
     assert_within_accumulation_bound(results[f"{index}_d_x"], exact, abs_sum,
                                      f"{tile} dgrad {sizes}", FP8_ACCUMULATION)
+
+
+@pytest.mark.gpu
+def test_pipelined_mainloop_is_bitwise_the_stock_one(tmp_path):
+  """The large config's two mainloops (fp8_blockwise_pipelined_promotion.cuh, the default,
+  and CUTLASS's, JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP=stock) scale and add the same k-tile
+  partials in the same order: forward (9 k-tiles, the last partial) and dgrad (6) agree
+  bit for bit, on sizes with an empty group and sums short of and past the rows; and the
+  pipelined results match float64 numpy."""
+  m, k, n, groups = 2048, 1040, 656, 4
+  x, kernel = make_inputs(92, m, k, n, groups, jnp.bfloat16)
+  d_out = helpers.random_array(np.random.default_rng(93), (m, n), jnp.bfloat16)
+  np.savez(tmp_path / "in.npz", x=np.asarray(x, np.float32), w=np.asarray(kernel, np.float32),
+           d_out=np.asarray(d_out, np.float32))
+  size_sets = [[512] * 4, [700, 0, 1500, 100], [300, 41, 0, 1000]]
+  results = {}
+  for mainloop in ("stock", "pipelined"):
+    results[mainloop] = run_tile_script(
+        tmp_path, {"JAXFUSE_GROUPED_GEMM_TILE": "large",
+                   "JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP": mainloop}, size_sets)
+  assert sorted(results["stock"]) == sorted(results["pipelined"])
+  for name, stock in results["stock"].items():
+    np.testing.assert_array_equal(results["pipelined"][name], stock, err_msg=name)
+  x_q, x_s, w_t, w_t_s = quantized_operands(x, kernel)
+  for index, sizes in enumerate(size_sets):
+    exact, abs_sum = numpy_blockwise(x_q, x_s, w_t, w_t_s, sizes)
+    assert_within_accumulation_bound(results["pipelined"][f"{index}_out"], exact, abs_sum,
+                                     f"pipelined forward {sizes}", FP8_ACCUMULATION)
 
 
 @pytest.mark.gpu

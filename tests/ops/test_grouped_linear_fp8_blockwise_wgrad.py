@@ -310,6 +310,53 @@ def test_graph_replay_after_the_sizes_change_on_the_device(tmp_path):
   assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
+_MAINLOOP_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+import jaxfuse
+from jaxfuse._src.ops.grouped_linear import ffi as gemm_ffi
+from tests.ops.test_grouped_linear_fp8 import numpy_columnwise, random_fp8
+from tests.ops.test_grouped_linear_fp8_blockwise_wgrad import random_scales, scale_rows
+m, k, n = 1024, 256, 272
+step = jax.jit(lambda *a: gemm_ffi.fp8_blockwise_wgrad_columnwise(*a, rows=m))
+x = random_fp8(94, (m, k), jnp.float8_e4m3fn)
+dy = random_fp8(95, (m, n), jnp.float8_e5m2)
+results = {}
+for index, sizes in enumerate(([300, 0, 500, 224], [1024, 0, 0, 0], [129, 1, 127, 640])):
+  x_s = random_scales(96, scale_rows(m, 4), k)
+  dy_s = random_scales(97, scale_rows(m, 4), n)
+  x_t = jnp.asarray(numpy_columnwise(x, sizes)).view(x.dtype)
+  dy_t = jnp.asarray(numpy_columnwise(dy, sizes)).view(dy.dtype)
+  offsets = jaxfuse.group_offsets(jnp.asarray(sizes, jnp.int32))
+  results[str(index)] = np.asarray(step(x_t, dy_t, offsets, x_s, dy_s), np.float32)
+np.savez(sys.argv[1], **results)
+"""
+
+
+@pytest.mark.gpu
+def test_pipelined_mainloop_is_bitwise_the_stock_one(tmp_path):
+  """The wgrad's two mainloops (fp8_blockwise_pipelined_promotion.cuh, the default, which
+  reads the column scales from shared memory as it promotes, and CUTLASS's,
+  JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP=stock) give the same bits: E4M3 x E5M2, groups of 0 to
+  8 row blocks (the wgrad's k-tiles), partial blocks, an empty group."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  results = {}
+  for mainloop in ("stock", "pipelined"):
+    env = dict(os.environ, JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP=mainloop)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    path = tmp_path / f"{mainloop}.npz"
+    subprocess.run([sys.executable, "-c", _MAINLOOP_SCRIPT, str(path)], env=env, check=True,
+                   timeout=300, cwd=root)
+    results[mainloop] = dict(np.load(path))
+  assert sorted(results["stock"]) == ["0", "1", "2"]
+  for name, stock in results["stock"].items():
+    assert np.abs(stock).max() > 0, name  # the groups produced something to compare
+    np.testing.assert_array_equal(results["pipelined"][name], stock, err_msg=name)
+
+
 @pytest.mark.gpu
 @pytest.mark.sanitize
 def test_hostile_group_sizes_stay_in_bounds_in_the_fp8_wgrad():

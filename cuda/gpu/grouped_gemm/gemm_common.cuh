@@ -19,6 +19,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 
+#include "fp8_blockwise_pipelined_promotion.cuh"
 #include "fp8_pipelined_promotion.cuh"
 #include "internal.cuh"
 
@@ -259,7 +260,8 @@ namespace jaxfuse::grouped_gemm::detail {
 // A promoted FP8 family: each config (large, small) has the PipelinedPromotionMainloop
 // kernel (the default) and the stock CUTLASS one, chosen at run time by
 // ActiveTuningOptions().fp8_mainloop (JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP=stock|pipelined),
-// so that one build can A/B them. Same tiles and numerics; only the overlap differs.
+// so that one build can A/B them. Same tiles and numerics; only the overlap differs. The
+// blockwise families use it too (a config without a stock kernel passes its kernel twice).
 template <class Large, class LargeStock, class Small, class SmallStock>
 struct Fp8PromotedFamily {
   static bool Stock() { return ActiveTuningOptions().fp8_mainloop == 's'; }
@@ -349,8 +351,10 @@ using WgradBlockLayoutSFB = decltype(WgradBlockScaleConfig::deduce_layoutSFB());
 // One blockwise-scaled FP8 kernel NAME (EA x EB -> bf16; A RowMajor, B ColumnMajor: both
 // K-major; CTA tile TM x TN x 128, so each k-tile is one scale block; SFA / SFB the scale
 // layouts). The mainloop multiplies each k-tile's partial sums by its scales while promoting
-// them to fp32; the epilogue has no per-group alpha.
-#define JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(NAME, EA, EB, SFA, SFB, TM, TN, CM, CN, KS, ES)    \
+// them to fp32; the epilogue has no per-group alpha. WRAP: StockMainloop (CUTLASS's
+// blockwise mainloop) or PipelinedBlockwiseMainloop (fp8_blockwise_pipelined_promotion.cuh).
+#define JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(NAME, WRAP, EA, EB, SFA, SFB, TM, TN, CM, CN, KS,  \
+                                             ES)                                              \
   namespace NAME##_types {                                                                    \
   using TileShape = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<kBlockScaleSize>>;    \
   using ClusterShape = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;                   \
@@ -364,14 +368,14 @@ using WgradBlockLayoutSFB = decltype(WgradBlockScaleConfig::deduce_layoutSFB());
       kAlignD, ES,                                                                            \
       cutlass::epilogue::fusion::LinearCombination<cutlass::bfloat16_t, float, void,          \
                                                    float>>::CollectiveOp;                     \
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<           \
+  using CollectiveMainloop = WRAP<typename cutlass::gemm::collective::CollectiveBuilder<      \
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, EA,                                \
       cute::tuple<cutlass::layout::RowMajor*, SFA*>, kAlignA,                                 \
       EB, cute::tuple<cutlass::layout::ColumnMajor*, SFB*>,                                   \
       kAlignB, float, TileShape, ClusterShape,                                                \
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(                     \
           sizeof(typename CollectiveEpilogue::SharedStorage))>,                               \
-      KS>::CollectiveOp;                                                                      \
+      KS>::CollectiveOp>;                                                                     \
   using Kernel = cutlass::gemm::kernel::GemmUniversal<GroupShape, CollectiveMainloop,         \
                                                       CollectiveEpilogue>;                    \
   }                                                                                           \
@@ -379,26 +383,61 @@ using WgradBlockLayoutSFB = decltype(WgradBlockScaleConfig::deduce_layoutSFB());
 
 // A blockwise FP8 family (EA x e4m3 -> bf16), the promoted families' tiles:
 //   large: cooperative 128x128x128, cluster 1x2; small: ping-pong 64x128x128, cluster 1x1.
+// Both run the pipelined mainloop; the large config also has CUTLASS's stock one
+// (NAME##LargeStock) for A/B through JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP=stock (the small one
+// has none: a kernel costs a minute of build, and the small tiles are the launch-bound cases).
 #define JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_FAMILY(NAME, EA)                                        \
   JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
-      NAME##Large, EA, cutlass::float_e4m3_t, BlockLayoutSFA, BlockLayoutSFB, 128, 128, 1, 2,  \
+      NAME##Large, PipelinedBlockwiseMainloop, EA, cutlass::float_e4m3_t, BlockLayoutSFA,      \
+      BlockLayoutSFB, 128, 128, 1, 2,                                                          \
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,                  \
       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
   JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
-      NAME##Small, EA, cutlass::float_e4m3_t, BlockLayoutSFA, BlockLayoutSFB, 64, 128, 1, 1,   \
+      NAME##LargeStock, StockMainloop, EA, cutlass::float_e4m3_t, BlockLayoutSFA,              \
+      BlockLayoutSFB, 128, 128, 1, 2,                                                          \
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,                  \
+      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
+  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
+      NAME##Small, PipelinedBlockwiseMainloop, EA, cutlass::float_e4m3_t, BlockLayoutSFA,      \
+      BlockLayoutSFB, 64, 128, 1, 1,                                                           \
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,                     \
       cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)                                   \
-  JAXFUSE_GG_DEFINE_FAMILY_2(NAME, NAME##Large, NAME##Small)
+  size_t NAME##_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {              \
+    return Fp8PromotedFamily<NAME##Large, NAME##LargeStock, NAME##Small,                       \
+                             NAME##Small>::Workspace(config, num_groups, sm_count);            \
+  }                                                                                            \
+  cudaError_t NAME##_Run(TileConfig config, const GemmArrays& arrays, int sm_count,            \
+                         cudaStream_t stream) {                                                \
+    return Fp8PromotedFamily<NAME##Large, NAME##LargeStock, NAME##Small,                       \
+                             NAME##Small>::Run(config, arrays, sm_count, stream);              \
+  }
 
 // A blockwise FP8 wgrad family (e4m3 x^T x EB dy^T -> bf16, from the column-wise copies,
-// WgradBlockScaleConfig's scales; the output tiles are k x n per group), one config:
-// cooperative 128x128x128, cluster 1x2. (A ping-pong 64x128x128 config ran 0.79x of it at
-// 8 x 8192 rows and 0.94x at 64 x 512 on the H200, 2da1c0b6: its warp groups taking turns
-// did not hide the per-element promotion, a row and a column scale per output every 128
-// rows.)
+// WgradBlockScaleConfig's scales; the output tiles are k x n per group), one config,
+// cooperative 128x128x128, cluster 1x2, with the pipelined mainloop (NAME##Gemm) and the
+// stock one (NAME##GemmStock, JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP=stock). (A ping-pong
+// 64x128x128 config ran 0.79x of the stock cooperative one at 8 x 8192 rows and 0.94x at
+// 64 x 512 on the H200, 2da1c0b6: its warp groups taking turns did not hide the per-element
+// promotion, a row and a column scale per output every 128 rows.)
 #define JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_WGRAD_FAMILY(NAME, EB)                                  \
   JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
-      NAME##Gemm, cutlass::float_e4m3_t, EB, WgradBlockLayoutSFA, WgradBlockLayoutSFB, 128,    \
-      128, 1, 2, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,       \
+      NAME##Gemm, PipelinedBlockwiseMainloop, cutlass::float_e4m3_t, EB, WgradBlockLayoutSFA,  \
+      WgradBlockLayoutSFB, 128, 128, 1, 2,                                                     \
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,                  \
       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
-  JAXFUSE_GG_DEFINE_FAMILY_1(NAME, NAME##Gemm)
+  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
+      NAME##GemmStock, StockMainloop, cutlass::float_e4m3_t, EB, WgradBlockLayoutSFA,          \
+      WgradBlockLayoutSFB, 128, 128, 1, 2,                                                     \
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,                  \
+      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
+  size_t NAME##_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {              \
+    return Fp8PromotedFamily<NAME##Gemm, NAME##GemmStock, NAME##Gemm,                          \
+                             NAME##GemmStock>::Workspace(TileConfig::kLarge, num_groups,       \
+                                                         sm_count);                            \
+  }                                                                                            \
+  cudaError_t NAME##_Run(TileConfig, const GemmArrays& arrays, int sm_count,                   \
+                         cudaStream_t stream) {                                                \
+    return Fp8PromotedFamily<NAME##Gemm, NAME##GemmStock, NAME##Gemm,                          \
+                             NAME##GemmStock>::Run(TileConfig::kLarge, arrays, sm_count,       \
+                                                   stream);                                    \
+  }

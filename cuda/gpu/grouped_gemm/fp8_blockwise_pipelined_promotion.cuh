@@ -1,0 +1,232 @@
+// Blockwise-scaled FP8 mainloop whose scaled promotions overlap the tensor cores.
+//
+// CUTLASS's blockwise FP8 mainloop (MainloopSm90ArrayTmaGmmaWarpSpecializedBlockwise) issues
+// a k-tile's wgmma into a partial accumulator, waits for it (warpgroup_wait<0>) and only then
+// multiplies the partial by the k-tile's scales into the fp32 accumulator, before it issues
+// the next k-tile: every k-tile ends in a bubble on the tensor cores. The mainloop below does
+// for the blockwise kernels what PipelinedPromotionMainloop (fp8_pipelined_promotion.cuh)
+// does for the per-group ones: two partial accumulators, and k-tile t's wgmma runs while
+// k-tile t-1's partial is scaled and added.
+//
+// The scales live in the same shared-memory stage as the operands (the producer loads them
+// there with cp.async), so a stage's scales are read and used before that stage is released.
+//
+// Numerics are the stock mainloop's at its only promotion interval here (one k-tile of 128 =
+// one scale block = 4 wgmma k-blocks of 32): each k-tile is accumulated in the tensor cores
+// from zero, multiplied by the same scale products in the same order and added to the fp32
+// accumulator; the results are bit-identical to the stock mainloop's.
+//
+// Registers: three fp32 accumulator sets (64 each at a 64x128 warp-group tile) plus the
+// scales: one combined scale per row for the forward/dgrad (1 x 128 and 128 x 128 blocks:
+// two per thread), a row and a column scale per output for the wgrad (2 + 32 per thread).
+#pragma once
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+
+namespace jaxfuse::grouped_gemm::detail {
+
+template <class Base>
+struct PipelinedBlockwiseMainloop : Base {
+  using typename Base::ElementBlockScale;
+  using typename Base::MainloopPipeline;
+  using typename Base::Params;
+  using typename Base::PipelineState;
+  using typename Base::SmemLayoutA;
+  using typename Base::SmemLayoutB;
+  using typename Base::SmemLayoutSFA;
+  using typename Base::SmemLayoutSFB;
+  using typename Base::TensorStorage;
+  using typename Base::TileShape;
+  using typename Base::TiledMma;
+  static constexpr int kScaleRowsPerTile = Base::ScaleMsPerTile;
+  static constexpr int kScaleColumnsPerTile = Base::ScaleNsPerTile;
+  static_assert(Base::ScalePromotionInterval == 4,
+                "one scale block per 128-deep k-tile: every k-tile is promoted");
+  // With a scale per output row and per output column (the wgrad), the 32 column scales of a
+  // thread are read from shared memory as the promotion uses them instead of being held in
+  // registers: three accumulator sets plus 34 scales spilled (156 bytes at 232 registers).
+  static constexpr bool kColumnScalesFromSmem = kScaleRowsPerTile > 1 && kScaleColumnsPerTile > 1;
+
+  // Issues one k-tile (every k-block of shared-memory stage `stage`) into `partial`,
+  // starting from zero, as one committed wgmma batch.
+  template <class FragmentA, class FragmentB, class Partial>
+  CUTLASS_DEVICE static void IssueKTile(TiledMma& tiled_mma, FragmentA const& tCrA,
+                                        FragmentB const& tCrB, Partial& partial, int stage) {
+    tiled_mma.accumulate_ = cute::GMMA::ScaleOut::Zero;
+    cute::warpgroup_fence_operand(partial);
+    cute::warpgroup_arrive();
+    CUTLASS_PRAGMA_UNROLL
+    for (int k_block = 0; k_block < cute::size<2>(tCrA); ++k_block) {
+      cute::gemm(tiled_mma, tCrA(cute::_, cute::_, k_block, stage),
+                 tCrB(cute::_, cute::_, k_block, stage), partial);
+      tiled_mma.accumulate_ = cute::GMMA::ScaleOut::One;
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_fence_operand(partial);
+  }
+
+  // Reads stage `stage`'s scales into registers and, where one operand has a single scale
+  // per tile, folds it into the other's (as the stock mainloop does, same rounding).
+  template <class SmemScalesA, class SmemScalesB, class ScalesA, class ScalesB>
+  CUTLASS_DEVICE static void LoadScales(SmemScalesA const& tCsSFA, SmemScalesB const& tCsSFB,
+                                        ScalesA& tCrSFA, ScalesB& tCrSFB, int stage) {
+    using namespace cute;
+    copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), tCrSFA);
+    if constexpr (!kColumnScalesFromSmem) copy(tCsSFB(_, _, _, make_coord(_0{}, stage)), tCrSFB);
+    if constexpr (kScaleRowsPerTile == 1 && kScaleColumnsPerTile == 1) {
+      tCrSFA(_0{}) = tCrSFA(_0{}) * tCrSFB(_0{});
+    }
+    if constexpr (kScaleRowsPerTile > 1 && kScaleColumnsPerTile == 1) {
+      const ElementBlockScale scale_b = tCrSFB(_0{});
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(filter_zeros(tCrSFA)); ++i) {
+        filter_zeros(tCrSFA)(i) = filter_zeros(tCrSFA)(i) * scale_b;
+      }
+    }
+    if constexpr (kScaleRowsPerTile == 1 && kScaleColumnsPerTile > 1) {
+      const ElementBlockScale scale_a = tCrSFA(_0{});
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(filter_zeros(tCrSFB)); ++i) {
+        filter_zeros(tCrSFB)(i) = filter_zeros(tCrSFB)(i) * scale_a;
+      }
+    }
+  }
+
+  // accum += partial * scales, once the wgmma batch that wrote `partial` has completed.
+  template <class Accumulator, class Partial, class ScalesA, class ScalesB>
+  CUTLASS_DEVICE static void PromoteScaled(Accumulator& accum, Partial& partial,
+                                           ScalesA const& tCrSFA, ScalesB const& tCrSFB) {
+    using namespace cute;
+    warpgroup_fence_operand(partial);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accum); ++i) {
+      if constexpr (kScaleRowsPerTile == 1 && kScaleColumnsPerTile == 1) {
+        accum(i) += partial(i) * tCrSFA(_0{});
+      } else if constexpr (kScaleColumnsPerTile == 1) {
+        accum(i) += partial(i) * tCrSFA(i);
+      } else if constexpr (kScaleRowsPerTile == 1) {
+        accum(i) += partial(i) * tCrSFB(i);
+      } else {
+        accum(i) += partial(i) * tCrSFA(i) * tCrSFB(i);
+      }
+    }
+    warpgroup_fence_operand(partial);
+  }
+
+  // PromoteScaled with stage `stage`'s scales: the registers LoadScales filled, or for the
+  // column scales of the wgrad the stage itself (kColumnScalesFromSmem).
+  template <class Accumulator, class Partial, class ScalesA, class ScalesB, class SmemScalesB>
+  CUTLASS_DEVICE static void PromoteStage(Accumulator& accum, Partial& partial,
+                                          ScalesA const& tCrSFA, ScalesB const& tCrSFB,
+                                          SmemScalesB const& tCsSFB, int stage) {
+    using namespace cute;
+    if constexpr (kColumnScalesFromSmem) {
+      PromoteScaled(accum, partial, tCrSFA, tCsSFB(_, _, _, make_coord(_0{}, stage)));
+    } else {
+      PromoteScaled(accum, partial, tCrSFA, tCrSFB);
+    }
+  }
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read,
+                          FrgTensorC& accum, int k_tile_count, int thread_idx,
+                          TensorStorage& shared_tensors, Params const& /*mainloop_params*/) {
+    using namespace cute;
+    static_assert(is_rmem<FrgTensorC>::value, "C tensor must be rmem resident.");
+    constexpr int kThreadsPerWarpGroup = cutlass::NumThreadsPerWarpGroup;
+    constexpr int kMmaWarpGroups = size(TiledMma{}) / kThreadsPerWarpGroup;
+
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+    // The scale stages seen as (BLK_M, BLK_N, (BLK_K, PIPE)) tensors that broadcast A's
+    // scales along N and B's along M, so that they partition like the accumulator.
+    Tensor sSFA = make_tensor(
+        make_smem_ptr(shared_tensors.smem_SFA.data()),
+        make_layout(make_shape(shape<0>(SmemLayoutSFA{}), get<1>(TileShape{}),
+                               make_shape(shape<1>(SmemLayoutSFA{}), shape<2>(SmemLayoutSFA{}))),
+                    make_stride(stride<0>(SmemLayoutSFA{}), _0{},
+                                make_stride(stride<1>(SmemLayoutSFA{}),
+                                            stride<2>(SmemLayoutSFA{})))));
+    Tensor sSFB = make_tensor(
+        make_smem_ptr(shared_tensors.smem_SFB.data()),
+        make_layout(make_shape(get<0>(TileShape{}), shape<0>(SmemLayoutSFB{}),
+                               make_shape(shape<1>(SmemLayoutSFB{}), shape<2>(SmemLayoutSFB{}))),
+                    make_stride(_0{}, stride<0>(SmemLayoutSFB{}),
+                                make_stride(stride<1>(SmemLayoutSFB{}),
+                                            stride<2>(SmemLayoutSFB{})))));
+
+    Layout warp_group_thread_layout =
+        make_layout(Int<kMmaWarpGroups>{}, Int<kThreadsPerWarpGroup>{});
+    const int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / kThreadsPerWarpGroup, 0);
+    TiledMma tiled_mma;
+    auto thread_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
+    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA,M,K,PIPE)
+    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA,N,K,PIPE)
+    Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);  // (MMA,M,N,(K,PIPE))
+    Tensor tCsSFB = tiled_mma.get_slice(thread_idx).partition_C(sSFB);
+    // One register per distinct scale (the broadcast modes keep stride 0).
+    Tensor tCrSFA = make_tensor_like<ElementBlockScale>(tCsSFA(_, _, _, _0{}));
+    Tensor tCrSFB = make_tensor_like<ElementBlockScale>(tCsSFB(_, _, _, _0{}));
+
+    Tensor partial0 = make_fragment_like(accum);
+    Tensor partial1 = make_fragment_like(accum);
+    clear(accum);
+    // Empty groups get no tiles (the setup kernel zeroes their outputs), so a tile always
+    // has k-tiles; the guard keeps a zero count from issuing a wait on nothing.
+    if (k_tile_count <= 0) return;
+
+    PipelineState smem_pipe_release = smem_pipe_read;
+    auto next_stage = [&]() {
+      auto token = pipeline.consumer_try_wait(smem_pipe_read);
+      pipeline.consumer_wait(smem_pipe_read, token);
+      const int stage = smem_pipe_read.index();
+      ++smem_pipe_read;
+      return stage;
+    };
+    // Releases the oldest stage still held, once its scales have been used: the compiler
+    // barrier keeps the shared-memory reads of the scales ahead of the arrive.
+    auto release_stage = [&]() {
+      asm volatile("" ::: "memory");
+      pipeline.consumer_release(smem_pipe_release);
+      ++smem_pipe_release;
+    };
+
+    // k-tiles alternate between partial0 (even) and partial1 (odd); the register arrays
+    // cannot be chosen by a run-time index, hence the loop unrolled by two. `held` is the
+    // stage of the k-tile in flight before the one just issued.
+    int held = next_stage();
+    IssueKTile(tiled_mma, tCrA, tCrB, partial0, held);
+    int remaining = k_tile_count - 1;
+    CUTLASS_PRAGMA_NO_UNROLL
+    while (remaining > 0) {
+      int issued = next_stage();
+      IssueKTile(tiled_mma, tCrA, tCrB, partial1, issued);
+      --remaining;
+      LoadScales(tCsSFA, tCsSFB, tCrSFA, tCrSFB, held);
+      warpgroup_wait<1>();  // the previous k-tile (partial0) is done; this one runs on
+      PromoteStage(accum, partial0, tCrSFA, tCrSFB, tCsSFB, held);
+      release_stage();
+      held = issued;
+      if (remaining == 0) {
+        LoadScales(tCsSFA, tCsSFB, tCrSFA, tCrSFB, held);
+        warpgroup_wait<0>();
+        PromoteStage(accum, partial1, tCrSFA, tCrSFB, tCsSFB, held);
+        return;  // the last stage is mma_tail's to release
+      }
+      issued = next_stage();
+      IssueKTile(tiled_mma, tCrA, tCrB, partial0, issued);
+      --remaining;
+      LoadScales(tCsSFA, tCsSFB, tCrSFA, tCrSFB, held);
+      warpgroup_wait<1>();
+      PromoteStage(accum, partial1, tCrSFA, tCrSFB, tCsSFB, held);
+      release_stage();
+      held = issued;
+    }
+    LoadScales(tCsSFA, tCsSFB, tCrSFA, tCrSFB, held);
+    warpgroup_wait<0>();
+    PromoteStage(accum, partial0, tCrSFA, tCrSFB, tCsSFB, held);
+  }
+};
+
+}  // namespace jaxfuse::grouped_gemm::detail

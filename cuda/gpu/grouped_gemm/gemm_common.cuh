@@ -261,7 +261,7 @@ namespace jaxfuse::grouped_gemm::detail {
 // kernel (the default) and the stock CUTLASS one, chosen at run time by
 // ActiveTuningOptions().fp8_mainloop (JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP=stock|pipelined),
 // so that one build can A/B them. Same tiles and numerics; only the overlap differs. The
-// blockwise families use it too (a config without a stock kernel passes its kernel twice).
+// blockwise families use it too.
 template <class Large, class LargeStock, class Small, class SmallStock>
 struct Fp8PromotedFamily {
   static bool Stock() { return ActiveTuningOptions().fp8_mainloop == 's'; }
@@ -383,9 +383,8 @@ using WgradBlockLayoutSFB = decltype(WgradBlockScaleConfig::deduce_layoutSFB());
 
 // A blockwise FP8 family (EA x e4m3 -> bf16), the promoted families' tiles:
 //   large: cooperative 128x128x128, cluster 1x2; small: ping-pong 64x128x128, cluster 1x1.
-// Both run the pipelined mainloop; the large config also has CUTLASS's stock one
-// (NAME##LargeStock) for A/B through JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP=stock (the small one
-// has none: a kernel costs a minute of build, and the small tiles are the launch-bound cases).
+// Both run the pipelined mainloop, and both also have CUTLASS's stock one (NAME##LargeStock,
+// NAME##SmallStock) for A/B through JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP=stock.
 #define JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_FAMILY(NAME, EA)                                        \
   JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
       NAME##Large, PipelinedBlockwiseMainloop, EA, cutlass::float_e4m3_t, BlockLayoutSFA,      \
@@ -402,14 +401,19 @@ using WgradBlockLayoutSFB = decltype(WgradBlockScaleConfig::deduce_layoutSFB());
       BlockLayoutSFB, 64, 128, 1, 1,                                                           \
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,                     \
       cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)                                   \
+  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
+      NAME##SmallStock, StockMainloop, EA, cutlass::float_e4m3_t, BlockLayoutSFA,              \
+      BlockLayoutSFB, 64, 128, 1, 1,                                                           \
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,                     \
+      cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)                                   \
   size_t NAME##_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {              \
     return Fp8PromotedFamily<NAME##Large, NAME##LargeStock, NAME##Small,                       \
-                             NAME##Small>::Workspace(config, num_groups, sm_count);            \
+                             NAME##SmallStock>::Workspace(config, num_groups, sm_count);       \
   }                                                                                            \
   cudaError_t NAME##_Run(TileConfig config, const GemmArrays& arrays, int sm_count,            \
                          cudaStream_t stream) {                                                \
     return Fp8PromotedFamily<NAME##Large, NAME##LargeStock, NAME##Small,                       \
-                             NAME##Small>::Run(config, arrays, sm_count, stream);              \
+                             NAME##SmallStock>::Run(config, arrays, sm_count, stream);         \
   }
 
 // A blockwise FP8 wgrad family (e4m3 x^T x EB dy^T -> bf16, from the column-wise copies,

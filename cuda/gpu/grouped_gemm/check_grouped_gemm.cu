@@ -325,9 +325,10 @@ void RunCase(const Case& c, gg::Form form, gg::TileConfig config, bool use_graph
 // ---------------------------------------------------------------------------------------------
 // Timing.
 
+// `block_scaling`: the blockwise FP8 kernels (Float8BlockScaling), every block scale 1.
 template <class TA, class TB, class TO>
 void Time(const char* label, gg::Form form, int G, int64_t rows_per_group, int64_t k, int64_t n,
-          gg::TileConfig config) {
+          gg::TileConfig config, bool block_scaling = false) {
   const int64_t m = G * rows_per_group;
   const bool fp8 = sizeof(TA) == 1;
   int64_t a_count, b_count, out_count;
@@ -350,15 +351,34 @@ void Time(const char* label, gg::Form form, int G, int64_t rows_per_group, int64
   CHECK_CUDA(cudaMemcpy(d_off.ptr, offsets.data(), (G + 1) * sizeof(int32_t), cudaMemcpyHostToDevice));
   std::vector<float> ones(G, 1.f);
   CHECK_CUDA(cudaMemcpy(scales.ptr, ones.data(), G * sizeof(float), cudaMemcpyHostToDevice));
+  // One buffer of ones serves as both operands' block scales: it covers the largest layout
+  // (1 x 128 rows of A: m x ceil(max(k, n) / 128); 128 x 128 tiles of B; the wgrad's
+  // [ColumnwiseScaleRows(m, G), max(k, n)]).
+  const int64_t blocks_kn = (std::max(k, n) + 127) / 128;
+  const int64_t block_scale_count =
+      std::max({m * blocks_kn, G * blocks_kn * blocks_kn,
+                jaxfuse::ColumnwiseScaleRows(m, G) * std::max(k, n)});
+  DeviceBuffer block_scales((block_scaling ? block_scale_count : 1) * sizeof(float));
+  if (block_scaling) {
+    std::vector<float> block_ones(block_scale_count, 1.f);
+    CHECK_CUDA(cudaMemcpy(block_scales.ptr, block_ones.data(), block_scale_count * sizeof(float),
+                          cudaMemcpyHostToDevice));
+  }
 
   gg::Problem p{};
   p.form = form; p.a_type = TypeOf<TA>(); p.b_type = TypeOf<TB>(); p.out_type = TypeOf<TO>();
   p.m = m; p.k = k; p.n = n; p.num_groups = G; p.group_offsets = d_off.as<int32_t>();
   p.a = a.ptr; p.b = b.ptr; p.out = out.ptr;
-  p.a_scale_inv = fp8 ? scales.as<float>() : nullptr;
-  p.b_scale_inv = fp8 ? scales.as<float>() : nullptr;
+  float* scale_inv = block_scaling ? block_scales.as<float>() : scales.as<float>();
+  p.a_scale_inv = fp8 ? scale_inv : nullptr;
+  p.b_scale_inv = fp8 ? scale_inv : nullptr;
+  p.block_scaling = block_scaling;
   p.tile_config = config;
   p.columnwise = columnwise;
+  if (!gg::IsSupported(p)) {
+    std::printf("PERF %-10s skipped: not supported\n", label);
+    return;
+  }
   gg::TileConfig resolved = config == gg::TileConfig::kAuto ? gg::ChooseTileConfig(p, g_sm_count) : config;
   size_t ws_bytes = gg::WorkspaceBytes(p, g_sm_count);
   DeviceBuffer ws(ws_bytes);
@@ -432,7 +452,7 @@ int main(int argc, char** argv) {
     // Times kLarge, kUniform and kAdaptive (bf16 forward/dgrad) only.
     if (std::strcmp(argv[i], "--uniform") == 0) uniform_sweep = true;
     // Checks and times the promoted FP8 families' two mainloops (pipelined promotion, stock
-    // CUTLASS) on both configs.
+    // CUTLASS) on both configs, and times the blockwise FP8 kernels' two.
     if (std::strcmp(argv[i], "--fp8-mainloops") == 0) fp8_mainloops = true;
   }
   int device = 0;
@@ -523,6 +543,14 @@ int main(int argc, char** argv) {
         Time<e4m3, e4m3, bf16>(label, gg::Form::kForward, s.G, s.rows, 2048, 4096, s.config);
         Time<e5m2, e4m3, bf16>(label, gg::Form::kDgrad, s.G, s.rows, 2048, 4096, s.config);
         Time<e4m3, e5m2, bf16>(label, gg::Form::kWgrad, s.G, s.rows, 2048, 4096, s.config);
+        // The blockwise kernels (Float8BlockScaling) under the same knob.
+        std::snprintf(label, sizeof(label), "blk %s", ml.name);
+        Time<e4m3, e4m3, bf16>(label, gg::Form::kForward, s.G, s.rows, 2048, 4096, s.config,
+                               /*block_scaling=*/true);
+        Time<e5m2, e4m3, bf16>(label, gg::Form::kDgrad, s.G, s.rows, 2048, 4096, s.config,
+                               /*block_scaling=*/true);
+        Time<e4m3, e5m2, bf16>(label, gg::Form::kWgrad, s.G, s.rows, 2048, 4096, s.config,
+                               /*block_scaling=*/true);
       }
     options = saved;
     perf = check = false;

@@ -417,6 +417,23 @@ _TILE_SCRIPT = textwrap.dedent("""
 """)
 
 
+# _TILE_SCRIPT's problem: K = 1040 (9 k-tiles, the last partial), N = 656 (6 for the dgrad),
+# and sizes with an empty group, sums past and short of the rows.
+TILE_SHAPE = (2048, 1040, 656, 4)  # m, k, n, groups
+TILE_SIZE_SETS = [[512] * 4, [700, 0, 1500, 100], [300, 41, 0, 1000]]
+
+
+def save_tile_inputs(tmp_path, seed):
+  """Random bf16 x [m, k], kernel [G, k, n] and d_out [m, n] of TILE_SHAPE, saved where
+  _TILE_SCRIPT reads them; returns (x, kernel, d_out)."""
+  m, k, n, groups = TILE_SHAPE
+  x, kernel = make_inputs(seed, m, k, n, groups, jnp.bfloat16)
+  d_out = helpers.random_array(np.random.default_rng(seed + 1), (m, n), jnp.bfloat16)
+  np.savez(tmp_path / "in.npz", x=np.asarray(x, np.float32), w=np.asarray(kernel, np.float32),
+           d_out=np.asarray(d_out, np.float32))
+  return x, kernel, d_out
+
+
 def run_tile_script(tmp_path, env_overrides, size_sets):
   """_TILE_SCRIPT's outputs (forward and dgrad per size set) in a process with
   `env_overrides` set (the knobs are read once per process)."""
@@ -439,12 +456,8 @@ def test_tile_configs_and_graph_replays_match_float64_numpy(tmp_path, tile, flag
   through JAXFUSE_GROUPED_GEMM_TILE, and the large one replayed as a CUDA graph: one
   executable run on three sets of sizes changed on the device (an empty group, sizes
   summing past and short of the rows), forward and dgrad against float64 numpy."""
-  m, k, n, groups = 2048, 1040, 656, 4
-  x, kernel = make_inputs(86, m, k, n, groups, jnp.bfloat16)
-  d_out = helpers.random_array(np.random.default_rng(87), (m, n), jnp.bfloat16)
-  np.savez(tmp_path / "in.npz", x=np.asarray(x, np.float32), w=np.asarray(kernel, np.float32),
-           d_out=np.asarray(d_out, np.float32))
-  size_sets = [[512] * 4, [700, 0, 1500, 100], [300, 41, 0, 1000]]
+  x, kernel, d_out = save_tile_inputs(tmp_path, 86)
+  size_sets = TILE_SIZE_SETS
   xla_flags = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
   results = run_tile_script(tmp_path, {"JAXFUSE_GROUPED_GEMM_TILE": tile,
                                        "XLA_FLAGS": xla_flags}, size_sets)
@@ -470,12 +483,8 @@ def test_pipelined_mainloop_is_bitwise_the_stock_one(tmp_path):
   partials in the same order: forward (9 k-tiles, the last partial) and dgrad (6) agree
   bit for bit, on sizes with an empty group and sums short of and past the rows; and the
   pipelined results match float64 numpy."""
-  m, k, n, groups = 2048, 1040, 656, 4
-  x, kernel = make_inputs(92, m, k, n, groups, jnp.bfloat16)
-  d_out = helpers.random_array(np.random.default_rng(93), (m, n), jnp.bfloat16)
-  np.savez(tmp_path / "in.npz", x=np.asarray(x, np.float32), w=np.asarray(kernel, np.float32),
-           d_out=np.asarray(d_out, np.float32))
-  size_sets = [[512] * 4, [700, 0, 1500, 100], [300, 41, 0, 1000]]
+  x, kernel, _ = save_tile_inputs(tmp_path, 92)
+  size_sets = TILE_SIZE_SETS
   results = {}
   for mainloop in ("stock", "pipelined"):
     results[mainloop] = run_tile_script(

@@ -6,7 +6,7 @@
 // the next k-tile: every k-tile ends in a bubble on the tensor cores. The mainloop below does
 // for the blockwise kernels what PipelinedPromotionMainloop (fp8_pipelined_promotion.cuh)
 // does for the per-group ones: two partial accumulators, and k-tile t's wgmma runs while
-// k-tile t-1's partial is scaled and added.
+// k-tile t-1's partial is scaled and added (the loop is fp8_two_partial_loop.cuh's).
 //
 // The scales live in the same shared-memory stage as the operands (the producer loads them
 // there with cp.async), so a stage's scales are read and used before that stage is released.
@@ -23,6 +23,7 @@
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "fp8_two_partial_loop.cuh"
 
 namespace jaxfuse::grouped_gemm::detail {
 
@@ -47,24 +48,6 @@ struct PipelinedBlockwiseMainloop : Base {
   // thread are read from shared memory as the promotion uses them instead of being held in
   // registers: three accumulator sets plus 34 scales spilled (156 bytes at 232 registers).
   static constexpr bool kColumnScalesFromSmem = kScaleRowsPerTile > 1 && kScaleColumnsPerTile > 1;
-
-  // Issues one k-tile (every k-block of shared-memory stage `stage`) into `partial`,
-  // starting from zero, as one committed wgmma batch.
-  template <class FragmentA, class FragmentB, class Partial>
-  CUTLASS_DEVICE static void IssueKTile(TiledMma& tiled_mma, FragmentA const& tCrA,
-                                        FragmentB const& tCrB, Partial& partial, int stage) {
-    tiled_mma.accumulate_ = cute::GMMA::ScaleOut::Zero;
-    cute::warpgroup_fence_operand(partial);
-    cute::warpgroup_arrive();
-    CUTLASS_PRAGMA_UNROLL
-    for (int k_block = 0; k_block < cute::size<2>(tCrA); ++k_block) {
-      cute::gemm(tiled_mma, tCrA(cute::_, cute::_, k_block, stage),
-                 tCrB(cute::_, cute::_, k_block, stage), partial);
-      tiled_mma.accumulate_ = cute::GMMA::ScaleOut::One;
-    }
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_fence_operand(partial);
-  }
 
   // Reads stage `stage`'s scales into registers and, where one operand has a single scale
   // per tile, folds it into the other's (as the stock mainloop does, same rounding).
@@ -172,60 +155,19 @@ struct PipelinedBlockwiseMainloop : Base {
     Tensor partial0 = make_fragment_like(accum);
     Tensor partial1 = make_fragment_like(accum);
     clear(accum);
-    // Empty groups get no tiles (the setup kernel zeroes their outputs), so a tile always
-    // has k-tiles; the guard keeps a zero count from issuing a wait on nothing.
-    if (k_tile_count <= 0) return;
-
-    PipelineState smem_pipe_release = smem_pipe_read;
-    auto next_stage = [&]() {
-      auto token = pipeline.consumer_try_wait(smem_pipe_read);
-      pipeline.consumer_wait(smem_pipe_read, token);
-      const int stage = smem_pipe_read.index();
-      ++smem_pipe_read;
-      return stage;
-    };
-    // Releases the oldest stage still held, once its scales have been used: the compiler
-    // barrier keeps the shared-memory reads of the scales ahead of the arrive.
-    auto release_stage = [&]() {
-      asm volatile("" ::: "memory");
-      pipeline.consumer_release(smem_pipe_release);
-      ++smem_pipe_release;
-    };
-
-    // k-tiles alternate between partial0 (even) and partial1 (odd); the register arrays
-    // cannot be chosen by a run-time index, hence the loop unrolled by two. `held` is the
-    // stage of the k-tile in flight before the one just issued.
-    int held = next_stage();
-    IssueKTile(tiled_mma, tCrA, tCrB, partial0, held);
-    int remaining = k_tile_count - 1;
-    CUTLASS_PRAGMA_NO_UNROLL
-    while (remaining > 0) {
-      int issued = next_stage();
-      IssueKTile(tiled_mma, tCrA, tCrB, partial1, issued);
-      --remaining;
-      LoadScales(tCsSFA, tCsSFB, tCrSFA, tCrSFB, held);
-      warpgroup_wait<1>();  // the previous k-tile (partial0) is done; this one runs on
-      PromoteStage(accum, partial0, tCrSFA, tCrSFB, tCsSFB, held);
-      release_stage();
-      held = issued;
-      if (remaining == 0) {
-        LoadScales(tCsSFA, tCsSFB, tCrSFA, tCrSFB, held);
-        warpgroup_wait<0>();
-        PromoteStage(accum, partial1, tCrSFA, tCrSFB, tCsSFB, held);
-        return;  // the last stage is mma_tail's to release
-      }
-      issued = next_stage();
-      IssueKTile(tiled_mma, tCrA, tCrB, partial0, issued);
-      --remaining;
-      LoadScales(tCsSFA, tCsSFB, tCrSFA, tCrSFB, held);
-      warpgroup_wait<1>();
-      PromoteStage(accum, partial1, tCrSFA, tCrSFB, tCsSFB, held);
-      release_stage();
-      held = issued;
-    }
-    LoadScales(tCsSFA, tCsSFB, tCrSFA, tCrSFB, held);
-    warpgroup_wait<0>();
-    PromoteStage(accum, partial0, tCrSFA, tCrSFB, tCsSFB, held);
+    RunTwoPartialKTiles(
+        pipeline, smem_pipe_read, k_tile_count, partial0, partial1,
+        [&](auto& partial, int stage) { IssueKTile(tiled_mma, tCrA, tCrB, partial, stage); },
+        [&](auto& partial, int stage, auto in_flight, auto&& release) {
+          // The scale loads go out before the wait, so that they overlap it.
+          LoadScales(tCsSFA, tCsSFB, tCrSFA, tCrSFB, stage);
+          warpgroup_wait<decltype(in_flight)::value>();
+          PromoteStage(accum, partial, tCrSFA, tCrSFB, tCsSFB, stage);
+          // The stage's scales have been read: the compiler barrier keeps those
+          // shared-memory reads ahead of the arrive that hands the stage back.
+          asm volatile("" ::: "memory");
+          release();
+        });
   }
 };
 

@@ -15,12 +15,14 @@
 // added to the fp32 accumulator in the same order. `mma_promotion_interval` is ignored.
 //
 // Everything else (TMA loads, pipeline, tensormap updates for the pointer array, mma_tail)
-// is the base collective's: the derived type only replaces mma(). Like the base, it leaves
-// the last k-tile's shared-memory stage for mma_tail to release.
+// is the base collective's: the derived type only replaces mma(), whose k-tile loop is
+// fp8_two_partial_loop.cuh's. Like the base, it leaves the last k-tile's shared-memory stage
+// for mma_tail to release.
 #pragma once
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "fp8_two_partial_loop.cuh"
 
 namespace jaxfuse::grouped_gemm::detail {
 
@@ -33,24 +35,6 @@ struct PipelinedPromotionMainloop : Base {
   using typename Base::SmemLayoutB;
   using typename Base::TensorStorage;
   using typename Base::TiledMma;
-
-  // Issues one k-tile (every k-block of shared-memory stage `stage`) into `partial`,
-  // starting from zero, as one committed wgmma batch.
-  template <class FragmentA, class FragmentB, class Partial>
-  CUTLASS_DEVICE static void IssueKTile(TiledMma& tiled_mma, FragmentA const& tCrA,
-                                        FragmentB const& tCrB, Partial& partial, int stage) {
-    tiled_mma.accumulate_ = cute::GMMA::ScaleOut::Zero;
-    cute::warpgroup_fence_operand(partial);
-    cute::warpgroup_arrive();
-    CUTLASS_PRAGMA_UNROLL
-    for (int k_block = 0; k_block < cute::size<2>(tCrA); ++k_block) {
-      cute::gemm(tiled_mma, tCrA(cute::_, cute::_, k_block, stage),
-                 tCrB(cute::_, cute::_, k_block, stage), partial);
-      tiled_mma.accumulate_ = cute::GMMA::ScaleOut::One;
-    }
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_fence_operand(partial);
-  }
 
   // accum += partial, once the wgmma batch that wrote `partial` has completed.
   template <class Accumulator, class Partial>
@@ -83,47 +67,14 @@ struct PipelinedPromotionMainloop : Base {
     Tensor partial0 = make_fragment_like(accum);
     Tensor partial1 = make_fragment_like(accum);
     clear(accum);
-    // Empty groups get no tiles (the setup kernel zeroes their outputs), so a tile always
-    // has k-tiles; the guard keeps a zero count from issuing a wait on nothing.
-    if (k_tile_count <= 0) return;
-
-    PipelineState smem_pipe_release = smem_pipe_read;
-    auto next_stage = [&]() {
-      auto token = pipeline.consumer_try_wait(smem_pipe_read);
-      pipeline.consumer_wait(smem_pipe_read, token);
-      const int stage = smem_pipe_read.index();
-      ++smem_pipe_read;
-      return stage;
-    };
-    auto release_stage = [&]() {
-      pipeline.consumer_release(smem_pipe_release);
-      ++smem_pipe_release;
-    };
-
-    // k-tiles alternate between partial0 (even) and partial1 (odd); the register arrays
-    // cannot be chosen by a run-time index, hence the loop unrolled by two.
-    IssueKTile(tiled_mma, tCrA, tCrB, partial0, next_stage());
-    int remaining = k_tile_count - 1;
-    CUTLASS_PRAGMA_NO_UNROLL
-    while (remaining > 0) {
-      IssueKTile(tiled_mma, tCrA, tCrB, partial1, next_stage());
-      --remaining;
-      warpgroup_wait<1>();  // the previous k-tile (partial0) is done; this one runs on
-      release_stage();
-      Promote(accum, partial0);
-      if (remaining == 0) {
-        warpgroup_wait<0>();
-        Promote(accum, partial1);
-        return;  // the last stage is mma_tail's to release
-      }
-      IssueKTile(tiled_mma, tCrA, tCrB, partial0, next_stage());
-      --remaining;
-      warpgroup_wait<1>();
-      release_stage();
-      Promote(accum, partial1);
-    }
-    warpgroup_wait<0>();
-    Promote(accum, partial0);
+    RunTwoPartialKTiles(
+        pipeline, smem_pipe_read, k_tile_count, partial0, partial1,
+        [&](auto& partial, int stage) { IssueKTile(tiled_mma, tCrA, tCrB, partial, stage); },
+        [&](auto& partial, int /*stage*/, auto in_flight, auto&& release) {
+          warpgroup_wait<decltype(in_flight)::value>();
+          release();  // the wgmma that read the stage is done; the FADDs read registers
+          Promote(accum, partial);
+        });
   }
 };
 

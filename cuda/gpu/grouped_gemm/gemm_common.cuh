@@ -381,29 +381,24 @@ using WgradBlockLayoutSFB = decltype(WgradBlockScaleConfig::deduce_layoutSFB());
   }                                                                                           \
   using NAME = cutlass::gemm::device::GemmUniversalAdapter<NAME##_types::Kernel>;
 
-// A blockwise FP8 family (EA x e4m3 -> bf16), the promoted families' tiles:
+// One blockwise FP8 config twice: NAME with the pipelined mainloop, NAME##Stock with
+// CUTLASS's (JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP=stock), for A/B in one build.
+#define JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMMS(NAME, EA, EB, SFA, SFB, TM, TN, CM, CN, KS, ES)   \
+  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(NAME, PipelinedBlockwiseMainloop, EA, EB, SFA, SFB, TM, \
+                                       TN, CM, CN, KS, ES)                                     \
+  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(NAME##Stock, StockMainloop, EA, EB, SFA, SFB, TM, TN,   \
+                                       CM, CN, KS, ES)
+
+// A blockwise FP8 family (EA x e4m3 -> bf16), the promoted families' tiles, each config with
+// both mainloops (NAME{Large,LargeStock,Small,SmallStock}):
 //   large: cooperative 128x128x128, cluster 1x2; small: ping-pong 64x128x128, cluster 1x1.
-// Both run the pipelined mainloop, and both also have CUTLASS's stock one (NAME##LargeStock,
-// NAME##SmallStock) for A/B through JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP=stock.
 #define JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_FAMILY(NAME, EA)                                        \
-  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
-      NAME##Large, PipelinedBlockwiseMainloop, EA, cutlass::float_e4m3_t, BlockLayoutSFA,      \
-      BlockLayoutSFB, 128, 128, 1, 2,                                                          \
+  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMMS(                                                       \
+      NAME##Large, EA, cutlass::float_e4m3_t, BlockLayoutSFA, BlockLayoutSFB, 128, 128, 1, 2,  \
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,                  \
       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
-  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
-      NAME##LargeStock, StockMainloop, EA, cutlass::float_e4m3_t, BlockLayoutSFA,              \
-      BlockLayoutSFB, 128, 128, 1, 2,                                                          \
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,                  \
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
-  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
-      NAME##Small, PipelinedBlockwiseMainloop, EA, cutlass::float_e4m3_t, BlockLayoutSFA,      \
-      BlockLayoutSFB, 64, 128, 1, 1,                                                           \
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,                     \
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)                                   \
-  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
-      NAME##SmallStock, StockMainloop, EA, cutlass::float_e4m3_t, BlockLayoutSFA,              \
-      BlockLayoutSFB, 64, 128, 1, 1,                                                           \
+  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMMS(                                                       \
+      NAME##Small, EA, cutlass::float_e4m3_t, BlockLayoutSFA, BlockLayoutSFB, 64, 128, 1, 1,   \
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,                     \
       cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)                                   \
   size_t NAME##_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {              \
@@ -417,24 +412,17 @@ using WgradBlockLayoutSFB = decltype(WgradBlockScaleConfig::deduce_layoutSFB());
   }
 
 // A blockwise FP8 wgrad family (e4m3 x^T x EB dy^T -> bf16, from the column-wise copies,
-// WgradBlockScaleConfig's scales; the output tiles are k x n per group), one config,
-// cooperative 128x128x128, cluster 1x2, with the pipelined mainloop (NAME##Gemm) and the
-// stock one (NAME##GemmStock, JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP=stock). (A ping-pong
-// 64x128x128 config ran 0.79x of the stock cooperative one at 8 x 8192 rows and 0.94x at
-// 64 x 512 on the H200, 2da1c0b6: its warp groups taking turns did not hide the per-element
-// promotion, a row and a column scale per output every 128 rows.)
+// WgradBlockScaleConfig's scales; the output tiles are k x n per group), one config with
+// both mainloops (NAME##Gemm, NAME##GemmStock): cooperative 128x128x128, cluster 1x2. (A
+// ping-pong 64x128x128 config ran 0.79x of the stock cooperative one at 8 x 8192 rows and
+// 0.94x at 64 x 512 on the H200, 2da1c0b6: its warp groups taking turns did not hide the
+// per-element promotion, a row and a column scale per output every 128 rows.)
 #define JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_WGRAD_FAMILY(NAME, EB)                                  \
-  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
-      NAME##Gemm, PipelinedBlockwiseMainloop, cutlass::float_e4m3_t, EB, WgradBlockLayoutSFA,  \
-      WgradBlockLayoutSFB, 128, 128, 1, 2,                                                     \
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,                  \
+  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMMS(                                                       \
+      NAME##Gemm, cutlass::float_e4m3_t, EB, WgradBlockLayoutSFA, WgradBlockLayoutSFB, 128,    \
+      128, 1, 2, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,       \
       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
-  JAXFUSE_GG_DEFINE_FP8_BLOCKWISE_GEMM(                                                        \
-      NAME##GemmStock, StockMainloop, cutlass::float_e4m3_t, EB, WgradBlockLayoutSFA,          \
-      WgradBlockLayoutSFB, 128, 128, 1, 2,                                                     \
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,                  \
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
-  size_t NAME##_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {              \
+  size_t NAME##_WorkspaceBytes(TileConfig, int num_groups, int sm_count) {                     \
     return Fp8PromotedFamily<NAME##Gemm, NAME##GemmStock, NAME##Gemm,                          \
                              NAME##GemmStock>::Workspace(TileConfig::kLarge, num_groups,       \
                                                          sm_count);                            \

@@ -51,18 +51,11 @@ struct PipelinedPromotionMainloop : Base {
                           TensorStorage& shared_tensors, Params const& /*mainloop_params*/) {
     using namespace cute;
     static_assert(is_rmem<FrgTensorC>::value, "C tensor must be rmem resident.");
-    constexpr int kThreadsPerWarpGroup = cutlass::NumThreadsPerWarpGroup;
-    constexpr int kMmaWarpGroups = size(TiledMma{}) / kThreadsPerWarpGroup;
-
-    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
-    Layout warp_group_thread_layout =
-        make_layout(Int<kMmaWarpGroups>{}, Int<kThreadsPerWarpGroup>{});
-    const int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / kThreadsPerWarpGroup, 0);
     TiledMma tiled_mma;
-    auto thread_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
-    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA,M,K,PIPE)
-    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA,N,K,PIPE)
+    auto fragments = MakeOperandFragments<SmemLayoutA, SmemLayoutB>(tiled_mma, shared_tensors,
+                                                                    thread_idx);
+    auto& tCrA = get<0>(fragments);
+    auto& tCrB = get<1>(fragments);
 
     Tensor partial0 = make_fragment_like(accum);
     Tensor partial1 = make_fragment_like(accum);

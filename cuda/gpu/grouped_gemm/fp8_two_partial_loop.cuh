@@ -13,6 +13,24 @@
 
 namespace jaxfuse::grouped_gemm::detail {
 
+// The wgmma operand descriptors (MMA, M|N, K, PIPE) of A and B over every shared-memory
+// stage, for the consumer warp group of thread `thread_idx`, as a (tCrA, tCrB) tuple.
+template <class SmemLayoutA, class SmemLayoutB, class TiledMma, class TensorStorage>
+CUTLASS_DEVICE auto MakeOperandFragments(TiledMma& tiled_mma, TensorStorage& shared_tensors,
+                                         int thread_idx) {
+  using namespace cute;
+  constexpr int kThreadsPerWarpGroup = cutlass::NumThreadsPerWarpGroup;
+  constexpr int kMmaWarpGroups = size(TiledMma{}) / kThreadsPerWarpGroup;
+  Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+  Layout warp_group_thread_layout =
+      make_layout(Int<kMmaWarpGroups>{}, Int<kThreadsPerWarpGroup>{});
+  const int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / kThreadsPerWarpGroup, 0);
+  auto thread_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
+  return make_tuple(thread_mma.make_fragment_A(thread_mma.partition_A(sA)),
+                    thread_mma.make_fragment_B(thread_mma.partition_B(sB)));
+}
+
 // Issues one k-tile (every k-block of shared-memory stage `stage`) into `partial`,
 // starting from zero, as one committed wgmma batch.
 template <class TiledMma, class FragmentA, class FragmentB, class Partial>

@@ -286,6 +286,19 @@ struct Fp8PromotedFamily {
 
 }  // namespace jaxfuse::grouped_gemm::detail
 
+// NAME_WorkspaceBytes / NAME_Run of a family whose configs each have a pipelined and a stock
+// kernel (Fp8PromotedFamily; a single-config family passes its kernels as both configs).
+#define JAXFUSE_GG_DEFINE_FP8_MAINLOOP_ENTRY_POINTS(NAME, LARGE, LARGE_STOCK, SMALL, SMALL_STOCK) \
+  size_t NAME##_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {              \
+    return Fp8PromotedFamily<LARGE, LARGE_STOCK, SMALL, SMALL_STOCK>::Workspace(               \
+        config, num_groups, sm_count);                                                         \
+  }                                                                                            \
+  cudaError_t NAME##_Run(TileConfig config, const GemmArrays& arrays, int sm_count,            \
+                         cudaStream_t stream) {                                                \
+    return Fp8PromotedFamily<LARGE, LARGE_STOCK, SMALL, SMALL_STOCK>::Run(config, arrays,      \
+                                                                          sm_count, stream);   \
+  }
+
 // One promoted FP8 config (EA x EB -> bf16, both operands K-major; CTA tile TM x TN x 128)
 // twice: NAME with the pipelined promotion, NAME##Stock with CUTLASS's mainloop.
 #define JAXFUSE_GG_DEFINE_FP8_PROMOTED_GEMMS(NAME, EA, EB, TM, TN, CM, CN, KS, ES)              \
@@ -311,15 +324,8 @@ struct Fp8PromotedFamily {
   JAXFUSE_GG_DEFINE_FP8_PROMOTED_GEMMS(NAME##Small, EA, EB, 64, 128, 1, 1,                     \
                                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong, \
                                        cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)   \
-  size_t NAME##_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {              \
-    return Fp8PromotedFamily<NAME##Large, NAME##LargeStock, NAME##Small,                       \
-                             NAME##SmallStock>::Workspace(config, num_groups, sm_count);       \
-  }                                                                                            \
-  cudaError_t NAME##_Run(TileConfig config, const GemmArrays& arrays, int sm_count,            \
-                         cudaStream_t stream) {                                                \
-    return Fp8PromotedFamily<NAME##Large, NAME##LargeStock, NAME##Small,                       \
-                             NAME##SmallStock>::Run(config, arrays, sm_count, stream);         \
-  }
+  JAXFUSE_GG_DEFINE_FP8_MAINLOOP_ENTRY_POINTS(NAME, NAME##Large, NAME##LargeStock, NAME##Small, \
+                                              NAME##SmallStock)
 
 namespace jaxfuse::grouped_gemm::detail {
 
@@ -401,15 +407,8 @@ using WgradBlockLayoutSFB = decltype(WgradBlockScaleConfig::deduce_layoutSFB());
       NAME##Small, EA, cutlass::float_e4m3_t, BlockLayoutSFA, BlockLayoutSFB, 64, 128, 1, 1,   \
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,                     \
       cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)                                   \
-  size_t NAME##_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {              \
-    return Fp8PromotedFamily<NAME##Large, NAME##LargeStock, NAME##Small,                       \
-                             NAME##SmallStock>::Workspace(config, num_groups, sm_count);       \
-  }                                                                                            \
-  cudaError_t NAME##_Run(TileConfig config, const GemmArrays& arrays, int sm_count,            \
-                         cudaStream_t stream) {                                                \
-    return Fp8PromotedFamily<NAME##Large, NAME##LargeStock, NAME##Small,                       \
-                             NAME##SmallStock>::Run(config, arrays, sm_count, stream);         \
-  }
+  JAXFUSE_GG_DEFINE_FP8_MAINLOOP_ENTRY_POINTS(NAME, NAME##Large, NAME##LargeStock, NAME##Small, \
+                                              NAME##SmallStock)
 
 // A blockwise FP8 wgrad family (e4m3 x^T x EB dy^T -> bf16, from the column-wise copies,
 // WgradBlockScaleConfig's scales; the output tiles are k x n per group), one config with
@@ -422,14 +421,5 @@ using WgradBlockLayoutSFB = decltype(WgradBlockScaleConfig::deduce_layoutSFB());
       NAME##Gemm, cutlass::float_e4m3_t, EB, WgradBlockLayoutSFA, WgradBlockLayoutSFB, 128,    \
       128, 1, 2, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,       \
       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)                                \
-  size_t NAME##_WorkspaceBytes(TileConfig, int num_groups, int sm_count) {                     \
-    return Fp8PromotedFamily<NAME##Gemm, NAME##GemmStock, NAME##Gemm,                          \
-                             NAME##GemmStock>::Workspace(TileConfig::kLarge, num_groups,       \
-                                                         sm_count);                            \
-  }                                                                                            \
-  cudaError_t NAME##_Run(TileConfig, const GemmArrays& arrays, int sm_count,                   \
-                         cudaStream_t stream) {                                                \
-    return Fp8PromotedFamily<NAME##Gemm, NAME##GemmStock, NAME##Gemm,                          \
-                             NAME##GemmStock>::Run(TileConfig::kLarge, arrays, sm_count,       \
-                                                   stream);                                    \
-  }
+  JAXFUSE_GG_DEFINE_FP8_MAINLOOP_ENTRY_POINTS(NAME, NAME##Gemm, NAME##GemmStock, NAME##Gemm,   \
+                                              NAME##GemmStock)

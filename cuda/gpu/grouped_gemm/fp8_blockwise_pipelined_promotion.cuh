@@ -18,7 +18,8 @@
 //
 // Registers: three fp32 accumulator sets (64 each at a 64x128 warp-group tile) plus the
 // scales: one combined scale per row for the forward/dgrad (1 x 128 and 128 x 128 blocks:
-// two per thread), a row and a column scale per output for the wgrad (2 + 32 per thread).
+// two per thread), a row scale per output row for the wgrad (two per thread; its column
+// scales stay in shared memory).
 #pragma once
 
 #include "cute/tensor.hpp"
@@ -44,34 +45,28 @@ struct PipelinedBlockwiseMainloop : Base {
   static constexpr int kScaleColumnsPerTile = Base::ScaleNsPerTile;
   static_assert(Base::ScalePromotionInterval == 4,
                 "one scale block per 128-deep k-tile: every k-tile is promoted");
-  // With a scale per output row and per output column (the wgrad), the 32 column scales of a
-  // thread are read from shared memory as the promotion uses them instead of being held in
-  // registers: three accumulator sets plus 34 scales spilled (156 bytes at 232 registers).
-  static constexpr bool kColumnScalesFromSmem = kScaleRowsPerTile > 1 && kScaleColumnsPerTile > 1;
+  // The two scale shapes jaxfuse builds (gemm_common.cuh): a scale per output row and one
+  // per tile for the columns (BlockScaleConfig: forward and dgrad), or a scale per output
+  // row and per output column (WgradBlockScaleConfig).
+  static_assert(kScaleRowsPerTile > 1, "a scale per output row");
+  // The wgrad: its thread's 32 column scales are read from shared memory as the promotion
+  // uses them instead of being held in registers (three accumulator sets plus 34 scales
+  // spilled, 156 bytes at 232 registers).
+  static constexpr bool kColumnScalesFromSmem = kScaleColumnsPerTile > 1;
 
-  // Reads stage `stage`'s scales into registers and, where one operand has a single scale
-  // per tile, folds it into the other's (as the stock mainloop does, same rounding).
+  // Reads stage `stage`'s row scales into registers; for the forward/dgrad also the tile's
+  // column scale, folded into each row scale (as the stock mainloop does, same rounding).
   template <class SmemScalesA, class SmemScalesB, class ScalesA, class ScalesB>
   CUTLASS_DEVICE static void LoadScales(SmemScalesA const& tCsSFA, SmemScalesB const& tCsSFB,
                                         ScalesA& tCrSFA, ScalesB& tCrSFB, int stage) {
     using namespace cute;
     copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), tCrSFA);
-    if constexpr (!kColumnScalesFromSmem) copy(tCsSFB(_, _, _, make_coord(_0{}, stage)), tCrSFB);
-    if constexpr (kScaleRowsPerTile == 1 && kScaleColumnsPerTile == 1) {
-      tCrSFA(_0{}) = tCrSFA(_0{}) * tCrSFB(_0{});
-    }
-    if constexpr (kScaleRowsPerTile > 1 && kScaleColumnsPerTile == 1) {
+    if constexpr (!kColumnScalesFromSmem) {
+      copy(tCsSFB(_, _, _, make_coord(_0{}, stage)), tCrSFB);
       const ElementBlockScale scale_b = tCrSFB(_0{});
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(filter_zeros(tCrSFA)); ++i) {
         filter_zeros(tCrSFA)(i) = filter_zeros(tCrSFA)(i) * scale_b;
-      }
-    }
-    if constexpr (kScaleRowsPerTile == 1 && kScaleColumnsPerTile > 1) {
-      const ElementBlockScale scale_a = tCrSFA(_0{});
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(filter_zeros(tCrSFB)); ++i) {
-        filter_zeros(tCrSFB)(i) = filter_zeros(tCrSFB)(i) * scale_a;
       }
     }
   }
@@ -84,14 +79,10 @@ struct PipelinedBlockwiseMainloop : Base {
     warpgroup_fence_operand(partial);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(accum); ++i) {
-      if constexpr (kScaleRowsPerTile == 1 && kScaleColumnsPerTile == 1) {
-        accum(i) += partial(i) * tCrSFA(_0{});
-      } else if constexpr (kScaleColumnsPerTile == 1) {
-        accum(i) += partial(i) * tCrSFA(i);
-      } else if constexpr (kScaleRowsPerTile == 1) {
-        accum(i) += partial(i) * tCrSFB(i);
-      } else {
+      if constexpr (kColumnScalesFromSmem) {
         accum(i) += partial(i) * tCrSFA(i) * tCrSFB(i);
+      } else {
+        accum(i) += partial(i) * tCrSFA(i);
       }
     }
     warpgroup_fence_operand(partial);

@@ -102,18 +102,28 @@ _COMMAND_BUFFER_FLAGS = (("plain", "--xla_gpu_enable_command_buffer="),
                                     "--xla_gpu_graph_min_graph_size=1"))
 
 
-def plain_and_graph_runs(script: str, tmp_path) -> np.ndarray:
+def outputs_under_environments(script: str, tmp_path, environments) -> dict:
   """Runs the Python source `script` (it saves one array to the .npy path in sys.argv[1])
-  in two fresh processes, without and with XLA's CUDA graphs, checks that both saved the
-  same array and returns it: a replayed graph must follow what changed on the device."""
+  in one fresh process per entry of `environments` (name -> variables set on top of
+  os.environ: settings read once per process need a process each) and returns the saved
+  arrays by name."""
   import os  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   outputs = {}
-  for name, flags in _COMMAND_BUFFER_FLAGS:
+  for name, variables in environments.items():
     path = tmp_path / f"{name}.npy"
     subprocess.run([sys.executable, "-c", script, str(path)],
-                   env=dict(os.environ, XLA_FLAGS=flags), check=True, timeout=300)
+                   env=dict(os.environ, **variables), check=True, timeout=300)
     outputs[name] = np.load(path)
+  return outputs
+
+
+def plain_and_graph_runs(script: str, tmp_path) -> np.ndarray:
+  """Runs `script` as outputs_under_environments does, without and with XLA's CUDA graphs,
+  checks that both saved the same array and returns it: a replayed graph must follow what
+  changed on the device."""
+  outputs = outputs_under_environments(
+      script, tmp_path, {name: {"XLA_FLAGS": flags} for name, flags in _COMMAND_BUFFER_FLAGS})
   np.testing.assert_array_equal(outputs["plain"], outputs["graphs"])
   return outputs["graphs"]

@@ -321,15 +321,15 @@ m, k, n = 1024, 256, 272
 step = jax.jit(lambda *a: gemm_ffi.fp8_blockwise_wgrad_columnwise(*a, rows=m))
 x = random_fp8(94, (m, k), jnp.float8_e4m3fn)
 dy = random_fp8(95, (m, n), jnp.float8_e5m2)
-results = {}
-for index, sizes in enumerate(([300, 0, 500, 224], [1024, 0, 0, 0], [129, 1, 127, 640])):
+results = []
+for sizes in ([300, 0, 500, 224], [1024, 0, 0, 0], [129, 1, 127, 640]):
   x_s = random_scales(96, scale_rows(m, 4), k)
   dy_s = random_scales(97, scale_rows(m, 4), n)
   x_t = jnp.asarray(numpy_columnwise(x, sizes)).view(x.dtype)
   dy_t = jnp.asarray(numpy_columnwise(dy, sizes)).view(dy.dtype)
   offsets = jaxfuse.group_offsets(jnp.asarray(sizes, jnp.int32))
-  results[str(index)] = np.asarray(step(x_t, dy_t, offsets, x_s, dy_s), np.float32)
-np.savez(sys.argv[1], **results)
+  results.append(np.asarray(step(x_t, dy_t, offsets, x_s, dy_s), np.float32))
+np.save(sys.argv[1], np.stack(results))  # [size set, G, k, n]
 """
 
 
@@ -339,22 +339,15 @@ def test_pipelined_mainloop_is_bitwise_the_stock_one(tmp_path):
   reads the column scales from shared memory as it promotes, and CUTLASS's,
   JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP=stock) give the same bits: E4M3 x E5M2, groups of 0 to
   8 row blocks (the wgrad's k-tiles), partial blocks, an empty group."""
-  import os  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  results = {}
-  for mainloop in ("stock", "pipelined"):
-    env = dict(os.environ, JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP=mainloop)
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    path = tmp_path / f"{mainloop}.npz"
-    subprocess.run([sys.executable, "-c", _MAINLOOP_SCRIPT, str(path)], env=env, check=True,
-                   timeout=300, cwd=root)
-    results[mainloop] = dict(np.load(path))
-  assert sorted(results["stock"]) == ["0", "1", "2"]
-  for name, stock in results["stock"].items():
-    assert np.abs(stock).max() > 0, name  # the groups produced something to compare
-    np.testing.assert_array_equal(results["pipelined"][name], stock, err_msg=name)
+  results = helpers.outputs_under_environments(
+      _MAINLOOP_SCRIPT, tmp_path,
+      {mainloop: {"JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP": mainloop}
+       for mainloop in ("stock", "pipelined")})
+  stock, pipelined = results["stock"], results["pipelined"]
+  assert stock.shape == (3, 4, 256, 272)
+  for index in range(len(stock)):
+    assert np.abs(stock[index]).max() > 0, index  # the groups produced something to compare
+    np.testing.assert_array_equal(pipelined[index], stock[index], err_msg=str(index))
 
 
 @pytest.mark.gpu

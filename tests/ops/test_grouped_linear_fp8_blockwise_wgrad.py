@@ -65,6 +65,20 @@ def random_scales(seed, rows, columns):
                      jnp.float32)
 
 
+def wgrad_kernel_operands(x, dy, sizes, seed):
+  """The blockwise wgrad kernel's operands for `sizes` from FP8 x [m, k] and dy [m, n]:
+  (x^T, dy^T column-wise copies, the group offsets, random 128 x 1 block scales of x and of
+  dy drawn with seeds `seed` and `seed + 1`)."""
+  m, k = x.shape
+  n, groups = dy.shape[1], len(sizes)
+  x_s = random_scales(seed, scale_rows(m, groups), k)
+  dy_s = random_scales(seed + 1, scale_rows(m, groups), n)
+  x_t = jnp.asarray(numpy_columnwise(x, sizes)).view(x.dtype)
+  dy_t = jnp.asarray(numpy_columnwise(dy, sizes)).view(dy.dtype)
+  offsets = jaxfuse.group_offsets(jnp.asarray(sizes, jnp.int32))
+  return x_t, dy_t, offsets, x_s, dy_s
+
+
 def blockwise_wgrad_call(x_t, dy_t, offsets, x_s, dy_s, rows):
   return jax.jit(lambda *a: gemm_ffi.fp8_blockwise_wgrad_columnwise(*a, rows=rows))(
       x_t, dy_t, offsets, x_s, dy_s)
@@ -83,11 +97,7 @@ def test_handler_matches_float64_numpy(backend, case, gradient_dtype):
   groups = len(sizes)
   x = random_fp8(60, (m, k), jnp.float8_e4m3fn)
   dy = random_fp8(61, (m, n), gradient_dtype)
-  x_s = random_scales(62, scale_rows(m, groups), k)
-  dy_s = random_scales(63, scale_rows(m, groups), n)
-  x_t = jnp.asarray(numpy_columnwise(x, sizes)).view(x.dtype)
-  dy_t = jnp.asarray(numpy_columnwise(dy, sizes)).view(dy.dtype)
-  offsets = jaxfuse.group_offsets(jnp.asarray(sizes, jnp.int32))
+  x_t, dy_t, offsets, x_s, dy_s = wgrad_kernel_operands(x, dy, sizes, 62)
   args = on(backend, x_t, dy_t, offsets, x_s, dy_s)
   dw = blockwise_wgrad_call(*args, rows=m)
   assert dw.dtype == jnp.bfloat16 and dw.shape == (groups, k, n)
@@ -281,19 +291,15 @@ def test_graph_replay_after_the_sizes_change_on_the_device(tmp_path):
       import jaxfuse
       from jaxfuse._src.ops.grouped_linear import ffi as gemm_ffi
       from tests.ops.test_grouped_linear_fp8 import (FP8_ACCUMULATION,
-          assert_within_accumulation_bound, numpy_columnwise, random_fp8)
+          assert_within_accumulation_bound, random_fp8)
       from tests.ops.test_grouped_linear_fp8_blockwise_wgrad import (dequantized_rows,
-          numpy_blockwise_wgrad, random_scales, scale_rows)
+          numpy_blockwise_wgrad, wgrad_kernel_operands)
       m, k, n = 1024, 256, 272
       step = jax.jit(lambda *a: gemm_ffi.fp8_blockwise_wgrad_columnwise(*a, rows=m))
       x = random_fp8(80, (m, k), jnp.float8_e4m3fn)
       dy = random_fp8(81, (m, n), jnp.float8_e4m3fn)
       for sizes in ([300, 0, 500, 224], [0, 129, 128, 700], [1024, 0, 0, 0]):
-        x_s = random_scales(82, scale_rows(m, 4), k)
-        dy_s = random_scales(83, scale_rows(m, 4), n)
-        x_t = jnp.asarray(numpy_columnwise(x, sizes)).view(x.dtype)
-        dy_t = jnp.asarray(numpy_columnwise(dy, sizes)).view(dy.dtype)
-        offsets = jaxfuse.group_offsets(jnp.asarray(sizes, jnp.int32))
+        x_t, dy_t, offsets, x_s, dy_s = wgrad_kernel_operands(x, dy, sizes, 82)
         for _ in range(3):
           dw = step(x_t, dy_t, offsets, x_s, dy_s)
         exact, abs_sum = numpy_blockwise_wgrad(dequantized_rows(x, x_s, sizes),
@@ -313,22 +319,16 @@ def test_graph_replay_after_the_sizes_change_on_the_device(tmp_path):
 _MAINLOOP_SCRIPT = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
-import jaxfuse
 from jaxfuse._src.ops.grouped_linear import ffi as gemm_ffi
-from tests.ops.test_grouped_linear_fp8 import numpy_columnwise, random_fp8
-from tests.ops.test_grouped_linear_fp8_blockwise_wgrad import random_scales, scale_rows
+from tests.ops.test_grouped_linear_fp8 import random_fp8
+from tests.ops.test_grouped_linear_fp8_blockwise_wgrad import wgrad_kernel_operands
 m, k, n = 1024, 256, 272
 step = jax.jit(lambda *a: gemm_ffi.fp8_blockwise_wgrad_columnwise(*a, rows=m))
 x = random_fp8(94, (m, k), jnp.float8_e4m3fn)
 dy = random_fp8(95, (m, n), jnp.float8_e5m2)
 results = []
 for sizes in ([300, 0, 500, 224], [1024, 0, 0, 0], [129, 1, 127, 640]):
-  x_s = random_scales(96, scale_rows(m, 4), k)
-  dy_s = random_scales(97, scale_rows(m, 4), n)
-  x_t = jnp.asarray(numpy_columnwise(x, sizes)).view(x.dtype)
-  dy_t = jnp.asarray(numpy_columnwise(dy, sizes)).view(dy.dtype)
-  offsets = jaxfuse.group_offsets(jnp.asarray(sizes, jnp.int32))
-  results.append(np.asarray(step(x_t, dy_t, offsets, x_s, dy_s), np.float32))
+  results.append(np.asarray(step(*wgrad_kernel_operands(x, dy, sizes, 96)), np.float32))
 np.save(sys.argv[1], np.stack(results))  # [size set, G, k, n]
 """
 

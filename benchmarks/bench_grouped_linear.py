@@ -5,6 +5,11 @@ Forward (x_g @ W_g), dgrad (dy_g @ W_g^T) and wgrad (x_g^T @ dy_g) TFLOP/s, bf16
 issue's cases, plus a dense bf16 GEMM of the same total size through XLA as the ceiling
 (x [m, K] @ one [K, N] weight, timed in the same alternating chunks as the forward, so
 jaxfuse_vs_dense is a ratio under the same clocks), all in one process on one GPU. FLOPs count routed rows only: 2 * sum(sizes) * K * N.
+On equal group sizes covering every row, XLA's batched GEMM of the same groups (x as
+[G, rows, K] against the G weights, jnp.einsum) runs in the same chunks as each form: a
+dense kernel with the grouped one's memory traffic (G distinct weights read, or for the
+wgrad G weight gradients written), so jaxfuse_vs_batched_dense separates what the grouping
+costs from what reading G weights does.
 
 FP8 rows (precision "fp8"): the FP8 grouped GEMM on pre-quantized E4M3 operands (fwd:
 x [m, K] x w^T [G, N, K], fast accumulation as the recipe's default; "fp8 promoted" the same
@@ -80,6 +85,19 @@ def jaxfuse_steps(x, w, dy, offsets):
   wgrad = jax.jit(lambda x, dy, o: grouped_ffi.grouped_gemm(x, dy, o, form=grouped_ffi.WGRAD))
   return {"fwd": (fwd, (x, w, offsets)), "dgrad": (dgrad, (dy, w, offsets)),
           "wgrad": (wgrad, (x, dy, offsets))}
+
+
+def batched_dense_steps(x, w, dy, sizes):
+  """{form: (fn, args)}: XLA's batched GEMMs over G equal groups, or {} unless every group
+  has the same rows and together they cover x."""
+  groups = len(sizes)
+  if len(set(sizes)) != 1 or sum(sizes) != x.shape[0] or sizes[0] == 0:
+    return {}
+  rows = lambda a: a.reshape(groups, sizes[0], a.shape[-1])  # noqa: E731
+  fwd = jax.jit(lambda x, w: jnp.einsum("gmk,gkn->gmn", rows(x), w))
+  dgrad = jax.jit(lambda dy, w: jnp.einsum("gmn,gkn->gmk", rows(dy), w))
+  wgrad = jax.jit(lambda x, dy: jnp.einsum("gmk,gmn->gkn", rows(x), rows(dy)))
+  return {"fwd": (fwd, (x, w)), "dgrad": (dgrad, (dy, w)), "wgrad": (wgrad, (x, dy))}
 
 
 def fp8_steps(x, w, dy, offsets):
@@ -273,13 +291,15 @@ def main():
                       help="tiny sizes on whatever device exists (checks the script, e.g. on "
                            "CPU); writes no results")
   parser.add_argument("--tag", default="", help="suffix of the results file name")
-  parser.add_argument("--cases", default="",
-                      help="comma-separated substrings: run only the cases whose name has one")
+  parser.add_argument("--cases", nargs="*", default=[],
+                      help="substrings, space- or comma-separated: run only the cases whose "
+                           "name has one (scripts/gpu_run.sh turns an entry's commas into "
+                           "spaces)")
   args = parser.parse_args()
   global K, N
   cases = CASES
   if args.cases:
-    wanted = args.cases.split(",")
+    wanted = [w for arg in args.cases for w in arg.split(",") if w]
     cases = {name: sizes for name, sizes in CASES.items() if any(w in name for w in wanted)}
   if args.smoke:
     K, N = 64, 128
@@ -313,6 +333,7 @@ def main():
     flops = 2 * m * K * N
     gpu = common.GpuMonitor().start()  # clocks and power while this case runs
     gemms = jaxfuse_steps(x, w, dy, offsets)
+    batched = batched_dense_steps(x, w, dy, sizes)
     fp8 = fp8_steps(x, w, dy, offsets)
     torch_gemms = torch_variants(sizes, K, N)
     tokamax_gemms, tokamax_errors = tokamax_variants(tokamax, x, w, dy, sizes_array, gemms)
@@ -323,6 +344,8 @@ def main():
       variants = {"jaxfuse": (*gemms[form], common.keep_args)}
       if form == "fwd":
         variants["dense"] = dense
+      if form in batched:
+        variants["batched dense"] = (*batched[form], common.keep_args)
       for precision in FP8_PRECISIONS:
         if (precision, form) in fp8:
           variants[precision] = (*fp8[precision, form], common.keep_args)
@@ -358,7 +381,7 @@ def main():
       except Exception as error:  # an out-of-memory baseline must not stop the run
         print(f"ragged_dot {name} {form} failed: {type(error).__name__}: {str(error)[:200]}")
         ragged[form] = None
-    del x, w, dy, gemms, fp8
+    del x, w, dy, gemms, fp8, batched
     print(f"{name}: GPU during the case {gpu.stop()}", flush=True)
     tflops = lambda ms, passes=1: passes * flops / (ms * 1e-3) / 1e12 if ms else None  # noqa: E731
     for form in FORMS:
@@ -379,6 +402,10 @@ def main():
       row["jaxfuse_vs_dense"] = (row["jaxfuse_tflops"] / row["dense_tflops"]
                                  if jaxfuse_ms and case_dense_ms else None)
       row["jaxfuse_vs_torch"] = torch_ms / jaxfuse_ms if torch_ms and jaxfuse_ms else None
+      batched_ms = times[form].get("batched dense")
+      row["batched_dense_tflops"] = tflops(batched_ms)
+      row["jaxfuse_vs_batched_dense"] = (batched_ms / jaxfuse_ms
+                                         if batched_ms and jaxfuse_ms else None)
       # Kernel (device) time per call under the same alternating load; the dense GEMM's
       # from the forward's alternation.
       kernels = kernel_ms[form]
@@ -406,6 +433,7 @@ def main():
   common.print_table(rows, ["case", "form", "precision", "jaxfuse_tflops", "fp8_speedup",
                             "torch_tflops", "tokamax_tflops",
                             "ragged_dot_tflops", "dense_tflops", "jaxfuse_vs_dense",
+                            "batched_dense_tflops", "jaxfuse_vs_batched_dense",
                             "jaxfuse_vs_torch", "kernel_jaxfuse_vs_dense",
                             "kernel_jaxfuse_vs_torch"])
   if args.smoke:

@@ -43,8 +43,6 @@ const char* ConfigName(gg::TileConfig config) {
     case gg::TileConfig::kSmall: return "small";
     case gg::TileConfig::kUniform: return "uniform";
     case gg::TileConfig::kAdaptive: return "adaptive";
-    case gg::TileConfig::kPingpongM: return "pingpong_m";
-    case gg::TileConfig::kPingpongN: return "pingpong_n";
     default: return "auto";
   }
 }
@@ -433,21 +431,18 @@ void Time(const char* label, gg::Form form, int G, int64_t rows_per_group, int64
 // ---------------------------------------------------------------------------------------------
 
 // Every config on every case: kUniform must also be right on sizes it does not fit (it only
-// wastes tiles there), kAdaptive on both kinds (f16 and wgrad run kLarge for both), the
-// ping-pong kernels on partial 160-column tiles and odd tile counts.
+// wastes tiles there), kAdaptive on both kinds (f16 and wgrad run kLarge for both).
 template <class T>
 void Run16BitCases(const std::vector<Case>& cases, bool graph_first) {
   for (const Case& c : cases)
     for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
       for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall,
-                                 gg::TileConfig::kUniform, gg::TileConfig::kAdaptive,
-                                 gg::TileConfig::kPingpongM, gg::TileConfig::kPingpongN})
+                                 gg::TileConfig::kUniform, gg::TileConfig::kAdaptive})
         RunCase<T, T, T>(c, form, cfg, graph_first);
 }
 
 int main(int argc, char** argv) {
   bool perf = true, check = true, sweep = false, uniform_sweep = false, fp8_mainloops = false;
-  bool pingpong = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-perf") == 0) perf = false;
     if (std::strcmp(argv[i], "--perf-only") == 0) check = false;
@@ -459,9 +454,6 @@ int main(int argc, char** argv) {
     // Checks and times the promoted FP8 families' two mainloops (pipelined promotion, stock
     // CUTLASS) on both configs, and times the blockwise FP8 kernels' two.
     if (std::strcmp(argv[i], "--fp8-mainloops") == 0) fp8_mainloops = true;
-    // Checks the bf16 ping-pong 128x160 kernels (kPingpongM, kPingpongN) on the hostile
-    // layouts, then times them against kLarge / kAdaptive / kSmall, bf16, every form.
-    if (std::strcmp(argv[i], "--pingpong") == 0) pingpong = true;
   }
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
@@ -510,33 +502,6 @@ int main(int argc, char** argv) {
         for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kUniform,
                                    gg::TileConfig::kAdaptive})
           Time<bf16, bf16, bf16>("bf16", form, s.G, s.rows, 2048, 4096, cfg);
-    perf = check = false;
-  }
-
-  if (pingpong) {
-    using bf16 = __nv_bfloat16;
-    std::vector<Case> cases;
-    cases.push_back({"G=4 empty group, sum<m (m=1024,k=136,n=264)", 1024, 136, 264, OffsetsFromSizes({300, 0, 517, 129})});
-    cases.push_back({"G=3 sum>m (m=1000,k=256,n=384)", 1000, 256, 384, OffsetsFromSizes({700, 600, 500})});
-    cases.push_back({"G=4 non-monotone/negative offsets (m=600,k=128,n=128)", 600, 128, 128, {0, 100, 50, 400, -3}});
-    cases.push_back({"G=5 odd 128-row tiles (m=3000,k=328,n=488)", 3000, 328, 488, OffsetsFromSizes({384, 640, 0, 129, 1000})});
-    for (const Case& c : cases)
-      for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
-        for (gg::TileConfig cfg : {gg::TileConfig::kPingpongM, gg::TileConfig::kPingpongN}) {
-          RunCase<bf16, bf16, bf16>(c, form, cfg, false);
-          if (&c == &cases[0]) RunCase<bf16, bf16, bf16>(c, form, cfg, true);
-        }
-    // k x n: the grouped_linear cases (2048 x 4096) and the grouped MLP's FC2 / FC1 dgrad
-    // (2048 x 2048: 13 column tiles of 160, odd for the 1x2 cluster).
-    struct Shape { int G; int64_t rows; int64_t k; int64_t n; };
-    for (const Shape s : {Shape{8, 8192, 2048, 4096}, Shape{64, 512, 2048, 4096},
-                          Shape{128, 512, 2048, 4096}, Shape{8, 8192, 2048, 2048}})
-      for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
-        for (gg::TileConfig cfg : {gg::TileConfig::kAuto, gg::TileConfig::kLarge,
-                                   gg::TileConfig::kPingpongM, gg::TileConfig::kPingpongN,
-                                   gg::TileConfig::kSmall})
-          Time<bf16, bf16, bf16>(cfg == gg::TileConfig::kAuto ? "bf16 auto" : "bf16", form, s.G,
-                                 s.rows, s.k, s.n, cfg);
     perf = check = false;
   }
 

@@ -255,20 +255,6 @@ cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream)
                             cute::size<0>(typename Kernel::ClusterShape{}));               \
   }
 
-// A ping-pong family (bf16): NAME_M (cluster 2x1) for kPingpongM, NAME_N (cluster 1x2)
-// for kPingpongN.
-#define JAXFUSE_GG_DEFINE_PINGPONG_FAMILY(NAME, CLUSTER_M, CLUSTER_N)                       \
-  size_t NAME##_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {          \
-    return config == TileConfig::kPingpongN                                                \
-               ? CutlassWorkspaceBytes<CLUSTER_N>(num_groups, sm_count)                    \
-               : CutlassWorkspaceBytes<CLUSTER_M>(num_groups, sm_count);                   \
-  }                                                                                        \
-  cudaError_t NAME##_Run(TileConfig config, const GemmArrays& arrays, int sm_count,        \
-                         cudaStream_t stream) {                                            \
-    return config == TileConfig::kPingpongN ? RunGemm<CLUSTER_N>(arrays, sm_count, stream) \
-                                            : RunGemm<CLUSTER_M>(arrays, sm_count, stream); \
-  }
-
 namespace jaxfuse::grouped_gemm::detail {
 
 // A promoted FP8 family: each config (large, small) has the PipelinedPromotionMainloop

@@ -43,35 +43,21 @@ struct UniformKernel {
   RunFn run = nullptr;
   GranularityFn row_granularity = nullptr;
 };
-// The ping-pong kernels of a family (kPingpongM / kPingpongN; null when it has none).
-struct PingpongKernels {
-  WorkspaceFn workspace = nullptr;
-  RunFn run = nullptr;
-};
 struct Family {
   WorkspaceFn workspace = nullptr;
   RunFn run = nullptr;
   bool has_alpha = false;
   UniformKernel uniform;
-  PingpongKernels pingpong;
 };
 
-bool IsPingpong(TileConfig config) {
-  return config == TileConfig::kPingpongM || config == TileConfig::kPingpongN;
-}
-
 #define JAXFUSE_GG_FAMILY(NAME, ALPHA) \
-  Family { &detail::NAME##_WorkspaceBytes, &detail::NAME##_Run, ALPHA, {}, {} }
-#define JAXFUSE_GG_PINGPONG(NAME) \
-  PingpongKernels { &detail::NAME##Pingpong_WorkspaceBytes, &detail::NAME##Pingpong_Run }
-#define JAXFUSE_GG_FAMILY_WITH_PINGPONG(NAME) \
-  Family { &detail::NAME##_WorkspaceBytes, &detail::NAME##_Run, false, {}, JAXFUSE_GG_PINGPONG(NAME) }
+  Family { &detail::NAME##_WorkspaceBytes, &detail::NAME##_Run, ALPHA, {} }
 #define JAXFUSE_GG_FAMILY_WITH_UNIFORM(NAME)                                           \
   Family {                                                                             \
-    &detail::NAME##_WorkspaceBytes, &detail::NAME##_Run, false,                        \
-        {&detail::NAME##Uniform_WorkspaceBytes, &detail::NAME##Uniform_Run,            \
-         &detail::NAME##Uniform_RowGranularity},                                       \
-        JAXFUSE_GG_PINGPONG(NAME)                                                      \
+    &detail::NAME##_WorkspaceBytes, &detail::NAME##_Run, false, {                      \
+      &detail::NAME##Uniform_WorkspaceBytes, &detail::NAME##Uniform_Run,               \
+          &detail::NAME##Uniform_RowGranularity                                        \
+    }                                                                                  \
   }
 
 // The kernel family for a problem (types/form only), or a null family when unsupported.
@@ -86,8 +72,7 @@ Family PickFamily(const Problem& p) {
         return bf16 ? JAXFUSE_GG_FAMILY_WITH_UNIFORM(Bf16Dgrad)
                     : JAXFUSE_GG_FAMILY(F16Dgrad, false);
       case Form::kWgrad:
-        return bf16 ? JAXFUSE_GG_FAMILY_WITH_PINGPONG(Bf16Wgrad)
-                    : JAXFUSE_GG_FAMILY(F16Wgrad, false);
+        return bf16 ? JAXFUSE_GG_FAMILY(Bf16Wgrad, false) : JAXFUSE_GG_FAMILY(F16Wgrad, false);
     }
     return {};
   }
@@ -132,8 +117,6 @@ Family PickFamily(const Problem& p) {
   return {};
 }
 #undef JAXFUSE_GG_FAMILY
-#undef JAXFUSE_GG_PINGPONG
-#undef JAXFUSE_GG_FAMILY_WITH_PINGPONG
 #undef JAXFUSE_GG_FAMILY_WITH_UNIFORM
 
 bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
@@ -171,16 +154,12 @@ Layout MakeLayout(const Problem& p, const Family& family, TileConfig config, int
   l.alpha_ptrs = take(g * sizeof(float*));
   l.ptr_sfa = take(g * sizeof(float*));
   l.ptr_sfb = take(g * sizeof(float*));
-  // The first (or only) kernel: kLarge for kAdaptive, the kUniform kernel for kUniform,
-  // the family's ping-pong kernel for kPingpongM / kPingpongN.
-  if (config == TileConfig::kUniform) {
-    l.cutlass_bytes = family.uniform.workspace(config, p.num_groups, sm_count);
-  } else if (IsPingpong(config)) {
-    l.cutlass_bytes = family.pingpong.workspace(config, p.num_groups, sm_count);
-  } else {
-    l.cutlass_bytes = family.workspace(
-        config == TileConfig::kAdaptive ? TileConfig::kLarge : config, p.num_groups, sm_count);
-  }
+  // The first (or only) kernel: kLarge for kAdaptive, the kUniform kernel for kUniform.
+  l.cutlass_bytes = config == TileConfig::kUniform
+                        ? family.uniform.workspace(config, p.num_groups, sm_count)
+                        : family.workspace(config == TileConfig::kAdaptive ? TileConfig::kLarge
+                                                                           : config,
+                                           p.num_groups, sm_count);
   l.cutlass = take(l.cutlass_bytes);
   if (config == TileConfig::kAdaptive) {
     l.shapes_uniform = take(g * 3 * sizeof(int32_t));
@@ -542,8 +521,6 @@ TuningOptions& ActiveTuningOptions() {
       if (value == "small") o.tile = TileConfig::kSmall;
       if (value == "uniform") o.tile = TileConfig::kUniform;
       if (value == "adaptive") o.tile = TileConfig::kAdaptive;
-      if (value == "pingpong_m") o.tile = TileConfig::kPingpongM;
-      if (value == "pingpong_n") o.tile = TileConfig::kPingpongN;
     }
     if (const char* mainloop = std::getenv("JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP")) {
       const std::string value(mainloop);
@@ -610,16 +587,13 @@ TileConfig ChooseTileConfig(const Problem& p, int sm_count) {
 }
 
 namespace {
-// kUniform / kAdaptive become kLarge for families without a kUniform kernel, kPingpongM /
-// kPingpongN for families without ping-pong kernels.
+// kUniform / kAdaptive become kLarge for families without a kUniform kernel.
 TileConfig ResolveConfig(const Problem& p, int sm_count) {
   TileConfig config = p.tile_config;
   if (config == TileConfig::kAuto) config = detail::ActiveTuningOptions().tile;
   if (config == TileConfig::kAuto) config = ChooseTileConfig(p, sm_count);
-  const Family family = PickFamily(p);
   const bool uniform = config == TileConfig::kUniform || config == TileConfig::kAdaptive;
-  if (uniform && family.uniform.run == nullptr) return TileConfig::kLarge;
-  if (IsPingpong(config) && family.pingpong.run == nullptr) return TileConfig::kLarge;
+  if (uniform && PickFamily(p).uniform.run == nullptr) return TileConfig::kLarge;
   return config;
 }
 }  // namespace
@@ -745,7 +719,6 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   const char raster = detail::ActiveTuningOptions().raster;
   arrays.raster = raster != 0 ? raster : (wgrad ? 'M' : 'N');
   if (config == TileConfig::kUniform) return family.uniform.run(config, arrays, sm_count, stream);
-  if (IsPingpong(config)) return family.pingpong.run(config, arrays, sm_count, stream);
   if (!adaptive) return family.run(config, arrays, sm_count, stream);
   // kAdaptive: both kernels on the stream; the one the setup kernel gave no rows exits at once.
   const cudaError_t large_error = family.run(TileConfig::kLarge, arrays, sm_count, stream);

@@ -45,7 +45,7 @@ inline constexpr int64_t kBlockScale = 128;
 //   grouped_gemm.cu) and the swizzle width (1, 2, 4 or 8 tiles):
 //   JAXFUSE_GROUPED_GEMM_RASTER (M|N), JAXFUSE_GROUPED_GEMM_SWIZZLE.
 // - The tile configuration of problems that leave it at kAuto (kAuto: the heuristic):
-//   JAXFUSE_GROUPED_GEMM_TILE (large | small | uniform | adaptive | pingpong_m | pingpong_n).
+//   JAXFUSE_GROUPED_GEMM_TILE (large | small | uniform | adaptive).
 // - The mainloop of the promoted FP8 families (gemm_common.cuh, Fp8PromotedFamily): 'p' the
 //   pipelined promotion (the default), 's' CUTLASS's stock mainloop:
 //   JAXFUSE_GROUPED_GEMM_FP8_MAINLOOP (pipelined | stock).
@@ -91,12 +91,6 @@ JAXFUSE_GG_DECLARE_FAMILY(Bf16FwdUniform)
 JAXFUSE_GG_DECLARE_FAMILY(Bf16DgradUniform)
 int Bf16FwdUniform_RowGranularity();
 int Bf16DgradUniform_RowGranularity();
-
-// Ping-pong 128x160x64 kernels (bf16, every form): kPingpongM (cluster 2x1) and kPingpongN
-// (cluster 1x2), chosen by `config`.
-JAXFUSE_GG_DECLARE_FAMILY(Bf16FwdPingpong)
-JAXFUSE_GG_DECLARE_FAMILY(Bf16DgradPingpong)
-JAXFUSE_GG_DECLARE_FAMILY(Bf16WgradPingpong)
 
 #undef JAXFUSE_GG_DECLARE_FAMILY
 

@@ -69,12 +69,6 @@ enum class TileConfig {
   kAdaptive = 4,  // kLarge and kUniform both launched; the setup kernel reads the sizes on
                   // the device and gives every tile to kUniform when that wastes no more
                   // than 1/64 of the tiles, else to kLarge (the other launch finds no tile)
-  // bf16 only (other families run kLarge): ping-pong 128x160x64, each consumer warp group
-  // computing a whole tile, so one tile's epilogue overlaps the other warp group's
-  // mainloop (what cuBLAS runs for the dense bf16 GEMM on the H200:
-  // nvjet_sm90_tst_128x160_64x5_2x1). Compared on the H200 in cuda/gpu/grouped_gemm/README.md.
-  kPingpongM = 5,  // cluster 2x1 (two CTAs along M share the B tile)
-  kPingpongN = 6,  // cluster 1x2 (two CTAs along N share the A tile)
 };
 
 struct Problem {
@@ -118,8 +112,7 @@ bool IsSupported(const Problem& problem);
 
 // The tile configuration the heuristic picks from form, types, m, k, n, G and sm_count (host
 // values only). Run/WorkspaceBytes use it when tile_config == kAuto and the environment
-// variable JAXFUSE_GROUPED_GEMM_TILE (large | small | uniform | adaptive | pingpong_m |
-// pingpong_n) is not set.
+// variable JAXFUSE_GROUPED_GEMM_TILE (large | small) is not set.
 TileConfig ChooseTileConfig(const Problem& problem, int sm_count);
 
 }  // namespace jaxfuse::grouped_gemm

@@ -24,10 +24,6 @@
 
 namespace gg = jaxfuse::grouped_gemm;
 
-namespace jaxfuse::grouped_gemm::detail {
-void SetEpilogueStagesOption(int stages);  // epilogue_stages.cuh (defined in grouped_gemm.cu)
-}  // namespace jaxfuse::grouped_gemm::detail
-
 #define CHECK_CUDA(expr)                                                                 \
   do {                                                                                   \
     cudaError_t e_ = (expr);                                                             \
@@ -447,7 +443,6 @@ void Run16BitCases(const std::vector<Case>& cases, bool graph_first) {
 
 int main(int argc, char** argv) {
   bool perf = true, check = true, sweep = false, uniform_sweep = false, fp8_mainloops = false;
-  bool epilogue_stages = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-perf") == 0) perf = false;
     if (std::strcmp(argv[i], "--perf-only") == 0) check = false;
@@ -459,9 +454,6 @@ int main(int argc, char** argv) {
     // Checks and times the promoted FP8 families' two mainloops (pipelined promotion, stock
     // CUTLASS) on both configs, and times the blockwise FP8 kernels' two.
     if (std::strcmp(argv[i], "--fp8-mainloops") == 0) fp8_mainloops = true;
-    // Checks, then times, the bf16 forward and wgrad kernels with 2 (the builder's) and 4
-    // epilogue store buffers (TuningOptions::epilogue_stages), both configs.
-    if (std::strcmp(argv[i], "--epilogue-stages") == 0) epilogue_stages = true;
   }
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
@@ -510,32 +502,6 @@ int main(int argc, char** argv) {
         for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kUniform,
                                    gg::TileConfig::kAdaptive})
           Time<bf16, bf16, bf16>("bf16", form, s.G, s.rows, 2048, 4096, cfg);
-    perf = check = false;
-  }
-
-  if (epilogue_stages) {
-    using bf16 = __nv_bfloat16;
-    std::vector<Case> cases;
-    cases.push_back({"G=4 empty group, sum<m (m=1024,k=136,n=264)", 1024, 136, 264, OffsetsFromSizes({300, 0, 517, 129})});
-    cases.push_back({"G=3 sum>m (m=1000,k=256,n=384)", 1000, 256, 384, OffsetsFromSizes({700, 600, 500})});
-    cases.push_back({"G=4 non-monotone/negative offsets (m=600,k=128,n=128)", 600, 128, 128, {0, 100, 50, 400, -3}});
-    gg::detail::SetEpilogueStagesOption(4);
-    for (const Case& c : cases)
-      for (gg::Form form : {gg::Form::kForward, gg::Form::kWgrad})
-        for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall})
-          RunCase<bf16, bf16, bf16>(c, form, cfg, &c == &cases[0]);
-    struct Shape { int G; int64_t rows; };
-    // Two rounds, alternating the two settings (clocks drift under the power limit).
-    for (int round = 0; round < 2; ++round)
-      for (const Shape s : {Shape{8, 8192}, Shape{64, 512}, Shape{128, 512}})
-        for (gg::Form form : {gg::Form::kForward, gg::Form::kWgrad})
-          for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall})
-            for (int stages : {0, 4}) {
-              gg::detail::SetEpilogueStagesOption(stages);
-              Time<bf16, bf16, bf16>(stages == 4 ? "bf16 epi4" : "bf16 epi2", form, s.G, s.rows,
-                                     2048, 4096, cfg);
-            }
-    gg::detail::SetEpilogueStagesOption(0);
     perf = check = false;
   }
 

@@ -2,7 +2,7 @@
 // CUTLASS terms: M = k, N = n, K = rows_g; A(i, r) = x[(lo + r) * k + i] (ColumnMajor A =
 // M-major, ld k); B(j, r) = dy[(lo + r) * n + j] (RowMajor B = N-major, ld n);
 // D = dw[g] (RowMajor, ld n). Empty groups get M = 0 (no tiles) and are zeroed separately.
-#include "epilogue_stages.cuh"
+#include "gemm_common.cuh"
 
 namespace jaxfuse::grouped_gemm::detail {
 
@@ -17,19 +17,6 @@ JAXFUSE_GG_DEFINE_GEMM(Bf16WgradSmall, cutlass::bfloat16_t, cutlass::layout::Col
                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                        cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
 
-// The same two with 4 epilogue store buffers (JAXFUSE_GROUPED_GEMM_EPILOGUE_STAGES=4).
-JAXFUSE_GG_DEFINE_GEMM_EPILOGUE_STAGES(Bf16WgradLarge4, cutlass::bfloat16_t, cutlass::layout::ColumnMajor,
-                                       cutlass::bfloat16_t, cutlass::layout::RowMajor,
-                                       cutlass::bfloat16_t, 128, 256, 64, 2, 1,
-                                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                                       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, 4)
-JAXFUSE_GG_DEFINE_GEMM_EPILOGUE_STAGES(Bf16WgradSmall4, cutlass::bfloat16_t, cutlass::layout::ColumnMajor,
-                                       cutlass::bfloat16_t, cutlass::layout::RowMajor,
-                                       cutlass::bfloat16_t, 128, 128, 64, 1, 1,
-                                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                                       cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong, 4)
-
-JAXFUSE_GG_DEFINE_FAMILY_2_EPILOGUE_STAGES(Bf16Wgrad, Bf16WgradLarge, Bf16WgradLarge4, Bf16WgradSmall,
-                                           Bf16WgradSmall4)
+JAXFUSE_GG_DEFINE_FAMILY_2(Bf16Wgrad, Bf16WgradLarge, Bf16WgradSmall)
 
 }  // namespace jaxfuse::grouped_gemm::detail

@@ -1,7 +1,6 @@
 // jaxfuse grouped GEMM: dispatch, workspace layout, setup kernel and zeroing kernels.
 // No CUTLASS header here (compiles in seconds); the CUTLASS kernels live in gemm_*.cu.
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <cstdint>
 #include <string>
@@ -531,24 +530,6 @@ TuningOptions& ActiveTuningOptions() {
     return o;
   }();
   return options;
-}
-
-namespace {
-std::atomic<int> g_epilogue_stages{-1};  // -1: not read from the environment yet
-}  // namespace
-
-int EpilogueStagesOption() {
-  int stages = g_epilogue_stages.load(std::memory_order_relaxed);
-  if (stages < 0) {
-    const char* value = std::getenv("JAXFUSE_GROUPED_GEMM_EPILOGUE_STAGES");
-    stages = value != nullptr && std::string(value) == "4" ? 4 : 0;
-    g_epilogue_stages.store(stages, std::memory_order_relaxed);
-  }
-  return stages;
-}
-
-void SetEpilogueStagesOption(int stages) {  // for check_grouped_gemm
-  g_epilogue_stages.store(stages, std::memory_order_relaxed);
 }
 }  // namespace detail
 

@@ -9,7 +9,9 @@ On equal group sizes covering every row, XLA's batched GEMM of the same groups (
 [G, rows, K] against the G weights, jnp.einsum) runs in the same chunks as each form: a
 dense kernel with the grouped one's memory traffic (G distinct weights read, or for the
 wgrad G weight gradients written), so jaxfuse_vs_batched_dense separates what the grouping
-costs from what reading G weights does.
+costs from what reading G weights does (kernel_jaxfuse_vs_batched_dense: the same from
+device time, alternating the two alone; the results' batched_dense_kernel_names: which
+cuBLAS kernels XLA ran).
 
 FP8 rows (precision "fp8"): the FP8 grouped GEMM on pre-quantized E4M3 operands (fwd:
 x [m, K] x w^T [G, N, K], fast accumulation as the recipe's default; "fp8 promoted" the same
@@ -311,6 +313,7 @@ def main():
     print(f"tokamax baseline unavailable: {tokamax_missing}", flush=True)
   rows = []
   dense_kernel_names = {}  # case -> XLA's dense GEMM kernels (what the ceiling runs)
+  batched_kernel_names = {}  # case -> {form: XLA's batched GEMM kernels}
   # A dense bf16 GEMM of 65536 x 2048 x 4096 through XLA, timed alone first (the per-case
   # ceiling is the dense GEMM alternated with each forward, below).
   dense_m = 256 if args.smoke else 65536
@@ -338,7 +341,7 @@ def main():
     torch_gemms = torch_variants(sizes, K, N)
     tokamax_gemms, tokamax_errors = tokamax_variants(tokamax, x, w, dy, sizes_array, gemms)
     # jaxfuse bf16, jaxfuse FP8 (fwd, dgrad) and torch._grouped_mm in alternating chunks.
-    times, kernel_ms = {}, {}
+    times, kernel_ms, batched_kernel_ms = {}, {}, {}
     dense = (jax.jit(jnp.matmul), (x, w[0]), common.keep_args)
     for form in FORMS:
       variants = {"jaxfuse": (*gemms[form], common.keep_args)}
@@ -364,6 +367,15 @@ def main():
       if form == "fwd" and names.get("dense"):
         dense_kernel_names[name] = names["dense"][:3]
         print(f"dense GEMM kernels ({name}): {names['dense'][:3]}", flush=True)
+      if form in batched:  # the batched ceiling's device time and kernels, same way
+        names = {}
+        batched_kernel_ms[form] = common.kernel_times_alternating(
+            {key: variants[key] for key in ("jaxfuse", "batched dense")},
+            lambda kernel: "jaxfuse" if kernel_owner(kernel) == "jaxfuse" else "batched dense",
+            rounds=rounds, chunk=CHUNK, kernel_names=names)
+        batched_kernel_names.setdefault(name, {})[form] = names.get("batched dense", [])[:2]
+        print(f"batched GEMM kernels ({name}, {form}): {batched_kernel_names[name][form]}",
+              flush=True)
     del torch_gemms, tokamax_gemms
     # The whole op (quantization included), FP8 against bf16, alternating.
     for form in ("op fwd", "op fwd+bwd"):
@@ -417,6 +429,11 @@ def main():
                                         else None)
       row["kernel_jaxfuse_vs_dense"] = (dense_kernel_ms / kernels["jaxfuse"]
                                         if dense_kernel_ms and kernels.get("jaxfuse") else None)
+      batched_kernels = batched_kernel_ms.get(form, {})
+      row["batched_dense_kernel_ms"] = batched_kernels.get("batched dense")
+      row["kernel_jaxfuse_vs_batched_dense"] = (
+          batched_kernels["batched dense"] / batched_kernels["jaxfuse"]
+          if batched_kernels.get("batched dense") and batched_kernels.get("jaxfuse") else None)
       rows.append(row)
       print(row, flush=True)
     for form in FORMS + ("op fwd", "op fwd+bwd"):
@@ -441,6 +458,7 @@ def main():
   common.write_results("grouped_linear", rows, tag=args.tag, dtype="bfloat16",
                        dense_xla_tflops=dense_tflops,
                        dense_kernel_names=dense_kernel_names,
+                       batched_dense_kernel_names=batched_kernel_names,
                        baselines="jax.lax.ragged_dot (XLA), torch._grouped_mm and "
                                  "tokamax.ragged_dot (Pallas Mosaic GPU), same run",
                        tokamax=(tokamax_baseline.version(tokamax) if tokamax is not None

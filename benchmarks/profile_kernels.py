@@ -36,6 +36,7 @@ from benchmarks import common  # noqa: E402
 from benchmarks import bench_grouped_linear  # noqa: E402
 from benchmarks import bench_grouped_mlp  # noqa: E402
 from benchmarks import bench_linear_scale_add  # noqa: E402
+from benchmarks import bench_moe  # noqa: E402
 from benchmarks import tokamax_baseline  # noqa: E402
 
 STEPS = 10
@@ -164,6 +165,14 @@ def linear_scale_add_fp8_backward_case(tokens, features, xla=False, residual_cot
   return step, (x, kernel, residual, d_out), lambda args, out: (args[0], args[1], out[0], args[3])
 
 
+def moe_case(name, recipe=None, pass_name="fwd+bwd"):
+  """bench_moe's layer step (router, permutation, grouped MLP, unpermute) on its inputs:
+  what the layer spends outside the grouped GEMMs."""
+  tokens, hidden, ffn, experts, top_k = bench_moe.CASES[name]
+  x, router, k1, k2, dy = bench_moe.inputs(tokens, hidden, ffn, experts)
+  return bench_moe.step("ffi", top_k, recipe)[pass_name], (x, router, k1, k2, dy)
+
+
 def grouped_gemm_case(groups, rows_per_group, form, torch_baseline=False):
   """One bf16 grouped GEMM form on bench_grouped_linear's operands (K=2048, N=4096, equal
   sizes), jaxfuse's or torch._grouped_mm: the kernels' own device time, next to the
@@ -232,6 +241,9 @@ CASES = {
         lambda: linear_scale_add_fp8_backward_case(65536, 4096, xla=True,
                                                    residual_cotangent=False),
 }
+for _moe in bench_moe.CASES:
+  CASES[f"moe {_moe}"] = lambda n=_moe: moe_case(n)
+  CASES[f"moe fp8 {_moe}"] = lambda n=_moe: moe_case(n, bench_moe.FP8_RECIPE)
 for _groups, _rows in ((8, 8192), (64, 512), (128, 512)):
   for _form in ("fwd", "dgrad", "wgrad"):
     for _torch in (False, True):
@@ -343,6 +355,8 @@ def main():
   parser.add_argument("--quick", action="store_true", help="accepted for gpu_run.sh; no-op")
   parser.add_argument("--steps", type=int, default=STEPS,
                       help="profiled steps per case (more: a longer sustained load)")
+  parser.add_argument("--hlo-dir", default=None,
+                      help="also write each case's compiled HLO there (to name XLA's fusions)")
   parser.add_argument("--with-graphs", action="store_true",
                       help=f"then profile the same cases again with XLA_FLAGS={GRAPH_FLAGS!r}")
   args = parser.parse_args()
@@ -356,6 +370,11 @@ def main():
   for name in names:
     step, step_args, *carry = CASES[name]()
     graphs = command_buffer_summary(step, step_args)  # before donation consumes step_args
+    if args.hlo_dir and hasattr(step, "lower"):
+      os.makedirs(args.hlo_dir, exist_ok=True)
+      file_name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".hlo.txt"
+      with open(os.path.join(args.hlo_dir, file_name), "w") as hlo_file:
+        hlo_file.write(step.lower(*step_args).compile().as_text())
     rows, wall_ms, total_ms, span_ms, gaps = profile(step, step_args, *carry)
     print(f"\n== {name}: wall {wall_ms:.3f} ms/step, kernels {total_ms:.3f} ms, "
           f"span {span_ms:.3f} ms (back to back), idle between kernels "

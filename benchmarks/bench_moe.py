@@ -100,6 +100,7 @@ def main():
   parser.add_argument("--no-reference", action="store_true",
                       help="skip the ragged_dot reference layer (minutes per case; for runs "
                            "that compare jaxfuse's variants only)")
+  parser.add_argument("--tag", default="", help="suffix of the results file name (A/B runs)")
   args = parser.parse_args()
   calls = 5 if args.quick else 20
   baseline_calls = 3 if args.quick else 10  # the ragged_dot layer is G times the work
@@ -161,7 +162,7 @@ def main():
                             "fp8_quantized_kernels_speedup", "jaxfuse_fp8_blockwise_ms",
                             "jaxfuse_fp8_blockwise_quantized_kernels_ms", "reference_ms",
                             "reference_tflops", "speedup"])
-  common.write_results("moe", rows, dtype="bfloat16", activation="swiglu",
+  common.write_results("moe", rows, tag=args.tag, dtype="bfloat16", activation="swiglu",
                        baseline="jaxfuse.moe(implementation='xla'): argsort/scatter "
                                 "permutation, jax.lax.ragged_dot experts, jnp SwiGLU, same run")
 

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import jaxfuse
+from jaxfuse._src.ops.moe import router_logits as router_logits_lib
+from jaxfuse._src.ops.moe_permute import reference as permute_reference
 from tests import helpers
 
 BACKENDS = [
@@ -131,14 +133,15 @@ def np_router(x, kernel, topk, score_function, normalize):
   return weights, ids, aux
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("score_function, normalize", [("softmax", None), ("softmax", True),
                                                        ("sigmoid", None)])
-def test_router_matches_float64_numpy(score_function, normalize):
+def test_router_matches_float64_numpy(score_function, normalize, impl):
   rng = np.random.default_rng(12)
   x = helpers.random_array(rng, (50, 16), jnp.float32)
   kernel = helpers.random_array(rng, (16, 8), jnp.float32)
   weights, ids, aux = jaxfuse.moe_router(x, kernel, 3, score_function=score_function,
-                                         normalize_topk=normalize)
+                                         normalize_topk=normalize, implementation=impl)
   normalize = score_function == "sigmoid" if normalize is None else normalize
   want_w, want_ids, want_aux = np_router(x, kernel, 3, score_function, normalize)
   np.testing.assert_array_equal(np.asarray(ids), want_ids)
@@ -146,6 +149,95 @@ def test_router_matches_float64_numpy(score_function, normalize):
   np.testing.assert_allclose(float(aux), want_aux, rtol=1e-5)
   if normalize:
     np.testing.assert_allclose(np.asarray(weights).sum(1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_split_bf16_router_logits_and_gradients_are_float32_accurate(backend, dtype):
+  # The "ffi" router's logits come from bfloat16 GEMMs on exact bfloat16 parts of the
+  # operands: float32 accuracy is the claim, so the float32 tolerance (1e-5 of the largest
+  # value) applies to the logits and to both gradients, on operands of several magnitudes.
+  rng = np.random.default_rng(31)
+  tokens, hidden, experts = (70, 96, 12) if backend == "cpu" else (1000, 2048, 64)
+  x = helpers.random_array(rng, (tokens, hidden), dtype, scale=3.0)
+  kernel = jnp.asarray(rng.standard_normal((hidden, experts)) *
+                       np.exp(rng.uniform(-6, 2, (hidden, experts))), jnp.float32)
+  d_logits = jnp.asarray(rng.standard_normal((tokens, experts)) * 1e-3, jnp.float32)
+  x, kernel, d_logits = on(backend, x, kernel, d_logits)
+  logits, vjp = jax.vjp(router_logits_lib.router_logits, x, kernel)
+  d_x, d_kernel = jax.jit(vjp)(d_logits)
+  x64, kernel64, d64 = (helpers.as_f64(v) for v in (x, kernel, d_logits))
+  assert logits.dtype == jnp.float32 and d_kernel.dtype == jnp.float32
+  assert d_x.dtype == dtype
+  helpers.assert_close(logits, x64 @ kernel64, jnp.float32, msg="logits")
+  helpers.assert_close(d_kernel, x64.T @ d64, jnp.float32, msg="d_kernel")
+  # d_x is rounded once to x's dtype, as the HIGHEST dot's gradient is.
+  helpers.assert_close(d_x, d64 @ kernel64.T, dtype, msg="d_x")
+  want_d_x = np.asarray(jnp.asarray(d64 @ kernel64.T, jnp.float32).astype(dtype), np.float64)
+  helpers.assert_close(d_x, want_d_x, jnp.float32 if dtype == jnp.float32 else dtype,
+                       msg="d_x against its rounded float64 value")
+
+
+def test_split_parts_reconstruct_float32_exactly():
+  rng = np.random.default_rng(32)
+  values = (rng.standard_normal(4096) * np.exp(rng.uniform(-60, 60, 4096))).astype(np.float32)
+  parts = router_logits_lib.split_parts(jnp.asarray(values), 3)
+  assert all(part.dtype == jnp.bfloat16 for part in parts)
+  total = sum(np.asarray(part, np.float64) for part in parts)
+  np.testing.assert_array_equal(total, values.astype(np.float64))
+  # A float16 value needs two parts, a bfloat16 value one.
+  halves = jnp.asarray(rng.standard_normal(512) * 100, jnp.float16)
+  two = router_logits_lib.split_parts(halves, router_logits_lib.part_count(jnp.float16))
+  np.testing.assert_array_equal(sum(np.asarray(p, np.float64) for p in two),
+                                np.asarray(halves, np.float64))
+  assert router_logits_lib.part_count(jnp.bfloat16) == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_both_routers_pick_the_same_experts(backend):
+  # Near-ties are where a less accurate GEMM would flip the choice: logits of unit scale
+  # from a wide hidden dimension, many tokens, k of 6 among 64 experts.
+  rng = np.random.default_rng(33)
+  tokens, hidden, experts = (256, 512, 64) if backend == "cpu" else (8192, 2048, 64)
+  x = helpers.random_array(rng, (tokens, hidden), jnp.bfloat16)
+  kernel = helpers.random_array(rng, (hidden, experts), jnp.float32, scale=hidden**-0.5)
+  x, kernel = on(backend, x, kernel)
+  route = jax.jit(lambda x, k, impl: jaxfuse.moe_router(
+      x, k, 6, score_function="sigmoid", implementation=impl), static_argnums=2)
+  fast, spec = route(x, kernel, "ffi"), route(x, kernel, "xla")
+  np.testing.assert_array_equal(np.asarray(fast[1]), np.asarray(spec[1]))
+  helpers.assert_close(fast[0], spec[0], jnp.float32)
+  np.testing.assert_allclose(float(fast[2]), float(spec[2]), rtol=1e-6)
+
+
+def test_the_fast_router_runs_bfloat16_gemms_only():
+  # What runs: no float32 dot is left in the "ffi" router, forward or backward.
+  x = jnp.ones((64, 32), jnp.bfloat16)
+  kernel = jnp.ones((32, 8), jnp.float32)
+
+  def loss(x, kernel, impl):
+    weights, _, aux = jaxfuse.moe_router(x, kernel, 2, implementation=impl)
+    return jnp.sum(weights) + aux
+
+  for impl, want_f32_dots in (("ffi", 0), ("xla", 3)):
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, k: loss(x, k, impl), argnums=(0, 1)))(x, kernel)
+    dots = [e for e in helpers.equations(jaxpr) if e.primitive.name == "dot_general"]
+    f32 = [e for e in dots if e.invars[0].aval.dtype == jnp.float32]
+    assert len(f32) == want_f32_dots, (impl, [str(e) for e in dots])
+    if impl == "ffi":
+      assert dots and all(e.invars[0].aval.dtype == jnp.bfloat16 for e in dots)
+
+
+@pytest.mark.parametrize("ids", [
+    [[0, 3], [3, 3], [1, 0]],
+    [[-1, 5], [2, 4], [4, 4]],  # out-of-range ids count for no expert
+])
+def test_expert_counts_match_bincount(ids):
+  ids = np.asarray(ids, np.int32)
+  counts = permute_reference.expert_counts(jnp.asarray(ids), 5)
+  valid = ids[(ids >= 0) & (ids < 5)]
+  np.testing.assert_array_equal(np.asarray(counts), np.bincount(valid, minlength=5))
+  assert counts.dtype == jnp.int32
 
 
 def test_aux_loss_is_one_when_balanced_and_differentiable():
@@ -262,3 +354,21 @@ def test_errors_name_the_argument(args, error, match):
   kwargs = dict(top_k=2) | args
   with pytest.raises(error, match=match):
     jaxfuse.moe(x, router, k1, k2, implementation="ffi", **kwargs)
+
+
+def test_router_logits_knob(monkeypatch):
+  # JAXFUSE_MOE_ROUTER_LOGITS=highest (the benchmarks' A/B) puts the specification's dot
+  # back into the fused path; anything else is refused by name.
+  x = jnp.ones((8, 16), jnp.bfloat16)
+  kernel = jnp.ones((16, 4), jnp.float32)
+  route = lambda: jax.make_jaxpr(lambda x, k: jaxfuse.moe_router(
+      x, k, 2, implementation="ffi"))(x, kernel)
+  f32_dots = lambda jaxpr: sum(1 for e in helpers.equations(jaxpr)
+                               if e.primitive.name == "dot_general"
+                               and e.invars[0].aval.dtype == jnp.float32)
+  assert f32_dots(route()) == 0
+  monkeypatch.setenv(router_logits_lib.KNOB, "highest")
+  assert f32_dots(route()) == 1
+  monkeypatch.setenv(router_logits_lib.KNOB, "tf32")
+  with pytest.raises(ValueError, match="JAXFUSE_MOE_ROUTER_LOGITS must be"):
+    route()

@@ -210,11 +210,16 @@ struct SetupParams {
   int32_t* shapes_uniform;
   int uniform_rows;
   int large_rows;
+  // kAdaptive: the column-tile slots each kernel spends on a row of tiles. Both tile N by
+  // 256; kLarge's 1x2 cluster rounds an odd column-tile count up (one idle CTA per row of
+  // tiles, e.g. 11 -> 12 at n = 2816), kUniform's 2x1 cluster does not.
+  int large_col_slots;
+  int uniform_col_slots;
 };
 
-// kAdaptive: the kUniform kernel takes every tile when it computes at most 1/64 more
-// 128-row tile slots than the large kernel (ragged sizes leave part of its M-blocks empty);
-// its gain on sizes it fits is 2-4% (README).
+// kAdaptive: the kUniform kernel takes every tile when it computes at most 1/64 more tile
+// slots than the large kernel (ragged sizes leave part of its M-blocks empty, an odd
+// column-tile count part of kLarge's N-blocks); its gain on sizes it fits is 2-4% (README).
 constexpr int64_t kUniformMaxExtraSlotsPer = 64;
 
 __device__ __forceinline__ int64_t ClampRow(int32_t offset, int64_t m) {
@@ -243,8 +248,10 @@ __device__ __forceinline__ TileSlots WarpSumSlots(TileSlots slots) {
   return slots;
 }
 
-__device__ __forceinline__ bool UniformSlotsFit(const TileSlots& total) {
-  return total.uniform * kUniformMaxExtraSlotsPer <= total.large * (kUniformMaxExtraSlotsPer + 1);
+// `total` counts 128-row slots; each row slot holds the kernel's column-tile slots.
+__device__ __forceinline__ bool UniformSlotsFit(const SetupParams& p, const TileSlots& total) {
+  return total.uniform * p.uniform_col_slots * kUniformMaxExtraSlotsPer <=
+         total.large * p.large_col_slots * (kUniformMaxExtraSlotsPer + 1);
 }
 
 // kAdaptive: whether the kUniform kernel wastes at most 1/kUniformMaxExtraSlotsPer more
@@ -270,7 +277,7 @@ __device__ bool UniformFits(const SetupParams& p) {
   total.large = slots[0];
   total.uniform = slots[1];
   __syncthreads();
-  return UniformSlotsFit(total);
+  return UniformSlotsFit(p, total);
 }
 
 // UniformFits for one warp holding every group (num_groups <= 31): lane g's rows. Call it
@@ -278,7 +285,7 @@ __device__ bool UniformFits(const SetupParams& p) {
 __device__ bool UniformFitsWarp(const SetupParams& p, int64_t rows) {
   TileSlots mine;
   if (static_cast<int>(threadIdx.x & 31) < p.num_groups) AddGroupSlots(p, rows, mine);
-  return UniformSlotsFit(WarpSumSlots(mine));
+  return UniformSlotsFit(p, WarpSumSlots(mine));
 }
 
 // Group g's shape, pointers, strides and alpha, from its clamped row range [lo, hi).
@@ -676,6 +683,9 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
       adaptive ? reinterpret_cast<int32_t*>(base + layout.shapes_uniform) : nullptr;
   s.uniform_rows = adaptive ? family.uniform.row_granularity() : 0;
   s.large_rows = 128;  // CTA tile M of the 16-bit large kernels
+  const int64_t col_tiles = CeilDiv(out_cols, 256);  // CTA tile N of both
+  s.large_col_slots = static_cast<int>(CeilDiv(col_tiles, 2) * 2);
+  s.uniform_col_slots = static_cast<int>(col_tiles);
 
   // One launch: setup arrays (block 0) and the zeroing of what the GEMM does not write.
   // At most one wave of blocks: every block pays a block-wide reduction of the offsets even

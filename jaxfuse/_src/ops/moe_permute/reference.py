@@ -23,8 +23,17 @@ def routing(expert_indices: jax.Array, num_experts: int) -> tuple[jax.Array, jax
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)
   rows = tokens * topk
   row_map = jnp.zeros((rows,), jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32))
-  group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
+  group_sizes = expert_counts(flat, num_experts)
   return row_map.reshape(tokens, topk), group_sizes
+
+
+def expert_counts(indices, num_experts: int, dtype=jnp.int32):
+  """[E] number of entries of `indices` equal to each expert id (ids outside [0, E) count
+  for none). A compare-and-sum over [N, E]: XLA fuses it into one reduction, where a
+  scatter-add of N ones into E bins serializes on atomics (29-48 us for 98304 ids into 64
+  bins on the H200)."""
+  flat = indices.reshape(-1, 1)
+  return jnp.sum(flat == jnp.arange(num_experts, dtype=flat.dtype), axis=0, dtype=dtype)
 
 
 def permute(x: jax.Array, row_map: jax.Array) -> jax.Array:

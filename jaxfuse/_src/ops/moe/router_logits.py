@@ -7,8 +7,8 @@ the H200 (benchmarks/results/profile_kernels_s34moe_*). This module computes the
 values with bfloat16 GEMMs that accumulate in float32:
 
   * every operand is split exactly into bfloat16 parts, v = v1 + v2 + v3 (each part takes
-    the next 8 significant bits; bfloat16 keeps float32's exponent range, so a float32 value
-    needs at most 3 parts, a float16 value 2 and a bfloat16 value 1);
+    the next 8 significant bits, cut with a bit mask; bfloat16 keeps float32's exponent
+    range, so a float32 value needs at most 3 parts, a float16 value 2, a bfloat16 value 1);
   * a product of two parts is exact in float32, so the dot is the sum of the part products
     v_i . w_j over i + j <= 4 (the terms above that lie below float32's rounding, as in
     XLA's BF16_BF16_F32_X6 algorithm), accumulated in float32;
@@ -46,15 +46,25 @@ _MAX_ORDER = 4
 
 def split_parts(value: jax.Array, parts: int) -> list[jax.Array]:
   """`parts` bfloat16 arrays whose float32 sum is `value` (exactly, for parts = 3 and a
-  float32 value with no bfloat16 underflow): each is the rounding of what is left."""
+  float32 value): each part is the top 8 significant bits of what is left.
+
+  The parts are cut with a bit mask, not by rounding through bfloat16: under XLA's default
+  excess precision the GPU compiler folds convert(convert(v, bf16), f32) back to v, which
+  made every remainder zero (logits at bfloat16 accuracy; seen on the GPU in session 34).
+  A masked float32 value converts to bfloat16 exactly, so no rounding is left to fold.
+  """
   if parts == 1 and value.dtype == jnp.bfloat16:
     return [value]
   rest = value.astype(jnp.float32)
   out = []
-  for _ in range(parts):
-    part = rest.astype(jnp.bfloat16)
-    out.append(part)
-    rest = rest - part.astype(jnp.float32)
+  for index in range(parts):
+    if index == parts - 1:
+      head = rest  # what is left fits 8 bits when the parts cover the type
+    else:
+      bits = jax.lax.bitcast_convert_type(rest, jnp.uint32) & jnp.uint32(0xFFFF0000)
+      head = jax.lax.bitcast_convert_type(bits, jnp.float32)
+      rest = rest - head  # exact: the low 16 bits of rest
+    out.append(head.astype(jnp.bfloat16))
   return out
 
 

@@ -194,7 +194,7 @@ def test_split_parts_reconstruct_float32_exactly():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_both_routers_pick_the_same_experts(backend):
+def test_both_routers_pick_the_same_experts(backend, monkeypatch):
   # Near-ties are where a less accurate GEMM would flip the choice: logits of unit scale
   # from a wide hidden dimension, many tokens, k of 6 among 64 experts.
   rng = np.random.default_rng(33)
@@ -202,6 +202,7 @@ def test_both_routers_pick_the_same_experts(backend):
   x = helpers.random_array(rng, (tokens, hidden), jnp.bfloat16)
   kernel = helpers.random_array(rng, (hidden, experts), jnp.float32, scale=hidden**-0.5)
   x, kernel = on(backend, x, kernel)
+  monkeypatch.setenv(router_logits_lib.KNOB, "split_bf16")  # read when "ffi" is traced
   route = jax.jit(lambda x, k, impl: jaxfuse.moe_router(
       x, k, 6, score_function="sigmoid", implementation=impl), static_argnums=2)
   fast, spec = route(x, kernel, "ffi"), route(x, kernel, "xla")
@@ -210,8 +211,9 @@ def test_both_routers_pick_the_same_experts(backend):
   np.testing.assert_allclose(float(fast[2]), float(spec[2]), rtol=1e-6)
 
 
-def test_the_fast_router_runs_bfloat16_gemms_only():
-  # What runs: no float32 dot is left in the "ffi" router, forward or backward.
+def test_the_fast_router_runs_bfloat16_gemms_only(monkeypatch):
+  # What runs: no float32 dot is left in the split router, forward or backward.
+  monkeypatch.setenv(router_logits_lib.KNOB, "split_bf16")
   x = jnp.ones((64, 32), jnp.bfloat16)
   kernel = jnp.ones((32, 8), jnp.float32)
 
@@ -357,8 +359,8 @@ def test_errors_name_the_argument(args, error, match):
 
 
 def test_router_logits_knob(monkeypatch):
-  # JAXFUSE_MOE_ROUTER_LOGITS=highest (the benchmarks' A/B) puts the specification's dot
-  # back into the fused path; anything else is refused by name.
+  # The fused path keeps the specification's dot by default; JAXFUSE_MOE_ROUTER_LOGITS=
+  # split_bf16 opts into the split GEMMs; anything else is refused by name.
   x = jnp.ones((8, 16), jnp.bfloat16)
   kernel = jnp.ones((16, 4), jnp.float32)
   route = lambda: jax.make_jaxpr(lambda x, k: jaxfuse.moe_router(
@@ -366,6 +368,9 @@ def test_router_logits_knob(monkeypatch):
   f32_dots = lambda jaxpr: sum(1 for e in helpers.equations(jaxpr)
                                if e.primitive.name == "dot_general"
                                and e.invars[0].aval.dtype == jnp.float32)
+  monkeypatch.delenv(router_logits_lib.KNOB, raising=False)
+  assert f32_dots(route()) == 1
+  monkeypatch.setenv(router_logits_lib.KNOB, "split_bf16")
   assert f32_dots(route()) == 0
   monkeypatch.setenv(router_logits_lib.KNOB, "highest")
   assert f32_dots(route()) == 1

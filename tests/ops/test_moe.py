@@ -193,6 +193,18 @@ def test_split_parts_reconstruct_float32_exactly():
   assert router_logits_lib.part_count(jnp.bfloat16) == 1
 
 
+def test_split_parts_never_round_trip_through_bfloat16():
+  # Under XLA's default excess precision the GPU compiler folds convert(convert(v, bf16),
+  # f32) back to v: a split that rounds through bfloat16 and subtracts gets zero remainders
+  # there (session 34), while the CPU keeps the rounding. The parts must come from bit
+  # masks, so no bfloat16 -> float32 convert may appear in the split.
+  jaxpr = jax.make_jaxpr(lambda v: router_logits_lib.split_parts(v, 3))(
+      jnp.ones((8,), jnp.float32))
+  widening = [e for e in helpers.equations(jaxpr) if e.primitive.name == "convert_element_type"
+              and e.invars[0].aval.dtype == jnp.bfloat16 and e.outvars[0].aval.dtype == jnp.float32]
+  assert not widening, widening
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_both_routers_pick_the_same_experts(backend, monkeypatch):
   # Near-ties are where a less accurate GEMM would flip the choice: logits of unit scale

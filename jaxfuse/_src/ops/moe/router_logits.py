@@ -43,6 +43,7 @@ def split_bf16_enabled() -> bool:
     raise ValueError(f"{KNOB} must be 'split_bf16' or 'highest', got {value!r}")
   return value == "split_bf16"
 
+
 # Highest part index sum kept: i + j <= _MAX_ORDER (1-based), XLA's X6 selection.
 _MAX_ORDER = 4
 

@@ -223,6 +223,12 @@ def test_both_routers_pick_the_same_experts(backend, monkeypatch):
   np.testing.assert_allclose(float(fast[2]), float(spec[2]), rtol=1e-6)
 
 
+def float32_dots(jaxpr) -> list:
+  """The dot_general equations of a jaxpr (sub-jaxprs included) on float32 operands."""
+  return [e for e in helpers.equations(jaxpr)
+          if e.primitive.name == "dot_general" and e.invars[0].aval.dtype == jnp.float32]
+
+
 def test_the_fast_router_runs_bfloat16_gemms_only(monkeypatch):
   # What runs: no float32 dot is left in the split router, forward or backward.
   monkeypatch.setenv(router_logits_lib.KNOB, "split_bf16")
@@ -236,8 +242,7 @@ def test_the_fast_router_runs_bfloat16_gemms_only(monkeypatch):
   for impl, want_f32_dots in (("ffi", 0), ("xla", 3)):
     jaxpr = jax.make_jaxpr(jax.grad(lambda x, k: loss(x, k, impl), argnums=(0, 1)))(x, kernel)
     dots = [e for e in helpers.equations(jaxpr) if e.primitive.name == "dot_general"]
-    f32 = [e for e in dots if e.invars[0].aval.dtype == jnp.float32]
-    assert len(f32) == want_f32_dots, (impl, [str(e) for e in dots])
+    assert len(float32_dots(jaxpr)) == want_f32_dots, (impl, [str(e) for e in dots])
     if impl == "ffi":
       assert dots and all(e.invars[0].aval.dtype == jnp.bfloat16 for e in dots)
 
@@ -377,9 +382,7 @@ def test_router_logits_knob(monkeypatch):
   kernel = jnp.ones((16, 4), jnp.float32)
   route = lambda: jax.make_jaxpr(lambda x, k: jaxfuse.moe_router(
       x, k, 2, implementation="ffi"))(x, kernel)
-  f32_dots = lambda jaxpr: sum(1 for e in helpers.equations(jaxpr)
-                               if e.primitive.name == "dot_general"
-                               and e.invars[0].aval.dtype == jnp.float32)
+  f32_dots = lambda jaxpr: len(float32_dots(jaxpr))
   monkeypatch.delenv(router_logits_lib.KNOB, raising=False)
   assert f32_dots(route()) == 1
   monkeypatch.setenv(router_logits_lib.KNOB, "split_bf16")

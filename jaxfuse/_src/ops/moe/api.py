@@ -68,12 +68,12 @@ def moe_router(x: jax.Array, router_kernel: jax.Array, top_k: int, *,
                      f"{top_k!r}")
   if normalize_topk is None:
     normalize_topk = score_function == "sigmoid"
+  top_k, normalize_topk = int(top_k), bool(normalize_topk)
   if (implementation_lib.resolve(implementation) == "xla" or
       not router_logits_lib.split_bf16_enabled()):
-    logits = reference.router_logits(x, router_kernel)
-  else:
-    logits = router_logits_lib.router_logits(x, router_kernel)
-  return reference.route(logits, int(top_k), score_function, bool(normalize_topk))
+    return reference.router(x, router_kernel, top_k, score_function, normalize_topk)
+  logits = router_logits_lib.router_logits(x, router_kernel)
+  return reference.route(logits, top_k, score_function, normalize_topk)
 
 
 def moe(x: jax.Array, router_kernel: jax.Array, kernel1: jax.Array, kernel2: jax.Array, *,

@@ -48,6 +48,11 @@ def split_bf16_enabled() -> bool:
 _MAX_ORDER = 4
 
 
+def _partner_count(left_index: int, right_parts: int) -> int:
+  """How many right parts (the first ones) pair with left part `left_index` (0-based)."""
+  return max(0, min(right_parts, _MAX_ORDER - left_index - 1))
+
+
 def split_parts(value: jax.Array, parts: int) -> list[jax.Array]:
   """`parts` bfloat16 arrays whose float32 sum is `value` (exactly, for parts = 3 and a
   float32 value): each part is the top 8 significant bits of what is left.
@@ -91,7 +96,7 @@ def _split_matmul(left_parts, right_parts, contract_left: int, contract_right: i
   operands), as one GEMM per left part with that part's right partners side by side."""
   total = None
   for i, left in enumerate(left_parts):
-    partners = right_parts[:max(0, _MAX_ORDER - i - 1)]
+    partners = right_parts[:_partner_count(i, len(right_parts))]
     if not partners:
       continue
     free_right = 1 - contract_right
@@ -138,7 +143,7 @@ def _router_logits_bwd(saved, d_logits):
   # go side by side along K: [d_i ...] [T, n*E] against [kernel_j ...] [n*E, H].
   lefts, rights = [], []
   for i, d_part in enumerate(d_parts):
-    for j in range(min(len(kernel_parts), _MAX_ORDER - i - 1)):
+    for j in range(_partner_count(i, len(kernel_parts))):
       lefts.append(d_part)
       rights.append(kernel_parts[j])
   d_x = _dot_f32(jnp.concatenate(lefts, axis=1), jnp.concatenate(rights, axis=1),

@@ -376,15 +376,15 @@ def test_errors_name_the_argument(args, error, match):
 
 
 def test_router_logits_knob(monkeypatch):
-  # The fused path keeps the specification's dot by default; JAXFUSE_MOE_ROUTER_LOGITS=
-  # split_bf16 opts into the split GEMMs; anything else is refused by name.
+  # The fused path runs the split GEMMs by default; JAXFUSE_MOE_ROUTER_LOGITS=highest
+  # keeps the specification's dot; anything else is refused by name.
   x = jnp.ones((8, 16), jnp.bfloat16)
   kernel = jnp.ones((16, 4), jnp.float32)
   route = lambda: jax.make_jaxpr(lambda x, k: jaxfuse.moe_router(
       x, k, 2, implementation="ffi"))(x, kernel)
   f32_dots = lambda jaxpr: len(float32_dots(jaxpr))
   monkeypatch.delenv(router_logits_lib.KNOB, raising=False)
-  assert f32_dots(route()) == 1
+  assert f32_dots(route()) == 0
   monkeypatch.setenv(router_logits_lib.KNOB, "split_bf16")
   assert f32_dots(route()) == 0
   monkeypatch.setenv(router_logits_lib.KNOB, "highest")

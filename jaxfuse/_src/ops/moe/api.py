@@ -40,12 +40,12 @@ def moe_router(x: jax.Array, router_kernel: jax.Array, top_k: int, *,
     score_function: "softmax" (Switch / Mixtral) or "sigmoid" (DeepSeek-V3).
     normalize_topk: divide the k selected scores by their sum. Default: True for
       "sigmoid" (as DeepSeek-V3), False for "softmax".
-    implementation: None, "ffi" or "xla". Both compute the logits with a float32 HIGHEST
-      dot (the specification) and share the top-k and the loss. With the environment
-      variable JAXFUSE_MOE_ROUTER_LOGITS=split_bf16, "ffi" instead computes the same
-      float32-accurate logits and gradients with bfloat16 tensor-core GEMMs on exact
-      bfloat16 splits of the operands (router_logits.py; 0.45 -> 0.14 ms of router GEMMs
-      per DeepSeek-like step on an H100, measured before a precision fix, not yet rerun).
+    implementation: None, "ffi" or "xla". "xla" computes the logits with a float32
+      HIGHEST dot (the specification); "ffi" computes the same float32-accurate logits and
+      gradients with bfloat16 tensor-core GEMMs on exact bfloat16 splits of the operands
+      (router_logits.py; router kernels 0.27 ms shorter per DeepSeek-like step on an H100,
+      benchmarks/results/profile_kernels_s35*), or the HIGHEST dot with the environment
+      variable JAXFUSE_MOE_ROUTER_LOGITS=highest. Both share the top-k and the loss.
 
   Returns:
     (combine_weights float32 [T, k], expert_indices int32 [T, k], aux_loss float32 scalar):

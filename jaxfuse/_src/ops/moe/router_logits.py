@@ -1,4 +1,4 @@
-"""Router logits at float32 accuracy from bfloat16 tensor-core GEMMs (opt-in, see KNOB).
+"""Router logits at float32 accuracy from bfloat16 tensor-core GEMMs (the default, see KNOB).
 
 The router must see float32 logits: TF32 (10-bit mantissas) flips top-k choices between
 near-tied experts. XLA runs a HIGHEST-precision float32 dot on CUDA cores, and the router's
@@ -28,17 +28,16 @@ import os
 import jax
 import jax.numpy as jnp
 
-# Opt-in (read when a router is traced): "split_bf16" makes the fused path compute the
-# logits here, "highest" (the default) keeps the specification's float32 HIGHEST dot. The
-# default stays "highest" until this module's GPU tests pass on the device: the first
-# version lost its remainders to XLA's excess precision on the GPU (session 34, H100 run
-# at 75676d35), and the bit-mask version has run on CPUs only.
+# Read when a router is traced: "split_bf16" (the default) makes the fused path compute the
+# logits here, "highest" keeps the specification's float32 HIGHEST dot. The GPU tests of the
+# split path passed at 092b3675 (session 35, H100); the first version had lost its
+# remainders to XLA's excess precision on the GPU (session 34), hence the bit mask below.
 KNOB = "JAXFUSE_MOE_ROUTER_LOGITS"
 
 
 def split_bf16_enabled() -> bool:
-  """Whether the fused path computes the logits here (KNOB = "split_bf16")."""
-  value = os.environ.get(KNOB, "highest")
+  """Whether the fused path computes the logits here (KNOB unset or "split_bf16")."""
+  value = os.environ.get(KNOB, "split_bf16")
   if value not in ("split_bf16", "highest"):
     raise ValueError(f"{KNOB} must be 'split_bf16' or 'highest', got {value!r}")
   return value == "split_bf16"

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 
 #include "jaxfuse/ffi_common.h"
@@ -86,19 +87,49 @@ struct Shape {
   }
 };
 
+// 16-byte store that bypasses L2 retention (st.global.cs): the permuted rows are read again
+// only by the next GEMM, long after they would have been evicted anyway.
 template <typename T>
+__device__ __forceinline__ void StoreRawStreaming(T* p, bool vector, int valid,
+                                                  const Raw8<T>& r) {
+  if (vector && valid == kUnit) {
+#pragma unroll
+    for (int i = 0; i < Raw8<T>::kWords; ++i) __stcs(reinterpret_cast<uint4*>(p) + i, r.word[i]);
+    return;
+  }
+  StoreRaw(p, vector, valid, r);
+}
+
+// kTokens tokens per block iteration: a thread loads its unit of every token before the
+// first store, so each thread keeps kTokens loads in flight instead of one.
+template <typename T, int kTokens, bool kStreaming>
 __global__ void PermuteKernel(const T* __restrict__ x, const int32_t* __restrict__ row_map,
                               T* __restrict__ out, Shape s) {
   const int64_t units = s.Units();
-  for (int64_t t = blockIdx.x; t < s.tokens; t += gridDim.x) {
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kTokens; first < s.tokens;
+       first += static_cast<int64_t>(gridDim.x) * kTokens) {
+    const int count = s.tokens - first < kTokens ? static_cast<int>(s.tokens - first) : kTokens;
     for (int64_t u = threadIdx.x; u < units; u += blockDim.x) {
       const int valid = s.Valid(u);
-      Raw8<T> r;
-      LoadRaw(x + t * s.hidden + u * kUnit, s.vector, valid, r);
-      for (int64_t j = 0; j < s.topk; ++j) {
-        const int32_t row = __ldg(row_map + t * s.topk + j);
-        if (!RowInRange(row, s.rows)) continue;
-        StoreRaw(out + row * s.hidden + u * kUnit, s.vector, valid, r);
+      Raw8<T> r[kTokens];
+#pragma unroll
+      for (int i = 0; i < kTokens; ++i) {
+        if (i < count) LoadRaw(x + (first + i) * s.hidden + u * kUnit, s.vector, valid, r[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < kTokens; ++i) {
+        if (i >= count) break;
+        const int64_t t = first + i;
+        for (int64_t j = 0; j < s.topk; ++j) {
+          const int32_t row = __ldg(row_map + t * s.topk + j);
+          if (!RowInRange(row, s.rows)) continue;
+          T* destination = out + row * s.hidden + u * kUnit;
+          if constexpr (kStreaming) {
+            StoreRawStreaming(destination, s.vector, valid, r[i]);
+          } else {
+            StoreRaw(destination, s.vector, valid, r[i]);
+          }
+        }
       }
     }
   }
@@ -215,17 +246,60 @@ Shape MakeShape(const PermuteProblem& p, std::initializer_list<const void*> poin
   return Shape{p.tokens, p.topk, p.hidden, p.rows, vector};
 }
 
+// Benchmark knobs, read once: JAXFUSE_MOE_PERMUTE_TOKENS (1, 2, 4 or 8 tokens per block
+// iteration) and JAXFUSE_MOE_PERMUTE_STREAMING (1: streaming stores).
+struct PermuteKnobs {
+  int tokens = 1;
+  bool streaming = false;
+};
+
+const PermuteKnobs& PermuteKnobsFromEnv() {
+  static const PermuteKnobs knobs = [] {
+    PermuteKnobs k;
+    if (const char* value = std::getenv("JAXFUSE_MOE_PERMUTE_TOKENS")) {
+      const int parsed = std::atoi(value);
+      if (parsed == 1 || parsed == 2 || parsed == 4 || parsed == 8) k.tokens = parsed;
+    }
+    if (const char* value = std::getenv("JAXFUSE_MOE_PERMUTE_STREAMING")) {
+      k.streaming = value[0] == '1';
+    }
+    return k;
+  }();
+  return knobs;
+}
+
+template <typename T, bool kStreaming>
+void LaunchPermute(const T* x, const int32_t* row_map, T* out, const Shape& s, int tokens,
+                   cudaStream_t stream) {
+  const int threads = ThreadsFor(s.hidden);
+  const int64_t iterations = (s.tokens + tokens - 1) / tokens;
+  const int grid = GridFor(iterations);
+  switch (tokens) {
+    case 2: PermuteKernel<T, 2, kStreaming><<<grid, threads, 0, stream>>>(x, row_map, out, s); break;
+    case 4: PermuteKernel<T, 4, kStreaming><<<grid, threads, 0, stream>>>(x, row_map, out, s); break;
+    case 8: PermuteKernel<T, 8, kStreaming><<<grid, threads, 0, stream>>>(x, row_map, out, s); break;
+    default: PermuteKernel<T, 1, kStreaming><<<grid, threads, 0, stream>>>(x, row_map, out, s);
+  }
+}
+
 ffi::Error PermuteCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_map,
                        ffi::Result<ffi::AnyBuffer> out) {
   PermuteProblem p;
   if (auto e = ParsePermute(x, row_map, *out, &p); e.failure()) return e;
   if (p.rows == 0 || p.hidden == 0) return ffi::Error::Success();
   const Shape s = MakeShape(p, {x.untyped_data(), out->untyped_data()});
+  const PermuteKnobs& knobs = PermuteKnobsFromEnv();
   return DispatchFloat(x.element_type(), [&](auto zero) {
     using T = decltype(zero);
-    PermuteKernel<T><<<GridFor(p.tokens), ThreadsFor(p.hidden), 0, stream>>>(
-        static_cast<const T*>(x.untyped_data()), row_map.typed_data<int32_t>(),
-        static_cast<T*>(out->untyped_data()), s);
+    const T* source = static_cast<const T*>(x.untyped_data());
+    T* destination = static_cast<T*>(out->untyped_data());
+    if (knobs.streaming) {
+      LaunchPermute<T, true>(source, row_map.typed_data<int32_t>(), destination, s,
+                             knobs.tokens, stream);
+    } else {
+      LaunchPermute<T, false>(source, row_map.typed_data<int32_t>(), destination, s,
+                              knobs.tokens, stream);
+    }
     return LaunchError("moe permute kernel");
   });
 }

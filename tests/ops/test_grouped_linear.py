@@ -279,6 +279,51 @@ _TILE_SCRIPT = textwrap.dedent("""
 """)
 
 
+_PDL_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxfuse
+    rng = np.random.default_rng(3)
+    m, k, n, groups = 2304, 256, 384, 6
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((groups, k, n)) / 16, jnp.bfloat16)
+    d_out = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    fp8 = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
+    @jax.jit
+    def step(x, w, sizes, d_out):
+      outputs = []
+      for recipe in (None, fp8):
+        out, vjp = jax.vjp(lambda x, w: jaxfuse.grouped_linear(
+            x, w, sizes, recipe=recipe, implementation="ffi"), x, w)
+        outputs += [out, *vjp(d_out)]
+      return outputs
+    results = []
+    # One executable (XLA's CUDA graphs where it makes them), sizes changed on the device:
+    # ragged with an empty group and sum < m, then a sum past m.
+    for sizes in ([700, 0, 333, 600, 517, 100], [1024, 512, 512, 0, 512, 1024]):
+      results.append(np.concatenate([np.asarray(a, np.float32).ravel()
+                                     for a in step(x, w, jnp.asarray(sizes, jnp.int32), d_out)]))
+    np.save(sys.argv[1], np.stack(results))
+""")
+
+
+@pytest.mark.gpu
+def test_programmatic_dependent_launch_changes_no_bit(tmp_path):
+  """JAXFUSE_GROUPED_GEMM_PDL=1 launches the CUTLASS kernels as programmatic dependents of
+  the setup kernel (their CTAs wait in griddepcontrol.wait): bf16 and FP8 forward, dgrad and
+  wgrad, kAdaptive's two kernels included, must give the very bits of ordinary launches."""
+  runs = helpers.outputs_under_environments(
+      _PDL_SCRIPT, tmp_path, {"plain": {"JAXFUSE_GROUPED_GEMM_PDL": "0"},
+                              "pdl": {"JAXFUSE_GROUPED_GEMM_PDL": "1"},
+                              "pdl_adaptive": {"JAXFUSE_GROUPED_GEMM_PDL": "1",
+                                               "JAXFUSE_GROUPED_GEMM_TILE": "adaptive"},
+                              "plain_adaptive": {"JAXFUSE_GROUPED_GEMM_PDL": "0",
+                                                 "JAXFUSE_GROUPED_GEMM_TILE": "adaptive"}})
+  assert np.isfinite(runs["plain"]).all() and np.abs(runs["plain"]).max() > 0
+  np.testing.assert_array_equal(runs["pdl"], runs["plain"])
+  np.testing.assert_array_equal(runs["pdl_adaptive"], runs["plain_adaptive"])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", ["adaptive", "uniform", "large"])
 def test_large_tile_configs_match_float64_numpy(tmp_path, tile):

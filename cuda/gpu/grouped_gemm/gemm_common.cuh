@@ -31,6 +31,22 @@ namespace jaxfuse::grouped_gemm::detail {
 
 using GroupShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // <M,N,K>
 
+// A CUTLASS kernel whose every CTA first waits for the grid launched before it on the
+// stream (griddepcontrol.wait: that grid complete, its writes visible). CUTLASS's SM90
+// pointer-array kernels have no such wait of their own, and they read the setup kernel's
+// arrays from their first instruction on; with it they may be launched as programmatic
+// dependents of the setup kernel (JAXFUSE_GROUPED_GEMM_PDL), so their launch overlaps it.
+// Without the launch attribute the wait returns at once.
+template <class Base>
+struct WaitForPriorGrid : Base {
+  CUTLASS_DEVICE void operator()(typename Base::Params const& params, char* smem_buf) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    Base::operator()(params, smem_buf);
+  }
+};
+
 // Defines, at namespace scope (gcc's host pass failed when the collective builders were nested
 // in a class template), the type NAME = GemmUniversalAdapter<...> for one grouped kernel:
 //   EA/EB: operand element types, LA/LB: CUTLASS layout tags (RowMajor/ColumnMajor; see the
@@ -65,8 +81,8 @@ using StockMainloop = BuilderMainloop;
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(                  \
           sizeof(typename CollectiveEpilogue::SharedStorage))>,                            \
       KS>::CollectiveOp>;                                                                  \
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<GroupShape, CollectiveMainloop,      \
-                                                      CollectiveEpilogue>;                 \
+  using Kernel = WaitForPriorGrid<cutlass::gemm::kernel::GemmUniversal<                      \
+      GroupShape, CollectiveMainloop, CollectiveEpilogue>>;                                \
   }                                                                                        \
   using NAME = cutlass::gemm::device::GemmUniversalAdapter<NAME##_types::Kernel>;
 
@@ -214,7 +230,8 @@ cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream)
     cudaError_t error = cudaGetLastError();
     return error != cudaSuccess ? error : cudaErrorUnknown;
   }
-  if (gemm.run(stream) != cutlass::Status::kSuccess) {
+  if (gemm.run(stream, /*cuda_adapter=*/nullptr, ActiveTuningOptions().pdl) !=
+      cutlass::Status::kSuccess) {
     cudaError_t error = cudaGetLastError();
     return error != cudaSuccess ? error : cudaErrorLaunchFailure;
   }
@@ -382,8 +399,8 @@ using WgradBlockLayoutSFB = decltype(WgradBlockScaleConfig::deduce_layoutSFB());
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(                     \
           sizeof(typename CollectiveEpilogue::SharedStorage))>,                               \
       KS>::CollectiveOp>;                                                                     \
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<GroupShape, CollectiveMainloop,         \
-                                                      CollectiveEpilogue>;                    \
+  using Kernel = WaitForPriorGrid<cutlass::gemm::kernel::GemmUniversal<                         \
+      GroupShape, CollectiveMainloop, CollectiveEpilogue>>;                                   \
   }                                                                                           \
   using NAME = cutlass::gemm::device::GemmUniversalAdapter<NAME##_types::Kernel>;
 

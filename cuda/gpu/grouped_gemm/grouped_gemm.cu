@@ -470,6 +470,12 @@ __device__ int64_t ClampedMaxWarp(const int32_t* offsets, int count, int64_t m, 
 // waits for another. For forward/dgrad with G + 1 <= 32 offsets every warp finds its bounds
 // alone, so the zeroing warps of block 0 do not wait for its setup warp either.
 __global__ void __launch_bounds__(kSetupThreads) SetupKernel(SetupParams p, ZeroParams z) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Under JAXFUSE_GROUPED_GEMM_PDL the GEMM that follows may start its CTAs now; it reads
+  // nothing before griddepcontrol.wait, which returns once this grid is complete and its
+  // writes are visible. (Without the launch attribute this is a no-op.)
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
   const bool warp_setup = p.num_groups <= kWarpSetupMaxGroups;
   if (blockIdx.x == 0 && blockIdx.y == 0) {
     if (!warp_setup) {
@@ -534,6 +540,7 @@ TuningOptions& ActiveTuningOptions() {
       if (value == "stock") o.fp8_mainloop = 's';
       if (value == "pipelined") o.fp8_mainloop = 'p';
     }
+    if (const char* pdl = std::getenv("JAXFUSE_GROUPED_GEMM_PDL")) o.pdl = pdl[0] == '1';
     return o;
   }();
   return options;

@@ -54,6 +54,9 @@ struct TuningOptions {
   int swizzle = 1;
   TileConfig tile = TileConfig::kAuto;
   char fp8_mainloop = 'p';
+  // JAXFUSE_GROUPED_GEMM_PDL=1: launch the CUTLASS kernels with programmatic dependent
+  // launch, so their CTAs are resident while the setup kernel runs (WaitForPriorGrid).
+  bool pdl = false;
 };
 TuningOptions& ActiveTuningOptions();
 

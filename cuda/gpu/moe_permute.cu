@@ -1,9 +1,10 @@
 // CUDA handlers for the MoE token permutation (see jaxfuse/moe_permute.h).
 //
-// One block per token (grid-stride over tokens) handles that token's k copies, so each
-// output row has exactly one writer: no atomics, deterministic sums. Threads walk a row in
-// units of 8 elements: one 16-byte access for 16-bit types (two for fp32) whenever H is a
-// multiple of 8 and the buffers are 16-byte aligned, with a scalar path otherwise.
+// One block per token (the permute: a few tokens per iteration, grid-stride) handles that
+// token's k copies, so each output row has exactly one writer: no atomics, deterministic
+// sums. Threads walk a row in units of 8 elements: one 16-byte access for 16-bit types (two
+// for fp32) whenever H is a multiple of 8 and the buffers are 16-byte aligned, with a scalar
+// path otherwise.
 // Accumulation (unpermute) and the weight-gradient dot products are fp32.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -247,9 +248,11 @@ Shape MakeShape(const PermuteProblem& p, std::initializer_list<const void*> poin
 }
 
 // Benchmark knobs, read once: JAXFUSE_MOE_PERMUTE_TOKENS (1, 2, 4 or 8 tokens per block
-// iteration) and JAXFUSE_MOE_PERMUTE_STREAMING (1: streaming stores).
+// iteration) and JAXFUSE_MOE_PERMUTE_STREAMING (1: streaming stores). Four tokens: the
+// DeepSeek-like layer's two permutes took 373 us per step against 500 with one token per
+// iteration (H100, benchmarks/results/profile_kernels_s35perm_t{1,4}_*).
 struct PermuteKnobs {
-  int tokens = 1;
+  int tokens = 4;
   bool streaming = false;
 };
 

@@ -210,11 +210,10 @@ struct SetupParams {
   int32_t* shapes_uniform;
   int uniform_rows;
   int large_rows;
-  // kAdaptive: the column-tile slots each kernel spends on a row of tiles. Both tile N by
-  // 256; kLarge's 1x2 cluster rounds an odd column-tile count up (one idle CTA per row of
-  // tiles, e.g. 11 -> 12 at n = 2816), kUniform's 2x1 cluster does not.
-  int large_col_slots;
-  int uniform_col_slots;
+  // kAdaptive: output column tiles (both kernels tile N by 256). kUniform's 2x1 cluster
+  // spends that many slots on a row of tiles; kLarge's 1x2 cluster rounds an odd count up
+  // (one idle CTA per row of tiles, e.g. 11 -> 12 at n = 2816).
+  int col_tiles;
 };
 
 // kAdaptive: the kUniform kernel takes every tile when it computes at most 1/64 more tile
@@ -250,8 +249,9 @@ __device__ __forceinline__ TileSlots WarpSumSlots(TileSlots slots) {
 
 // `total` counts 128-row slots; each row slot holds the kernel's column-tile slots.
 __device__ __forceinline__ bool UniformSlotsFit(const SetupParams& p, const TileSlots& total) {
-  return total.uniform * p.uniform_col_slots * kUniformMaxExtraSlotsPer <=
-         total.large * p.large_col_slots * (kUniformMaxExtraSlotsPer + 1);
+  const int64_t large_col_slots = (p.col_tiles + 1) / 2 * 2;
+  return total.uniform * p.col_tiles * kUniformMaxExtraSlotsPer <=
+         total.large * large_col_slots * (kUniformMaxExtraSlotsPer + 1);
 }
 
 // kAdaptive: whether the kUniform kernel wastes at most 1/kUniformMaxExtraSlotsPer more
@@ -690,9 +690,7 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
       adaptive ? reinterpret_cast<int32_t*>(base + layout.shapes_uniform) : nullptr;
   s.uniform_rows = adaptive ? family.uniform.row_granularity() : 0;
   s.large_rows = 128;  // CTA tile M of the 16-bit large kernels
-  const int64_t col_tiles = CeilDiv(out_cols, 256);  // CTA tile N of both
-  s.large_col_slots = static_cast<int>(CeilDiv(col_tiles, 2) * 2);
-  s.uniform_col_slots = static_cast<int>(col_tiles);
+  s.col_tiles = static_cast<int>(CeilDiv(out_cols, 256));  // CTA tile N of both
 
   // One launch: setup arrays (block 0) and the zeroing of what the GEMM does not write.
   // At most one wave of blocks: every block pays a block-wide reduction of the offsets even

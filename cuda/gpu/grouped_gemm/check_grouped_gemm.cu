@@ -2,7 +2,8 @@
 // Not part of the library build (its name starts with check_). Build, e.g.:
 //   nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //     -I cuda/include -I <cutlass>/include cuda/gpu/grouped_gemm/*.cu -o check_grouped_gemm
-// Run: ./check_grouped_gemm [--no-perf | --perf-only | --sweep-scheduler | --uniform]. Exit status 0 iff
+// Run: ./check_grouped_gemm [--no-perf | --perf-only | --sweep-scheduler | --uniform |
+// --fp8-mainloops | --wgrad-variants]. Exit status 0 iff
 // every case passed.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -23,6 +24,9 @@
 #include "jaxfuse/grouped_gemm.h"
 
 namespace gg = jaxfuse::grouped_gemm;
+namespace jaxfuse::grouped_gemm::detail {
+int& Bf16WgradVariant();  // gemm_bf16_wgrad.cu (wgrad_variants.cuh)
+}
 
 #define CHECK_CUDA(expr)                                                                 \
   do {                                                                                   \
@@ -443,6 +447,7 @@ void Run16BitCases(const std::vector<Case>& cases, bool graph_first) {
 
 int main(int argc, char** argv) {
   bool perf = true, check = true, sweep = false, uniform_sweep = false, fp8_mainloops = false;
+  bool wgrad_variants = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-perf") == 0) perf = false;
     if (std::strcmp(argv[i], "--perf-only") == 0) check = false;
@@ -454,6 +459,9 @@ int main(int argc, char** argv) {
     // Checks and times the promoted FP8 families' two mainloops (pipelined promotion, stock
     // CUTLASS) on both configs, and times the blockwise FP8 kernels' two.
     if (std::strcmp(argv[i], "--fp8-mainloops") == 0) fp8_mainloops = true;
+    // Checks and times the experimental bf16 wgrad kernels (wgrad_variants.cuh) against
+    // the two configs.
+    if (std::strcmp(argv[i], "--wgrad-variants") == 0) wgrad_variants = true;
   }
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
@@ -553,6 +561,44 @@ int main(int argc, char** argv) {
                                /*block_scaling=*/true);
       }
     options = saved;
+    perf = check = false;
+  }
+
+  if (wgrad_variants) {
+    using bf16 = __nv_bfloat16;
+    int& variant = gg::detail::Bf16WgradVariant();
+    const int saved = variant;
+    // Empty group, sum < m, sum > m, a partial last k-block, negative offsets.
+    std::vector<Case> cases;
+    cases.push_back({"G=4 empty group, sum<m (m=1024,k=136,n=264)", 1024, 136, 264, OffsetsFromSizes({300, 0, 517, 129})});
+    cases.push_back({"G=3 sum>m (m=1000,k=256,n=384)", 1000, 256, 384, OffsetsFromSizes({700, 600, 500})});
+    cases.push_back({"G=4 non-monotone/negative offsets (m=600,k=128,n=128)", 600, 128, 128, {0, 100, 50, 400, -3}});
+    cases.push_back({"G=8 (m=4096,k=512,n=768)", 4096, 512, 768, OffsetsFromSizes({512, 512, 1024, 0, 256, 768, 512, 384})});
+    for (int v = 1; v <= 6; ++v) {
+      variant = v;
+      std::printf("== bf16 wgrad variant %d\n", v);
+      for (const Case& c : cases) RunCase<bf16, bf16, bf16>(c, gg::Form::kWgrad, gg::TileConfig::kAuto, false);
+      RunCase<bf16, bf16, bf16>(cases[0], gg::Form::kWgrad, gg::TileConfig::kAuto, true);
+    }
+    struct Shape { int G; int64_t rows; int64_t k; int64_t n; };
+    // The issue's 512-row cases, a DeepSeek-like expert's FC1 / FC2 (F = 1408, ~1536 rows
+    // per expert at 16k tokens, top-6 of 64) and the 8 x 8192 case.
+    const Shape shapes[] = {{64, 512, 2048, 4096}, {128, 512, 2048, 4096}, {64, 1536, 2048, 2816},
+                            {64, 1536, 1408, 2048}, {8, 8192, 2048, 4096}};
+    for (int round = 0; round < 2; ++round)
+      for (const Shape& s : shapes)
+        for (int v = 0; v <= 6; ++v) {
+          variant = v;
+          char label[32];
+          std::snprintf(label, sizeof(label), "wgrad v%d", v);
+          if (v == 0) {
+            Time<bf16, bf16, bf16>("wgrad large", gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kLarge);
+            Time<bf16, bf16, bf16>("wgrad small", gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kSmall);
+          } else {
+            Time<bf16, bf16, bf16>(label, gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kAuto);
+          }
+        }
+    variant = saved;
     perf = check = false;
   }
 

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "cutlass/util/packed_stride.hpp"
+#include "gemm_common.cuh"  // CUTLASS, for the batched (non-grouped) wgrad reference kernels
 #include "internal.cuh"
 #include "jaxfuse/columnwise.h"
 #include "jaxfuse/grouped_gemm.h"
@@ -433,6 +435,103 @@ void Time(const char* label, gg::Form form, int G, int64_t rows_per_group, int64
 }
 
 // ---------------------------------------------------------------------------------------------
+// CUTLASS's strided-batched (non-grouped) GEMM on the wgrad of equal groups: the same tiles
+// as the grouped kernels but one 3-D TMA descriptor per operand, no per-group descriptor
+// updates and no device problem shapes. What the grouped wgrad would run at without them
+// (--wgrad-variants).
+
+namespace batched_wgrad {
+using namespace cute;
+using Element = cutlass::bfloat16_t;
+template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+struct Config {
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
+      cutlass::layout::RowMajor, 8, Element, cutlass::layout::RowMajor, 8, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::ColumnMajor,
+      8, Element, cutlass::layout::RowMajor, 8, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+using Cooperative128x256 = Config<Shape<_128, _256, _64>, Shape<_2, _1, _1>,
+                                  cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                                  cutlass::epilogue::TmaWarpSpecializedCooperative>::Gemm;
+using Pingpong128x128 = Config<Shape<_128, _128, _64>, Shape<_1, _1, _1>,
+                               cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                               cutlass::epilogue::TmaWarpSpecialized>::Gemm;
+}  // namespace batched_wgrad
+
+// dw[g] = x_g^T dy_g for G groups of `rows` rows: M = k, N = n, K = rows, L = G.
+template <class Gemm>
+void TimeBatchedWgrad(const char* label, int G, int64_t rows, int64_t k, int64_t n) {
+  using Kernel = typename Gemm::GemmKernel;
+  const int64_t m = G * rows;
+  DeviceBuffer x(m * k * 2), dy(m * n * 2), dw(int64_t(G) * k * n * 2);
+  Fill<__nv_bfloat16>(x.as<__nv_bfloat16>(), m * k, 5, 1.f);
+  Fill<__nv_bfloat16>(dy.as<__nv_bfloat16>(), m * n, 6, 1.f);
+  auto shape_a = cute::make_shape(int(k), int(rows), G);
+  auto shape_b = cute::make_shape(int(n), int(rows), G);
+  auto shape_d = cute::make_shape(int(k), int(n), G);
+  typename Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = {int(k), int(n), int(rows), G};
+  args.mainloop.ptr_A = x.as<typename Gemm::ElementA>();
+  args.mainloop.dA = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, shape_a);
+  args.mainloop.ptr_B = dy.as<typename Gemm::ElementB>();
+  args.mainloop.dB = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, shape_b);
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, shape_d);
+  args.epilogue.ptr_D = dw.as<typename Gemm::ElementD>();
+  args.epilogue.dD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, shape_d);
+  args.hw_info.sm_count = g_sm_count;
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+    std::printf("PERF %-10s skipped: can_implement failed\n", label);
+    return;
+  }
+  DeviceBuffer ws(Gemm::get_workspace_size(args));
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  if (gemm.initialize(args, ws.ptr, stream) != cutlass::Status::kSuccess) {
+    std::printf("PERF %-10s skipped: initialize failed\n", label);
+    return;
+  }
+  auto launch = [&] {
+    if (gemm.run(stream) != cutlass::Status::kSuccess) {
+      std::fprintf(stderr, "batched wgrad run failed\n");
+      std::exit(2);
+    }
+  };
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start)); CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) launch();
+  std::vector<double> t;
+  for (int r = 0; r < 5; ++r) {
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    for (int i = 0; i < 30; ++i) launch();
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    t.push_back(ms / 30);
+  }
+  std::sort(t.begin(), t.end());
+  const double flops = 2.0 * double(m) * double(k) * double(n);
+  std::printf("PERF %-10s wgrad G=%-4d rows/group=%-5lld k=%-5lld n=%-5lld %-15s eager %.3f ms %6.1f TFLOP/s\n",
+              label, G, (long long)rows, (long long)k, (long long)n, "batched", t[2],
+              flops / t[2] * 1e-9);
+  cudaEventDestroy(start); cudaEventDestroy(stop); cudaStreamDestroy(stream);
+}
+
+// ---------------------------------------------------------------------------------------------
 
 // Every config on every case: kUniform must also be right on sizes it does not fit (it only
 // wastes tiles there), kAdaptive on both kinds (f16 and wgrad run kLarge for both).
@@ -596,6 +695,10 @@ int main(int argc, char** argv) {
             Time<bf16, bf16, bf16>("wgrad small", gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kSmall);
           } else {
             Time<bf16, bf16, bf16>(label, gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kAuto);
+          }
+          if (v == 6 && s.rows % 64 == 0) {
+            TimeBatchedWgrad<batched_wgrad::Cooperative128x256>("batch coop", s.G, s.rows, s.k, s.n);
+            TimeBatchedWgrad<batched_wgrad::Pingpong128x128>("batch ping", s.G, s.rows, s.k, s.n);
           }
         }
     variant = saved;

@@ -325,6 +325,40 @@ def test_programmatic_dependent_launch_changes_no_bit(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [1000, 520])
+def test_small_wgrad_cluster_pairing_matches_float64_numpy(tmp_path, n):
+  """The bf16 wgrad's kSmall runs a 1x2-cluster kernel where the column tiles pair up
+  (ceil(n / 128) even: n = 1000, with a partial last tile) and the 1x1 kernel otherwise
+  (n = 520); JAXFUSE_GROUPED_GEMM_WGRAD_PAIR=0 forces the 1x1 one. Both against float64
+  numpy on ragged sizes with an empty group, sum < m and sum > m, and bit for bit against
+  each other (same tile, same accumulation order: only the operand loads are shared)."""
+  m, k, groups = 2560, 136, 5
+  x, kernel = make_inputs(11, m, k, n, groups, jnp.bfloat16)
+  d_out = helpers.random_array(np.random.default_rng(12), (m, n), jnp.bfloat16)
+  np.savez(tmp_path / "in.npz", **{name: np.asarray(a, np.float32)
+                                   for name, a in (("x", x), ("w", kernel), ("d_out", d_out))})
+  size_sets = ([700, 0, 333, 600, 517],  # ragged, an empty group, sum < m
+               [1024, 1024, 512, 512, 2048])  # sum > m: cut at m
+  runs = {}
+  for pair in ("1", "0"):
+    directory = tmp_path / f"pair{pair}"
+    directory.mkdir()
+    (directory / "in.npz").write_bytes((tmp_path / "in.npz").read_bytes())
+    subprocess.run([sys.executable, "-c", _TILE_SCRIPT, str(directory),
+                    *(",".join(map(str, sizes)) for sizes in size_sets)],
+                   env=dict(os.environ, JAXFUSE_GROUPED_GEMM_TILE="small",
+                            JAXFUSE_GROUPED_GEMM_WGRAD_PAIR=pair),
+                   check=True, timeout=300)
+    runs[pair] = np.load(directory / "out.npz")
+  for index, sizes in enumerate(size_sets):
+    _, want_kernel = numpy_grouped_grads(x, kernel, sizes, d_out)
+    for pair, results in runs.items():
+      helpers.assert_close(results[f"{index}_d_kernel"], want_kernel, jnp.bfloat16,
+                           msg=f"wgrad pair={pair} n={n} {sizes}")
+    np.testing.assert_array_equal(runs["1"][f"{index}_d_kernel"], runs["0"][f"{index}_d_kernel"])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile", ["adaptive", "uniform", "large"])
 def test_large_tile_configs_match_float64_numpy(tmp_path, tile):
   """The 128-row-tile kernel, the kUniform kernel (fit for multiples of its row granularity,

@@ -3,7 +3,7 @@
 //   nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //     -I cuda/include -I <cutlass>/include cuda/gpu/grouped_gemm/*.cu -o check_grouped_gemm
 // Run: ./check_grouped_gemm [--no-perf | --perf-only | --sweep-scheduler | --uniform |
-// --fp8-mainloops | --wgrad-variants]. Exit status 0 iff
+// --fp8-mainloops | --wgrad-configs]. Exit status 0 iff
 // every case passed.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -26,9 +26,6 @@
 #include "jaxfuse/grouped_gemm.h"
 
 namespace gg = jaxfuse::grouped_gemm;
-namespace jaxfuse::grouped_gemm::detail {
-int& Bf16WgradVariant();  // gemm_bf16_wgrad.cu (wgrad_variants.cuh)
-}
 
 #define CHECK_CUDA(expr)                                                                 \
   do {                                                                                   \
@@ -438,7 +435,7 @@ void Time(const char* label, gg::Form form, int G, int64_t rows_per_group, int64
 // CUTLASS's strided-batched (non-grouped) GEMM on the wgrad of equal groups: the same tiles
 // as the grouped kernels but one 3-D TMA descriptor per operand, no per-group descriptor
 // updates and no device problem shapes. What the grouped wgrad would run at without them
-// (--wgrad-variants).
+// (--wgrad-configs).
 
 namespace batched_wgrad {
 using namespace cute;
@@ -546,7 +543,7 @@ void Run16BitCases(const std::vector<Case>& cases, bool graph_first) {
 
 int main(int argc, char** argv) {
   bool perf = true, check = true, sweep = false, uniform_sweep = false, fp8_mainloops = false;
-  bool wgrad_variants = false;
+  bool wgrad_configs = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-perf") == 0) perf = false;
     if (std::strcmp(argv[i], "--perf-only") == 0) check = false;
@@ -558,9 +555,9 @@ int main(int argc, char** argv) {
     // Checks and times the promoted FP8 families' two mainloops (pipelined promotion, stock
     // CUTLASS) on both configs, and times the blockwise FP8 kernels' two.
     if (std::strcmp(argv[i], "--fp8-mainloops") == 0) fp8_mainloops = true;
-    // Checks and times the experimental bf16 wgrad kernels (wgrad_variants.cuh) against
-    // the two configs.
-    if (std::strcmp(argv[i], "--wgrad-variants") == 0) wgrad_variants = true;
+    // Checks and times the bf16 wgrad's kernels (kLarge, kSmall with the 1x1 and the 1x2
+    // cluster) and CUTLASS's strided-batched GEMM on equal groups.
+    if (std::strcmp(argv[i], "--wgrad-configs") == 0) wgrad_configs = true;
   }
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
@@ -663,45 +660,41 @@ int main(int argc, char** argv) {
     perf = check = false;
   }
 
-  if (wgrad_variants) {
+  if (wgrad_configs) {
     using bf16 = __nv_bfloat16;
-    int& variant = gg::detail::Bf16WgradVariant();
-    const int saved = variant;
-    // Empty group, sum < m, sum > m, a partial last k-block, negative offsets.
+    bool& pair = gg::detail::ActiveTuningOptions().wgrad_pair;
+    const bool saved = pair;
+    // Empty group, sum < m, sum > m, a partial last k-block, negative offsets; column tiles
+    // odd (264, 136: the 1x1 kernel) and even (384, 128 x 2, 768: the 1x2 one).
     std::vector<Case> cases;
     cases.push_back({"G=4 empty group, sum<m (m=1024,k=136,n=264)", 1024, 136, 264, OffsetsFromSizes({300, 0, 517, 129})});
     cases.push_back({"G=3 sum>m (m=1000,k=256,n=384)", 1000, 256, 384, OffsetsFromSizes({700, 600, 500})});
-    cases.push_back({"G=4 non-monotone/negative offsets (m=600,k=128,n=128)", 600, 128, 128, {0, 100, 50, 400, -3}});
+    cases.push_back({"G=4 non-monotone/negative offsets (m=600,k=128,n=256)", 600, 128, 256, {0, 100, 50, 400, -3}});
     cases.push_back({"G=8 (m=4096,k=512,n=768)", 4096, 512, 768, OffsetsFromSizes({512, 512, 1024, 0, 256, 768, 512, 384})});
-    for (int v = 1; v <= 6; ++v) {
-      variant = v;
-      std::printf("== bf16 wgrad variant %d\n", v);
-      for (const Case& c : cases) RunCase<bf16, bf16, bf16>(c, gg::Form::kWgrad, gg::TileConfig::kAuto, false);
-      RunCase<bf16, bf16, bf16>(cases[0], gg::Form::kWgrad, gg::TileConfig::kAuto, true);
+    for (bool paired : {false, true}) {
+      pair = paired;
+      std::printf("== bf16 wgrad kSmall, %s\n", paired ? "1x2 cluster where the column tiles pair" : "1x1 cluster");
+      for (const Case& c : cases) RunCase<bf16, bf16, bf16>(c, gg::Form::kWgrad, gg::TileConfig::kSmall, false);
+      RunCase<bf16, bf16, bf16>(cases[1], gg::Form::kWgrad, gg::TileConfig::kSmall, true);
     }
     struct Shape { int G; int64_t rows; int64_t k; int64_t n; };
     // The issue's 512-row cases, a DeepSeek-like expert's FC1 / FC2 (F = 1408, ~1536 rows
     // per expert at 16k tokens, top-6 of 64) and the 8 x 8192 case.
     const Shape shapes[] = {{64, 512, 2048, 4096}, {128, 512, 2048, 4096}, {64, 1536, 2048, 2816},
                             {64, 1536, 1408, 2048}, {8, 8192, 2048, 4096}};
-    for (int round = 0; round < 2; ++round)
-      for (const Shape& s : shapes)
-        for (int v = 0; v <= 6; ++v) {
-          variant = v;
-          char label[32];
-          std::snprintf(label, sizeof(label), "wgrad v%d", v);
-          if (v == 0) {
-            Time<bf16, bf16, bf16>("wgrad large", gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kLarge);
-            Time<bf16, bf16, bf16>("wgrad small", gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kSmall);
-          } else {
-            Time<bf16, bf16, bf16>(label, gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kAuto);
-          }
-          if (v == 6 && s.rows % 64 == 0) {
-            TimeBatchedWgrad<batched_wgrad::Cooperative128x256>("batch coop", s.G, s.rows, s.k, s.n);
-            TimeBatchedWgrad<batched_wgrad::Pingpong128x128>("batch ping", s.G, s.rows, s.k, s.n);
-          }
-        }
-    variant = saved;
+    for (int round = 0; round < (perf ? 2 : 0); ++round)  // --no-perf: the checks only
+      for (const Shape& s : shapes) {
+        pair = true;
+        Time<bf16, bf16, bf16>("wgrad large", gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kLarge);
+        Time<bf16, bf16, bf16>("small 1x2", gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kSmall);
+        pair = false;
+        Time<bf16, bf16, bf16>("small 1x1", gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kSmall);
+        pair = saved;
+        Time<bf16, bf16, bf16>("wgrad auto", gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kAuto);
+        TimeBatchedWgrad<batched_wgrad::Cooperative128x256>("batch coop", s.G, s.rows, s.k, s.n);
+        TimeBatchedWgrad<batched_wgrad::Pingpong128x128>("batch ping", s.G, s.rows, s.k, s.n);
+      }
+    pair = saved;
     perf = check = false;
   }
 

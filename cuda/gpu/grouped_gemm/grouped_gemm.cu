@@ -541,6 +541,9 @@ TuningOptions& ActiveTuningOptions() {
       if (value == "pipelined") o.fp8_mainloop = 'p';
     }
     if (const char* pdl = std::getenv("JAXFUSE_GROUPED_GEMM_PDL")) o.pdl = pdl[0] == '1';
+    if (const char* pair = std::getenv("JAXFUSE_GROUPED_GEMM_WGRAD_PAIR")) {
+      o.wgrad_pair = pair[0] != '0';
+    }
     return o;
   }();
   return options;
@@ -733,6 +736,7 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   // groups (8 x 8192 rows, bf16 and FP8) and ties elsewhere; M wins for wgrad.
   const char raster = detail::ActiveTuningOptions().raster;
   arrays.raster = raster != 0 ? raster : (wgrad ? 'M' : 'N');
+  arrays.columns = wgrad || p.form == Form::kForward ? p.n : p.k;
   if (config == TileConfig::kUniform) return family.uniform.run(config, arrays, sm_count, stream);
   if (!adaptive) return family.run(config, arrays, sm_count, stream);
   // kAdaptive: both kernels on the stream; the one the setup kernel gave no rows exits at once.

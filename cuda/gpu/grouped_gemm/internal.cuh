@@ -32,6 +32,8 @@ struct GemmArrays {
   void* cutlass_workspace = nullptr;  // CUTLASS's own workspace (tensormaps per SM)
   size_t cutlass_workspace_bytes = 0;
   char raster = 'M';                  // tile scheduler raster order: 'M' or 'N' (host value)
+  int64_t columns = 0;                // CUTLASS N of every group (host value; the bf16 wgrad
+                                      // picks its small kernel's cluster shape from it)
 };
 
 // Block edge of the blockwise FP8 scales (both the 1 x 128 and the 128 x 128 blocks);
@@ -57,6 +59,9 @@ struct TuningOptions {
   // JAXFUSE_GROUPED_GEMM_PDL=1: launch the CUTLASS kernels with programmatic dependent
   // launch, so their CTAs are resident while the setup kernel runs (WaitForPriorGrid).
   bool pdl = false;
+  // JAXFUSE_GROUPED_GEMM_WGRAD_PAIR=0: the bf16 wgrad's kSmall always runs its 1x1-cluster
+  // kernel (default: the 1x2 one where the column tiles pair up; gemm_bf16_wgrad.cu).
+  bool wgrad_pair = true;
 };
 TuningOptions& ActiveTuningOptions();
 

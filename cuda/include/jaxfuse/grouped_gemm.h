@@ -61,7 +61,8 @@ enum class TileConfig {
   kAuto = 0,
   kLarge = 1,  // 16-bit: cooperative 128x256x64 (cluster 1x2; wgrad 2x1);
                // FP8: cooperative 128x128x128, cluster 1x2 (fast accumulation: 128x256x128)
-  kSmall = 2,  // 16-bit: ping-pong 128x128x64, cluster 1x1; FP8: ping-pong 64x128x128, 1x1
+  kSmall = 2,  // 16-bit: ping-pong 128x128x64, cluster 1x1 (bf16 wgrad: 1x2 where
+               // ceil(n / 128) is even); FP8: ping-pong 64x128x128, 1x1
                // (f16 has one config, the large one, for both)
   // bf16 forward/dgrad only (other families run kLarge for both):
   kUniform = 3,   // cooperative 128x256x64, cluster 2x1: for groups with even 128-row tile

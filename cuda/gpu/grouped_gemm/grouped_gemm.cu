@@ -23,8 +23,10 @@ constexpr int kSetupThreads = 256;
 // the setup arrays with shuffles only, no block barrier.
 constexpr int kWarpSetupMaxGroups = 31;
 // 16-bit wgrad with at most this many rows per group (m / G) runs the ping-pong kSmall
-// config (see ChooseTileConfig).
+// config (see ChooseTileConfig); up to the second bound when kLarge's cluster pairs would
+// leave a CTA idle and kSmall's would not.
 constexpr int64_t kWgradPingPongMaxRows = 1024;
+constexpr int64_t kWgradOddRowTilesPingPongMaxRows = 2048;
 
 size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -585,6 +587,15 @@ TileConfig ChooseTileConfig(const Problem& p, int sm_count) {
     // H200 (k = 2048, n = 4096): +7% at 512 rows per group, -4% at 8192. The FP8 small
     // config (64-row tiles) loses there (README).
     if (Is16Bit(p.a_type) && rows_per_group <= kWgradPingPongMaxRows) return TileConfig::kSmall;
+    // kLarge's 2x1 cluster pairs k's 128-row tiles: an odd count idles one CTA of every
+    // group's last pair (1/12 of them at k = 1408, a 64-expert layer's FC2 wgrad with
+    // F = 1408), where the bf16 small config's 1x2 pairs of column tiles waste nothing when
+    // ceil(n / 128) is even. Measured (H100, check_grouped_gemm --wgrad-configs, 1536 rows
+    // per group, k = 1408, n = 2048): 582-590 against 542-573 TFLOP/s.
+    if (p.a_type == ElementType::kBF16 && rows_per_group <= kWgradOddRowTilesPingPongMaxRows &&
+        CeilDiv(p.k, 128) % 2 == 1 && CeilDiv(p.n, 128) % 2 == 0) {
+      return TileConfig::kSmall;
+    }
     return TileConfig::kLarge;
   }
   const int64_t out_cols = p.form == Form::kForward ? p.n : p.k;

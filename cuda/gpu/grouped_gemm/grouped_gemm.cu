@@ -591,9 +591,11 @@ TileConfig ChooseTileConfig(const Problem& p, int sm_count) {
     // group's last pair (1/12 of them at k = 1408, a 64-expert layer's FC2 wgrad with
     // F = 1408), where the bf16 small config's 1x2 pairs of column tiles waste nothing when
     // ceil(n / 128) is even. Measured (H100, check_grouped_gemm --wgrad-configs, 1536 rows
-    // per group, k = 1408, n = 2048): 582-590 against 542-573 TFLOP/s.
-    if (p.a_type == ElementType::kBF16 && rows_per_group <= kWgradOddRowTilesPingPongMaxRows &&
-        CeilDiv(p.k, 128) % 2 == 1 && CeilDiv(p.n, 128) % 2 == 0) {
+    // per group, k = 1408, n = 2048): 582-590 against 542-573 TFLOP/s. Off with the pairs
+    // (JAXFUSE_GROUPED_GEMM_WGRAD_PAIR=0 restores the earlier choice entirely).
+    if (p.a_type == ElementType::kBF16 && detail::ActiveTuningOptions().wgrad_pair &&
+        rows_per_group <= kWgradOddRowTilesPingPongMaxRows && CeilDiv(p.k, 128) % 2 == 1 &&
+        CeilDiv(p.n, 128) % 2 == 0) {
       return TileConfig::kSmall;
     }
     return TileConfig::kLarge;

@@ -37,7 +37,9 @@ bool RunsPairedSmall(const GemmArrays& arrays) {
 }  // namespace
 
 size_t Bf16Wgrad_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {
-  if (config != TileConfig::kSmall) return CutlassWorkspaceBytes<Bf16WgradLarge>(num_groups, sm_count);
+  if (config != TileConfig::kSmall) {
+    return CutlassWorkspaceBytes<Bf16WgradLarge>(num_groups, sm_count);
+  }
   // Either small kernel may run (the choice needs n): room for both.
   return std::max(CutlassWorkspaceBytes<Bf16WgradSmall>(num_groups, sm_count),
                   CutlassWorkspaceBytes<Bf16WgradSmallPair>(num_groups, sm_count));

@@ -19,7 +19,7 @@ JAXFUSE_GG_DEFINE_GEMM(Bf16WgradSmall, cutlass::bfloat16_t, cutlass::layout::Col
 // kSmall's tile with a 1x2 cluster: the two CTAs of a cluster share (multicast) x's tile, so
 // each loads 0.0117 instead of 0.0156 bytes of operands per flop. Run for kSmall when the
 // column tiles pair up (ceil(n / 128) even). Measured (check_grouped_gemm --wgrad-configs,
-// H100, s36): +2-11% over the 1x1 kernel at 512 rows per group, +3-8% over kLarge on a
+// H100, s36): +0-11% over the 1x1 kernel at 512 rows per group, +3-8% over kLarge on a
 // DeepSeek-like FC2 wgrad (k = 1408, n = 2048, 1536 rows per group).
 JAXFUSE_GG_DEFINE_GEMM(Bf16WgradSmallPair, cutlass::bfloat16_t, cutlass::layout::ColumnMajor,
                        cutlass::bfloat16_t, cutlass::layout::RowMajor, cutlass::bfloat16_t,

@@ -328,6 +328,25 @@ void RunCase(const Case& c, gg::Form form, gg::TileConfig config, bool use_graph
 // ---------------------------------------------------------------------------------------------
 // Timing.
 
+// Milliseconds per launch: the median over 5 repetitions of 30 launches each, timed with
+// CUDA events on `stream` (clocks vary on random data).
+template <class Launch>
+double MedianLaunchMs(cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop, Launch&& launch) {
+  const int iters = 30, reps = 5;
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    for (int i = 0; i < iters; ++i) launch();
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    t.push_back(ms / iters);
+  }
+  std::sort(t.begin(), t.end());
+  return t[reps / 2];
+}
+
 // `block_scaling`: the blockwise FP8 kernels (Float8BlockScaling), every block scale 1.
 template <class TA, class TB, class TO>
 void Time(const char* label, gg::Form form, int G, int64_t rows_per_group, int64_t k, int64_t n,
@@ -391,22 +410,7 @@ void Time(const char* label, gg::Form form, int G, int64_t rows_per_group, int64
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start)); CHECK_CUDA(cudaEventCreate(&stop));
   const double flops = 2.0 * double(m) * double(k) * double(n);
-  // Median over 5 repetitions of 30 launches each (clocks vary on random data).
-  const int iters = 30, reps = 5;
-  auto median_ms = [&](auto&& launch) {
-    std::vector<double> t;
-    for (int r = 0; r < reps; ++r) {
-      CHECK_CUDA(cudaEventRecord(start, stream));
-      for (int i = 0; i < iters; ++i) launch();
-      CHECK_CUDA(cudaEventRecord(stop, stream));
-      CHECK_CUDA(cudaEventSynchronize(stop));
-      float ms = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-      t.push_back(ms / iters);
-    }
-    std::sort(t.begin(), t.end());
-    return t[reps / 2];
-  };
+  auto median_ms = [&](auto&& launch) { return MedianLaunchMs(stream, start, stop, launch); };
   for (int i = 0; i < 3; ++i) CHECK_CUDA(gg::Run(p, g_sm_count, stream));
   double eager_ms = median_ms([&] { CHECK_CUDA(gg::Run(p, g_sm_count, stream)); });
 
@@ -510,21 +514,11 @@ void TimeBatchedWgrad(const char* label, int G, int64_t rows, int64_t k, int64_t
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start)); CHECK_CUDA(cudaEventCreate(&stop));
   for (int i = 0; i < 3; ++i) launch();
-  std::vector<double> t;
-  for (int r = 0; r < 5; ++r) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    for (int i = 0; i < 30; ++i) launch();
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    t.push_back(ms / 30);
-  }
-  std::sort(t.begin(), t.end());
+  const double ms = MedianLaunchMs(stream, start, stop, launch);
   const double flops = 2.0 * double(m) * double(k) * double(n);
   std::printf("PERF %-10s wgrad G=%-4d rows/group=%-5lld k=%-5lld n=%-5lld %-15s eager %.3f ms %6.1f TFLOP/s\n",
-              label, G, (long long)rows, (long long)k, (long long)n, "batched", t[2],
-              flops / t[2] * 1e-9);
+              label, G, (long long)rows, (long long)k, (long long)n, "batched", ms,
+              flops / ms * 1e-9);
   cudaEventDestroy(start); cudaEventDestroy(stop); cudaStreamDestroy(stream);
 }
 

@@ -27,15 +27,6 @@ JAXFUSE_GG_DEFINE_GEMM(Bf16WgradSmallPair, cutlass::bfloat16_t, cutlass::layout:
                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                        cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
 
-namespace {
-// kSmall runs the 1x2-cluster kernel where the column tiles pair up, unless
-// JAXFUSE_GROUPED_GEMM_WGRAD_PAIR=0 (A/B measurements): a host-side choice.
-bool RunsPairedSmall(const GemmArrays& arrays) {
-  return ActiveTuningOptions().wgrad_pair && arrays.columns > 0 &&
-         (arrays.columns + 127) / 128 % 2 == 0;
-}
-}  // namespace
-
 size_t Bf16Wgrad_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {
   if (config != TileConfig::kSmall) {
     return CutlassWorkspaceBytes<Bf16WgradLarge>(num_groups, sm_count);
@@ -48,8 +39,10 @@ size_t Bf16Wgrad_WorkspaceBytes(TileConfig config, int num_groups, int sm_count)
 cudaError_t Bf16Wgrad_Run(TileConfig config, const GemmArrays& arrays, int sm_count,
                           cudaStream_t stream) {
   if (config != TileConfig::kSmall) return RunGemm<Bf16WgradLarge>(arrays, sm_count, stream);
-  return RunsPairedSmall(arrays) ? RunGemm<Bf16WgradSmallPair>(arrays, sm_count, stream)
-                                 : RunGemm<Bf16WgradSmall>(arrays, sm_count, stream);
+  if (Bf16WgradPairsColumnTiles(arrays.columns)) {
+    return RunGemm<Bf16WgradSmallPair>(arrays, sm_count, stream);
+  }
+  return RunGemm<Bf16WgradSmall>(arrays, sm_count, stream);
 }
 
 }  // namespace jaxfuse::grouped_gemm::detail

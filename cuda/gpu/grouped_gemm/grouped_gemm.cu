@@ -593,9 +593,8 @@ TileConfig ChooseTileConfig(const Problem& p, int sm_count) {
     // ceil(n / 128) is even. Measured (H100, check_grouped_gemm --wgrad-configs, 1536 rows
     // per group, k = 1408, n = 2048): 582-590 against 542-573 TFLOP/s. Off with the pairs
     // (JAXFUSE_GROUPED_GEMM_WGRAD_PAIR=0 restores the earlier choice entirely).
-    if (p.a_type == ElementType::kBF16 && detail::ActiveTuningOptions().wgrad_pair &&
-        rows_per_group <= kWgradOddRowTilesPingPongMaxRows && CeilDiv(p.k, 128) % 2 == 1 &&
-        CeilDiv(p.n, 128) % 2 == 0) {
+    if (p.a_type == ElementType::kBF16 && rows_per_group <= kWgradOddRowTilesPingPongMaxRows &&
+        CeilDiv(p.k, 128) % 2 == 1 && detail::Bf16WgradPairsColumnTiles(p.n)) {
       return TileConfig::kSmall;
     }
     return TileConfig::kLarge;

@@ -65,6 +65,13 @@ struct TuningOptions {
 };
 TuningOptions& ActiveTuningOptions();
 
+// Whether the bf16 wgrad's kSmall runs its 1x2-cluster kernel for CUTLASS N = `columns`:
+// the 128-wide column tiles pair up (and JAXFUSE_GROUPED_GEMM_WGRAD_PAIR is not 0). Both
+// the kernel choice (gemm_bf16_wgrad.cu) and the heuristic (grouped_gemm.cu) ask this.
+inline bool Bf16WgradPairsColumnTiles(int64_t columns) {
+  return ActiveTuningOptions().wgrad_pair && columns > 0 && (columns + 127) / 128 % 2 == 0;
+}
+
 // One entry point pair per kernel family (one family per .cu file). `config` is kLarge or
 // kSmall (families with a single config ignore it).
 #define JAXFUSE_GG_DECLARE_FAMILY(NAME)                                                    \

@@ -16,9 +16,19 @@ out=$1
 py=${2:-python3}
 jobs=${JOBS:-$(nproc)}
 cutlass=$($py -c "import cutlass_library,os;print(os.path.dirname(cutlass_library.__file__)+'/source')")
+# cuBLASLt's header (check_grouped_gemm --cublaslt-grouped opens the library at run time):
+# the CUDA toolkit's, else the nvidia-cublas wheel's, as CMakeLists.txt looks for it.
+cublas_include=$($py -c "
+import os
+try:
+  import nvidia; paths = list(nvidia.__path__)
+except ImportError:
+  paths = []
+print(next((os.path.join(p, s) for p in paths for s in ('cu13/include', 'cublas/include')
+            if os.path.exists(os.path.join(p, s, 'cublasLt.h'))), ''))")
 flags=(-std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -diag-suppress=940,2473
        -gencode=arch=compute_90a,code=sm_90a -Icuda/include -I"$cutlass/include"
-       -I"$cutlass/tools/util/include")
+       -I"$cutlass/tools/util/include" ${cublas_include:+-I"$cublas_include"})
 mkdir -p "$out"
 for source in cuda/gpu/*/check_*.cu; do
   [ -e "$source" ] || continue

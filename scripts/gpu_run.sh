@@ -147,6 +147,11 @@ PYEOF
       # Stand-alone checks: a binary prebuilt on the dev machine (.gpu_src/prebuilt/NAME,
       # see scripts/build_check.sh) or built here; CHECK_ARGS go to every binary (e.g.
       # --sweep-scheduler for check_grouped_gemm).
+      # Without JAX in the process, the nvidia wheels' libraries (cuBLASLt for
+      # --cublaslt-grouped) are on no default path.
+      wheel_libs=$($PY -c "import nvidia, os; print(':'.join(os.path.join(p, s) for p in nvidia.__path__ for s in ('cu13/lib', 'cublas/lib') if os.path.isdir(os.path.join(p, s))))" 2>/dev/null)
+      export LD_LIBRARY_PATH=${wheel_libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+      log "nvidia-cublas $($PY -m pip show nvidia-cublas 2>/dev/null | grep -i '^version'); LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
       for source in cuda/gpu/*/check_*.cu; do
         [ -e "$source" ] || continue
         name=$(basename "$source" .cu)

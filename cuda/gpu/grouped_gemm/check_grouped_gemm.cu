@@ -540,6 +540,8 @@ struct Api {
   decltype(&::cublasLtMatmulDescSetAttribute) MatmulDescSetAttribute;
   decltype(&::cublasLtMatmulDescDestroy) MatmulDescDestroy;
   decltype(&::cublasLtGroupedMatrixLayoutCreate) GroupedMatrixLayoutCreate;
+  decltype(&::cublasLtMatrixLayoutCreate) MatrixLayoutCreate;
+  decltype(&::cublasLtMatrixLayoutSetAttribute) MatrixLayoutSetAttribute;
   decltype(&::cublasLtMatrixLayoutDestroy) MatrixLayoutDestroy;
   decltype(&::cublasLtMatmulPreferenceCreate) MatmulPreferenceCreate;
   decltype(&::cublasLtMatmulPreferenceSetAttribute) MatmulPreferenceSetAttribute;
@@ -571,13 +573,18 @@ const Api* Load() {
   bind(api.MatmulDescCreate, "cublasLtMatmulDescCreate");
   bind(api.MatmulDescSetAttribute, "cublasLtMatmulDescSetAttribute");
   bind(api.MatmulDescDestroy, "cublasLtMatmulDescDestroy");
-  bind(api.GroupedMatrixLayoutCreate, "cublasLtGroupedMatrixLayoutCreate");
+  bind(api.MatrixLayoutCreate, "cublasLtMatrixLayoutCreate");
+  bind(api.MatrixLayoutSetAttribute, "cublasLtMatrixLayoutSetAttribute");
   bind(api.MatrixLayoutDestroy, "cublasLtMatrixLayoutDestroy");
   bind(api.MatmulPreferenceCreate, "cublasLtMatmulPreferenceCreate");
   bind(api.MatmulPreferenceSetAttribute, "cublasLtMatmulPreferenceSetAttribute");
   bind(api.MatmulPreferenceDestroy, "cublasLtMatmulPreferenceDestroy");
   bind(api.MatmulAlgoGetHeuristic, "cublasLtMatmulAlgoGetHeuristic");
   bind(api.Matmul, "cublasLtMatmul");
+  // Newer libraries only (the layout can also be set up through its attributes, below).
+  api.GroupedMatrixLayoutCreate = reinterpret_cast<decltype(api.GroupedMatrixLayoutCreate)>(
+      dlsym(library, "cublasLtGroupedMatrixLayoutCreate"));
+  if (!api.GroupedMatrixLayoutCreate) std::printf("cuBLASLt: no cublasLtGroupedMatrixLayoutCreate\n");
   if (ok && api.Create(&api.handle) != CUBLAS_STATUS_SUCCESS) ok = false;
   if (ok) std::printf("cuBLASLt: loaded version %zu\n", api.GetVersion());
   return ok ? &api : nullptr;
@@ -641,6 +648,28 @@ struct GroupedArrays {
   }
 };
 
+// A grouped layout: with cublasLtGroupedMatrixLayoutCreate where the library has it, else a
+// plain layout switched to CUBLASLT_BATCH_MODE_GROUPED through its attributes.
+cublasStatus_t GroupedLayout(const lt::Api& api, cublasLtMatrixLayout_t* layout, int G,
+                             const void* rows, const void* cols, const void* ld) {
+  if (api.GroupedMatrixLayoutCreate)
+    return api.GroupedMatrixLayoutCreate(layout, CUDA_R_16BF, G, rows, cols, ld);
+  cublasStatus_t s = api.MatrixLayoutCreate(layout, CUDA_R_16BF, 1, 1, 1);
+  const uint32_t mode = CUBLASLT_BATCH_MODE_GROUPED;
+  const int32_t count = G;
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = api.MatrixLayoutSetAttribute(*layout, CUBLASLT_MATRIX_LAYOUT_BATCH_MODE, &mode, sizeof(mode));
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = api.MatrixLayoutSetAttribute(*layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count));
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = api.MatrixLayoutSetAttribute(*layout, CUBLASLT_GROUPED_MATRIX_LAYOUT_ROWS_ARRAY, &rows, sizeof(rows));
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = api.MatrixLayoutSetAttribute(*layout, CUBLASLT_GROUPED_MATRIX_LAYOUT_COLS_ARRAY, &cols, sizeof(cols));
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = api.MatrixLayoutSetAttribute(*layout, CUBLASLT_GROUPED_MATRIX_LAYOUT_LD_ARRAY, &ld, sizeof(ld));
+  return s;
+}
+
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
@@ -670,11 +699,11 @@ bool MakePlan(const lt::Api& api, const Grouped& p, GroupedArrays& arrays, int G
   CHECK_LT(api.MatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_ALPHA_BATCH_STRIDE, &zero_stride, sizeof(zero_stride)));
   CHECK_LT(api.MatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BETA_BATCH_STRIDE, &zero_stride, sizeof(zero_stride)));
   const bool a_n = p.op_a == CUBLAS_OP_N, b_n = p.op_b == CUBLAS_OP_N;
-  CHECK_LT(api.GroupedMatrixLayoutCreate(&plan->a, CUDA_R_16BF, G, a_n ? arrays.M.ptr : arrays.K.ptr,
-                                         a_n ? arrays.K.ptr : arrays.M.ptr, arrays.lda.ptr));
-  CHECK_LT(api.GroupedMatrixLayoutCreate(&plan->b, CUDA_R_16BF, G, b_n ? arrays.K.ptr : arrays.N.ptr,
-                                         b_n ? arrays.N.ptr : arrays.K.ptr, arrays.ldb.ptr));
-  CHECK_LT(api.GroupedMatrixLayoutCreate(&plan->d, CUDA_R_16BF, G, arrays.M.ptr, arrays.N.ptr, arrays.ldd.ptr));
+  CHECK_LT(GroupedLayout(api, &plan->a, G, a_n ? arrays.M.ptr : arrays.K.ptr,
+                         a_n ? arrays.K.ptr : arrays.M.ptr, arrays.lda.ptr));
+  CHECK_LT(GroupedLayout(api, &plan->b, G, b_n ? arrays.K.ptr : arrays.N.ptr,
+                         b_n ? arrays.N.ptr : arrays.K.ptr, arrays.ldb.ptr));
+  CHECK_LT(GroupedLayout(api, &plan->d, G, arrays.M.ptr, arrays.N.ptr, arrays.ldd.ptr));
   cublasLtMatmulPreference_t pref;
   CHECK_LT(api.MatmulPreferenceCreate(&pref));
   uint32_t rows = uint32_t(swap_hints ? avg_n : avg_m), cols = uint32_t(swap_hints ? avg_m : avg_n);

@@ -152,6 +152,8 @@ PYEOF
       wheel_libs=$($PY -c "import nvidia, os; print(':'.join(os.path.join(p, s) for p in nvidia.__path__ for s in ('cu13/lib', 'cublas/lib') if os.path.isdir(os.path.join(p, s))))" 2>/dev/null)
       export LD_LIBRARY_PATH=${wheel_libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
       log "nvidia-cublas $($PY -m pip show nvidia-cublas 2>/dev/null | grep -i '^version'); LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+      # Whether this cuBLASLt has the grouped batch mode (device shapes; newer than 13.1).
+      log "cublasLt.h batch modes: $(grep -ho 'CUBLASLT_BATCH_MODE_[A-Z_]* = [0-9]' /usr/local/cuda/include/cublasLt.h 2>/dev/null | tr '\n' ' ')"
       for source in cuda/gpu/*/check_*.cu; do
         [ -e "$source" ] || continue
         name=$(basename "$source" .cu)

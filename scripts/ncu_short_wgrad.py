@@ -5,6 +5,7 @@ SM90 kernels, grouped or not (cuda/gpu/grouped_gemm/README.md, "The short-contra
 wgrad"). After `gpu_run.sh prebuilt` (the prebuilt extension sits in /tmp/jaxfuse-head):
 
     cd /tmp/jaxfuse-head && XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD \\
+        XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false" \\
         ncu --clock-control none -k regex:'device_kernel|nvjet' --section SpeedOfLight \\
         --section Occupancy --section LaunchStats --section WarpStateStats \\
         --section SchedulerStats --section MemoryWorkloadAnalysis \\
@@ -14,7 +15,10 @@ Arguments: groups, rows per group, K (x's columns) and N (dy's columns); default
 2048 4096, the issue's 64 x 512 case. The kernels run in the order printed: jaxfuse's setup
 kernel, its CUTLASS wgrad kernel (JAXFUSE_GROUPED_GEMM_WGRAD_PAIR=0 or
 JAXFUSE_GROUPED_GEMM_TILE=large pick the other configs, per process), then XLA's batched
-GEMM. Without a GPU it runs the CPU handlers (use small shapes).
+GEMM. Without a GPU it runs the CPU handlers (use small shapes). The XLA flags keep XLA's
+GEMM autotuner out: under ncu every cuBLAS candidate it times is profiled too, and in
+session 37 (without the flags) 16 nvjet candidates were, while the batched call's own
+kernel matched neither name.
 """
 
 import sys

@@ -1012,14 +1012,6 @@ int main(int argc, char** argv) {
       for (const Case& c : cases) RunCase<bf16, bf16, bf16>(c, gg::Form::kWgrad, gg::TileConfig::kSmall, false);
       RunCase<bf16, bf16, bf16>(cases[1], gg::Form::kWgrad, gg::TileConfig::kSmall, true);
     }
-    // The experimental 2x2 and 1x4 clusters (gemm_bf16_wgrad.cu), tiles dividing or not.
-    for (const char* cluster : {"2x2", "1x4"}) {
-      setenv("JAXFUSE_GROUPED_GEMM_WGRAD_CLUSTER", cluster, 1);
-      std::printf("== bf16 wgrad kSmall, experimental %s cluster\n", cluster);
-      for (const Case& c : cases) RunCase<bf16, bf16, bf16>(c, gg::Form::kWgrad, gg::TileConfig::kSmall, false);
-      RunCase<bf16, bf16, bf16>(cases[1], gg::Form::kWgrad, gg::TileConfig::kSmall, true);
-    }
-    unsetenv("JAXFUSE_GROUPED_GEMM_WGRAD_CLUSTER");
     struct Shape { int G; int64_t rows; int64_t k; int64_t n; };
     // The issue's 512-row cases, a DeepSeek-like expert's FC1 / FC2 (F = 1408, ~1536 rows
     // per expert at 16k tokens, top-6 of 64) and the 8 x 8192 case.
@@ -1030,12 +1022,6 @@ int main(int argc, char** argv) {
         pair = true;
         Time<bf16, bf16, bf16>("wgrad large", gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kLarge);
         Time<bf16, bf16, bf16>("small 1x2", gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kSmall);
-        for (const char* cluster : {"2x2", "1x4"}) {
-          setenv("JAXFUSE_GROUPED_GEMM_WGRAD_CLUSTER", cluster, 1);
-          Time<bf16, bf16, bf16>(cluster[0] == '2' ? "small 2x2" : "small 1x4", gg::Form::kWgrad,
-                                 s.G, s.rows, s.k, s.n, gg::TileConfig::kSmall);
-        }
-        unsetenv("JAXFUSE_GROUPED_GEMM_WGRAD_CLUSTER");
         pair = false;
         Time<bf16, bf16, bf16>("small 1x1", gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kSmall);
         pair = saved;

@@ -710,11 +710,19 @@ struct Plan {
     }                                                                                    \
   } while (0)
 
-// Descriptors and up to `count` heuristic algorithms; `swap_hints` gives the heuristic the
-// average D rows and columns swapped (PyTorch does so for row-major data).
-bool MakePlan(const lt::Api& api, const Grouped& p, GroupedArrays& arrays, int G, int64_t avg_m,
-              int64_t avg_n, int64_t avg_k, bool swap_hints, size_t workspace_bytes, int count,
-              Plan* plan) {
+// The mean of a per-group extent, at least 1: the heuristic's hint for device shapes.
+uint32_t MeanExtent(const std::vector<int32_t>& extents) {
+  int64_t sum = 0;
+  for (int32_t e : extents) sum += e;
+  return uint32_t(std::max<int64_t>(1, sum / int64_t(extents.size())));
+}
+
+// Descriptors and up to `count` heuristic algorithms, hinted with p's mean shapes;
+// `swap_hints` gives the heuristic the mean D rows and columns swapped (PyTorch does so for
+// row-major data).
+bool MakePlan(const lt::Api& api, const Grouped& p, GroupedArrays& arrays, bool swap_hints,
+              size_t workspace_bytes, int count, Plan* plan) {
+  const int G = int(p.M.size());
   CHECK_LT(api.MatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasLtPointerMode_t mode = CUBLASLT_POINTER_MODE_DEVICE;
   const int64_t zero_stride = 0;  // SM90: one alpha and one beta for every group
@@ -731,8 +739,8 @@ bool MakePlan(const lt::Api& api, const Grouped& p, GroupedArrays& arrays, int G
   CHECK_LT(GroupedLayout(api, &plan->d, G, arrays.M.ptr, arrays.N.ptr, arrays.ldd.ptr));
   cublasLtMatmulPreference_t pref;
   CHECK_LT(api.MatmulPreferenceCreate(&pref));
-  uint32_t rows = uint32_t(swap_hints ? avg_n : avg_m), cols = uint32_t(swap_hints ? avg_m : avg_n);
-  uint32_t red = uint32_t(avg_k);
+  const uint32_t mean_m = MeanExtent(p.M), mean_n = MeanExtent(p.N), red = MeanExtent(p.K);
+  const uint32_t rows = swap_hints ? mean_n : mean_m, cols = swap_hints ? mean_m : mean_n;
   CHECK_LT(api.MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes)));
   CHECK_LT(api.MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_GROUPED_DESC_D_AVERAGE_ROWS, &rows, sizeof(rows)));
   CHECK_LT(api.MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_GROUPED_DESC_D_AVERAGE_COLS, &cols, sizeof(cols)));
@@ -800,17 +808,12 @@ void CompareCublasLtGrouped(gg::Form form, const std::vector<int>& sizes, int64_
   CHECK_CUDA(cudaMemcpy(alpha_beta.ptr, h_alpha_beta, sizeof(h_alpha_beta), cudaMemcpyHostToDevice));
   const float* d_alpha = alpha_beta.as<float>();
   const float* d_beta = d_alpha + 1;
-  const int64_t avg_rows = std::max<int64_t>(1, m / G);
-  int64_t avg_m, avg_n, avg_k;
-  if (form == gg::Form::kForward) { avg_m = n; avg_n = avg_rows; avg_k = k; }
-  else if (form == gg::Form::kDgrad) { avg_m = k; avg_n = avg_rows; avg_k = n; }
-  else { avg_m = n; avg_n = k; avg_k = avg_rows; }
 
   double best_ms = 1e30;
   int best_plan = -1, best_algo = -1;
   Plan plans[2];
   for (int swap = 0; swap < 2; ++swap) {
-    if (!MakePlan(*api, grouped, arrays, G, avg_m, avg_n, avg_k, swap == 1, lt_ws_bytes, 8, &plans[swap])) {
+    if (!MakePlan(*api, grouped, arrays, swap == 1, lt_ws_bytes, 8, &plans[swap])) {
       if (swap == 0) ++g_failures;
       std::printf("%s hints %s: no plan\n", label, swap ? "swapped" : "as is");
       continue;

@@ -473,9 +473,10 @@ __device__ int64_t ClampedMaxWarp(const int32_t* offsets, int count, int64_t m, 
 // alone, so the zeroing warps of block 0 do not wait for its setup warp either.
 __global__ void __launch_bounds__(kSetupThreads) SetupKernel(SetupParams p, ZeroParams z) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Under JAXFUSE_GROUPED_GEMM_PDL the GEMM that follows may start its CTAs now; it reads
-  // nothing before griddepcontrol.wait, which returns once this grid is complete and its
-  // writes are visible. (Without the launch attribute this is a no-op.)
+  // With programmatic dependent launch (the default; JAXFUSE_GROUPED_GEMM_PDL=0 turns it
+  // off) the GEMM that follows may start its CTAs now; it reads nothing before
+  // griddepcontrol.wait, which returns once this grid is complete and its writes are
+  // visible. (Without the launch attribute this is a no-op.)
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
   const bool warp_setup = p.num_groups <= kWarpSetupMaxGroups;
@@ -542,7 +543,7 @@ TuningOptions& ActiveTuningOptions() {
       if (value == "stock") o.fp8_mainloop = 's';
       if (value == "pipelined") o.fp8_mainloop = 'p';
     }
-    if (const char* pdl = std::getenv("JAXFUSE_GROUPED_GEMM_PDL")) o.pdl = pdl[0] == '1';
+    if (const char* pdl = std::getenv("JAXFUSE_GROUPED_GEMM_PDL")) o.pdl = pdl[0] != '0';
     if (const char* pair = std::getenv("JAXFUSE_GROUPED_GEMM_WGRAD_PAIR")) {
       o.wgrad_pair = pair[0] != '0';
     }

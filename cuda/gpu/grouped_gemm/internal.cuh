@@ -56,9 +56,10 @@ struct TuningOptions {
   int swizzle = 1;
   TileConfig tile = TileConfig::kAuto;
   char fp8_mainloop = 'p';
-  // JAXFUSE_GROUPED_GEMM_PDL=1: launch the CUTLASS kernels with programmatic dependent
-  // launch, so their CTAs are resident while the setup kernel runs (WaitForPriorGrid).
-  bool pdl = false;
+  // Launch the CUTLASS kernels with programmatic dependent launch, so their CTAs are
+  // resident while the setup kernel runs (WaitForPriorGrid); JAXFUSE_GROUPED_GEMM_PDL=0
+  // launches them plainly.
+  bool pdl = true;
   // JAXFUSE_GROUPED_GEMM_WGRAD_PAIR=0: the bf16 wgrad's kSmall always runs its 1x1-cluster
   // kernel (default: the 1x2 one where the column tiles pair up; gemm_bf16_wgrad.cu).
   bool wgrad_pair = true;

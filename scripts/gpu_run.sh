@@ -78,8 +78,16 @@ PYEOF
       ;;
     test)
       # GPU_TESTS narrows the run (e.g. "tests/ops/test_quantize.py"); default: all tests.
-      log "pytest -m gpu ${GPU_TESTS:-tests}"
-      timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=15 ${GPU_TESTS:-tests} 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40
+      # TEST_WORKERS > 1 spreads the tests over that many pytest-xdist processes on the one
+      # GPU (most of a test's time is XLA's compile, on the CPU; the pytest-xdist and execnet
+      # wheels travel in .whl/). Each process then allocates GPU memory as it goes, not 75%
+      # of it up front.
+      workers=() test_env=()
+      if [ "${TEST_WORKERS:-1}" -gt 1 ] && $PY -c "import xdist" 2>/dev/null; then
+        workers=(-n "$TEST_WORKERS") test_env=(XLA_PYTHON_CLIENT_PREALLOCATE=false)
+      fi
+      log "pytest -m gpu ${workers[*]} ${GPU_TESTS:-tests}"
+      timeout ${TEST_TIMEOUT:-420} env "${test_env[@]}" $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=15 "${workers[@]}" ${GPU_TESTS:-tests} 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40
       [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; log "GPU TESTS FAILED"; }
       ;;
     bench)

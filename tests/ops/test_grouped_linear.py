@@ -309,11 +309,13 @@ _PDL_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.gpu
 def test_programmatic_dependent_launch_changes_no_bit(tmp_path):
-  """JAXFUSE_GROUPED_GEMM_PDL=1 launches the CUTLASS kernels as programmatic dependents of
-  the setup kernel (their CTAs wait in griddepcontrol.wait): bf16 and FP8 forward, dgrad and
-  wgrad, kAdaptive's two kernels included, must give the very bits of ordinary launches."""
+  """Small problems (these are) launch the CUTLASS kernels as programmatic dependents of
+  the setup kernel by default, JAXFUSE_GROUPED_GEMM_PDL=1 always, =0 never (their CTAs wait
+  in griddepcontrol.wait): bf16 and FP8 forward, dgrad and wgrad, kAdaptive's two kernels
+  included, must give the very bits of ordinary launches."""
   runs = helpers.outputs_under_environments(
-      _PDL_SCRIPT, tmp_path, {"plain": {"JAXFUSE_GROUPED_GEMM_PDL": "0"},
+      _PDL_SCRIPT, tmp_path, {"default": {},
+                              "plain": {"JAXFUSE_GROUPED_GEMM_PDL": "0"},
                               "pdl": {"JAXFUSE_GROUPED_GEMM_PDL": "1"},
                               "pdl_adaptive": {"JAXFUSE_GROUPED_GEMM_PDL": "1",
                                                "JAXFUSE_GROUPED_GEMM_TILE": "adaptive"},
@@ -321,6 +323,7 @@ def test_programmatic_dependent_launch_changes_no_bit(tmp_path):
                                                  "JAXFUSE_GROUPED_GEMM_TILE": "adaptive"}})
   assert np.isfinite(runs["plain"]).all() and np.abs(runs["plain"]).max() > 0
   np.testing.assert_array_equal(runs["pdl"], runs["plain"])
+  np.testing.assert_array_equal(runs["default"], runs["plain"])
   np.testing.assert_array_equal(runs["pdl_adaptive"], runs["plain_adaptive"])
 
 

@@ -230,7 +230,7 @@ cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream)
     cudaError_t error = cudaGetLastError();
     return error != cudaSuccess ? error : cudaErrorUnknown;
   }
-  if (gemm.run(stream, /*cuda_adapter=*/nullptr, ActiveTuningOptions().pdl) !=
+  if (gemm.run(stream, /*cuda_adapter=*/nullptr, arrays.pdl) !=
       cutlass::Status::kSuccess) {
     cudaError_t error = cudaGetLastError();
     return error != cudaSuccess ? error : cudaErrorLaunchFailure;

@@ -28,6 +28,14 @@ constexpr int kWarpSetupMaxGroups = 31;
 constexpr int64_t kWgradPingPongMaxRows = 1024;
 constexpr int64_t kWgradOddRowTilesPingPongMaxRows = 2048;
 
+// Problems up to this many multiply-adds (m * n * k, m the static row count) launch their
+// CUTLASS kernel as a programmatic dependent of the setup kernel (JAXFUSE_GROUPED_GEMM_PDL
+// overrides). Measured on H100s (bench_grouped_mlp, alternating processes, sessions 35-38):
+// the T=2048 grouped MLP (GEMMs of 2^31-2^32 MACs, ~20-30 us each) runs 0.197-0.199 ms
+// fwd+bwd with it against 0.204-0.205 without; the T=65536 one (2^39 MACs per GEMM)
+// 7.99 against 7.87-7.88 ms, so large problems launch plainly.
+constexpr int64_t kProgrammaticLaunchMaxMacs = int64_t{1} << 34;
+
 size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 bool Is16Bit(ElementType t) { return t == ElementType::kBF16 || t == ElementType::kF16; }
@@ -473,8 +481,8 @@ __device__ int64_t ClampedMaxWarp(const int32_t* offsets, int count, int64_t m, 
 // alone, so the zeroing warps of block 0 do not wait for its setup warp either.
 __global__ void __launch_bounds__(kSetupThreads) SetupKernel(SetupParams p, ZeroParams z) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // With programmatic dependent launch (the default; JAXFUSE_GROUPED_GEMM_PDL=0 turns it
-  // off) the GEMM that follows may start its CTAs now; it reads nothing before
+  // Where the GEMM that follows is launched as a programmatic dependent (small problems,
+  // UseProgrammaticLaunch) it may start its CTAs now; it reads nothing before
   // griddepcontrol.wait, which returns once this grid is complete and its writes are
   // visible. (Without the launch attribute this is a no-op.)
   asm volatile("griddepcontrol.launch_dependents;");
@@ -543,7 +551,10 @@ TuningOptions& ActiveTuningOptions() {
       if (value == "stock") o.fp8_mainloop = 's';
       if (value == "pipelined") o.fp8_mainloop = 'p';
     }
-    if (const char* pdl = std::getenv("JAXFUSE_GROUPED_GEMM_PDL")) o.pdl = pdl[0] != '0';
+    if (const char* pdl = std::getenv("JAXFUSE_GROUPED_GEMM_PDL")) {
+      if (pdl[0] == '0') o.pdl = 0;
+      if (pdl[0] == '1') o.pdl = 1;
+    }
     if (const char* pair = std::getenv("JAXFUSE_GROUPED_GEMM_WGRAD_PAIR")) {
       o.wgrad_pair = pair[0] != '0';
     }
@@ -625,6 +636,16 @@ TileConfig ResolveConfig(const Problem& p, int sm_count) {
   const bool uniform = config == TileConfig::kUniform || config == TileConfig::kAdaptive;
   if (uniform && PickFamily(p).uniform.run == nullptr) return TileConfig::kLarge;
   return config;
+}
+
+// Whether the CUTLASS kernel launches as a programmatic dependent of the setup kernel:
+// m * k * n multiply-adds (every form; m the static row count) up to
+// kProgrammaticLaunchMaxMacs, unless JAXFUSE_GROUPED_GEMM_PDL says otherwise.
+bool UseProgrammaticLaunch(const Problem& p) {
+  const int forced = detail::ActiveTuningOptions().pdl;
+  if (forced >= 0) return forced == 1;
+  const double macs = static_cast<double>(p.m) * static_cast<double>(p.k) * static_cast<double>(p.n);
+  return macs <= static_cast<double>(kProgrammaticLaunchMaxMacs);
 }
 }  // namespace
 
@@ -750,6 +771,7 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   const char raster = detail::ActiveTuningOptions().raster;
   arrays.raster = raster != 0 ? raster : (wgrad ? 'M' : 'N');
   arrays.columns = wgrad || p.form == Form::kForward ? p.n : p.k;
+  arrays.pdl = UseProgrammaticLaunch(p);
   if (config == TileConfig::kUniform) return family.uniform.run(config, arrays, sm_count, stream);
   if (!adaptive) return family.run(config, arrays, sm_count, stream);
   // kAdaptive: both kernels on the stream; the one the setup kernel gave no rows exits at once.

@@ -34,6 +34,7 @@ struct GemmArrays {
   char raster = 'M';                  // tile scheduler raster order: 'M' or 'N' (host value)
   int64_t columns = 0;                // CUTLASS N of every group (host value; the bf16 wgrad
                                       // picks its small kernel's cluster shape from it)
+  bool pdl = false;                   // launch as a programmatic dependent (host value)
 };
 
 // Block edge of the blockwise FP8 scales (both the 1 x 128 and the 128 x 128 blocks);
@@ -56,10 +57,10 @@ struct TuningOptions {
   int swizzle = 1;
   TileConfig tile = TileConfig::kAuto;
   char fp8_mainloop = 'p';
-  // Launch the CUTLASS kernels with programmatic dependent launch, so their CTAs are
-  // resident while the setup kernel runs (WaitForPriorGrid); JAXFUSE_GROUPED_GEMM_PDL=0
-  // launches them plainly.
-  bool pdl = true;
+  // Programmatic dependent launch of the CUTLASS kernels (their CTAs resident while the
+  // setup kernel runs; WaitForPriorGrid): -1 where the problem is small (grouped_gemm.cu,
+  // UseProgrammaticLaunch), 0 never, 1 always: JAXFUSE_GROUPED_GEMM_PDL=0|1.
+  int pdl = -1;
   // JAXFUSE_GROUPED_GEMM_WGRAD_PAIR=0: the bf16 wgrad's kSmall always runs its 1x1-cluster
   // kernel (default: the 1x2 one where the column tiles pair up; gemm_bf16_wgrad.cu).
   bool wgrad_pair = true;

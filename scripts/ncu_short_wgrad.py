@@ -18,7 +18,9 @@ JAXFUSE_GROUPED_GEMM_TILE=large pick the other configs, per process), then XLA's
 GEMM. Without a GPU it runs the CPU handlers (use small shapes). The XLA flags keep XLA's
 GEMM autotuner out: under ncu every cuBLAS candidate it times is profiled too, and in
 session 37 (without the flags) 16 nvjet candidates were, while the batched call's own
-kernel matched neither name.
+kernel matched neither name. With `--section SourceCounters -o REPORT` instead of the
+sections above, scripts/ncu_stall_table.py reads the per-instruction stall samples
+(its docstring has the commands).
 """
 
 import sys

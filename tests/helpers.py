@@ -105,8 +105,8 @@ _COMMAND_BUFFER_FLAGS = (("plain", "--xla_gpu_enable_command_buffer="),
 def outputs_under_environments(script: str, tmp_path, environments) -> dict:
   """Runs the Python source `script` (it saves one array to the .npy path in sys.argv[1])
   in one fresh process per entry of `environments` (name -> variables set on top of
-  os.environ: settings read once per process need a process each) and returns the saved
-  arrays by name."""
+  os.environ, a value of None removing one: settings read once per process need a process
+  each) and returns the saved arrays by name."""
   import os  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
@@ -114,7 +114,9 @@ def outputs_under_environments(script: str, tmp_path, environments) -> dict:
   for name, variables in environments.items():
     path = tmp_path / f"{name}.npy"
     subprocess.run([sys.executable, "-c", script, str(path)],
-                   env=dict(os.environ, **variables), check=True, timeout=300)
+                   env={key: value for key, value in {**os.environ, **variables}.items()
+                        if value is not None},
+                   check=True, timeout=300)
     outputs[name] = np.load(path)
   return outputs
 

@@ -314,7 +314,7 @@ def test_programmatic_dependent_launch_changes_no_bit(tmp_path):
   in griddepcontrol.wait): bf16 and FP8 forward, dgrad and wgrad, kAdaptive's two kernels
   included, must give the very bits of ordinary launches."""
   runs = helpers.outputs_under_environments(
-      _PDL_SCRIPT, tmp_path, {"default": {},
+      _PDL_SCRIPT, tmp_path, {"default": {"JAXFUSE_GROUPED_GEMM_PDL": None},
                               "plain": {"JAXFUSE_GROUPED_GEMM_PDL": "0"},
                               "pdl": {"JAXFUSE_GROUPED_GEMM_PDL": "1"},
                               "pdl_adaptive": {"JAXFUSE_GROUPED_GEMM_PDL": "1",

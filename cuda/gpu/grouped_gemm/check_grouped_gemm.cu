@@ -43,6 +43,10 @@ namespace gg = jaxfuse::grouped_gemm;
 static int g_failures = 0;
 static int g_sm_count = 0;
 
+const char* FormName(gg::Form form) {
+  return form == gg::Form::kForward ? "fwd" : form == gg::Form::kDgrad ? "dgrad" : "wgrad";
+}
+
 const char* ConfigName(gg::TileConfig config) {
   switch (config) {
     case gg::TileConfig::kLarge: return "large";
@@ -206,8 +210,7 @@ void RunCase(const Case& c, gg::Form form, gg::TileConfig config, bool use_graph
   const int G = int(c.offsets.size()) - 1;
   const int64_t m = c.m, k = c.k, n = c.n;
   const bool fp8 = sizeof(TA) == 1;
-  const char* form_name = form == gg::Form::kForward ? "fwd" : form == gg::Form::kDgrad ? "dgrad" : "wgrad";
-  std::string name = c.name + " " + form_name + " " + ConfigName(config);
+  std::string name = c.name + " " + FormName(form) + " " + ConfigName(config);
   name += fp8 ? (sizeof(TA) == 1 && TypeOf<TA>() == gg::ElementType::kFloat8E5M2 ? " e5m2xe4m3" : " e4m3xe4m3")
               : (TypeOf<TA>() == gg::ElementType::kBF16 ? " bf16" : " f16");
   if (use_graph) name += " graph";
@@ -430,8 +433,7 @@ void Time(const char* label, gg::Form form, int G, int64_t rows_per_group, int64
   for (int i = 0; i < 3; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream));
   double graph_ms = median_ms([&] { CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
   std::printf("PERF %-10s %-5s G=%-4d rows/group=%-5lld k=%-5lld n=%-5lld %-15s eager %.3f ms %6.1f TFLOP/s | graph(offsets changed) %.3f ms %6.1f TFLOP/s\n",
-              label, form == gg::Form::kForward ? "fwd" : form == gg::Form::kDgrad ? "dgrad" : "wgrad",
-              G, (long long)rows_per_group, (long long)k, (long long)n,
+              label, FormName(form), G, (long long)rows_per_group, (long long)k, (long long)n,
               ConfigName(resolved),
               eager_ms, flops / eager_ms * 1e-9, graph_ms, flops / graph_ms * 1e-9);
   cudaGraphExecDestroy(exec); cudaGraphDestroy(graph);
@@ -439,15 +441,16 @@ void Time(const char* label, gg::Form form, int G, int64_t rows_per_group, int64
 }
 
 // ---------------------------------------------------------------------------------------------
-// CUTLASS's strided-batched (non-grouped) GEMM on the wgrad of equal groups: the same tiles
-// as the grouped kernels but one 3-D TMA descriptor per operand, no per-group descriptor
-// updates and no device problem shapes. What the grouped wgrad would run at without them
-// (--wgrad-configs).
+// CUTLASS's strided-batched (non-grouped) GEMM on equal groups: the same tiles as the
+// grouped kernels but one 3-D TMA descriptor per operand, no per-group descriptor updates
+// and no device problem shapes. What the grouped wgrad (--wgrad-configs) and forward
+// (--grouping-cost) would run at without them.
 
-namespace batched_wgrad {
+namespace batched {
 using namespace cute;
 using Element = cutlass::bfloat16_t;
-template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+template <class LayoutA, class TileShape, class ClusterShape, class KernelSchedule,
+          class EpilogueSchedule>
 struct Config {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -455,45 +458,60 @@ struct Config {
       cutlass::layout::RowMajor, 8, Element, cutlass::layout::RowMajor, 8, EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::ColumnMajor,
-      8, Element, cutlass::layout::RowMajor, 8, float, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element,
+      cutlass::layout::RowMajor, 8, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
-using Cooperative128x256 = Config<Shape<_128, _256, _64>, Shape<_2, _1, _1>,
-                                  cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-                                  cutlass::epilogue::TmaWarpSpecializedCooperative>::Gemm;
-using Pingpong128x128 = Config<Shape<_128, _128, _64>, Shape<_1, _1, _1>,
-                               cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-                               cutlass::epilogue::TmaWarpSpecialized>::Gemm;
-}  // namespace batched_wgrad
+// wgrad: A = x^T (M = k contiguous: column-major), B = dy (n contiguous).
+using WgradCooperative128x256 =
+    Config<cutlass::layout::ColumnMajor, Shape<_128, _256, _64>, Shape<_2, _1, _1>,
+           cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+           cutlass::epilogue::TmaWarpSpecializedCooperative>::Gemm;
+using WgradPingpong128x128 =
+    Config<cutlass::layout::ColumnMajor, Shape<_128, _128, _64>, Shape<_1, _1, _1>,
+           cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+           cutlass::epilogue::TmaWarpSpecialized>::Gemm;
+// forward: A = x (K contiguous), B = w[g] (n contiguous); the bf16 forward's kLarge and
+// kSmall tiles and clusters.
+using FwdCooperative128x256 =
+    Config<cutlass::layout::RowMajor, Shape<_128, _256, _64>, Shape<_1, _2, _1>,
+           cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+           cutlass::epilogue::TmaWarpSpecializedCooperative>::Gemm;
+using FwdPingpong128x128 =
+    Config<cutlass::layout::RowMajor, Shape<_128, _128, _64>, Shape<_1, _1, _1>,
+           cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+           cutlass::epilogue::TmaWarpSpecialized>::Gemm;
+}  // namespace batched
 
-// dw[g] = x_g^T dy_g for G groups of `rows` rows: M = k, N = n, K = rows, L = G.
+// G equal problems of CUTLASS extents M x N x K (wgrad: M = k, N = n, K = rows; forward:
+// M = rows, N = n, K = k), printed with the grouped timings' fields.
 template <class Gemm>
-void TimeBatchedWgrad(const char* label, int G, int64_t rows, int64_t k, int64_t n) {
+void TimeBatched(const char* label, gg::Form form, int G, int64_t rows, int64_t k, int64_t n) {
   using Kernel = typename Gemm::GemmKernel;
-  const int64_t m = G * rows;
-  DeviceBuffer x(m * k * 2), dy(m * n * 2), dw(int64_t(G) * k * n * 2);
-  Fill<__nv_bfloat16>(x.as<__nv_bfloat16>(), m * k, 5, 1.f);
-  Fill<__nv_bfloat16>(dy.as<__nv_bfloat16>(), m * n, 6, 1.f);
-  auto shape_a = cute::make_shape(int(k), int(rows), G);
-  auto shape_b = cute::make_shape(int(n), int(rows), G);
-  auto shape_d = cute::make_shape(int(k), int(n), G);
+  const bool wgrad = form == gg::Form::kWgrad;
+  const int64_t M = wgrad ? k : rows, N = n, K = wgrad ? rows : k;
+  DeviceBuffer a(G * M * K * 2), b(G * N * K * 2), d(G * M * N * 2);
+  Fill<__nv_bfloat16>(a.as<__nv_bfloat16>(), G * M * K, 5, 1.f);
+  Fill<__nv_bfloat16>(b.as<__nv_bfloat16>(), G * N * K, 6, 1.f);
+  auto shape_a = cute::make_shape(int(M), int(K), G);
+  auto shape_b = cute::make_shape(int(N), int(K), G);
+  auto shape_d = cute::make_shape(int(M), int(N), G);
   typename Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-  args.problem_shape = {int(k), int(n), int(rows), G};
-  args.mainloop.ptr_A = x.as<typename Gemm::ElementA>();
+  args.problem_shape = {int(M), int(N), int(K), G};
+  args.mainloop.ptr_A = a.as<typename Gemm::ElementA>();
   args.mainloop.dA = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, shape_a);
-  args.mainloop.ptr_B = dy.as<typename Gemm::ElementB>();
+  args.mainloop.ptr_B = b.as<typename Gemm::ElementB>();
   args.mainloop.dB = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, shape_b);
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
   args.epilogue.ptr_C = nullptr;
   args.epilogue.dC = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, shape_d);
-  args.epilogue.ptr_D = dw.as<typename Gemm::ElementD>();
+  args.epilogue.ptr_D = d.as<typename Gemm::ElementD>();
   args.epilogue.dD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, shape_d);
   args.hw_info.sm_count = g_sm_count;
   Gemm gemm;
@@ -510,7 +528,7 @@ void TimeBatchedWgrad(const char* label, int G, int64_t rows, int64_t k, int64_t
   }
   auto launch = [&] {
     if (gemm.run(stream) != cutlass::Status::kSuccess) {
-      std::fprintf(stderr, "batched wgrad run failed\n");
+      std::fprintf(stderr, "batched %s run failed\n", FormName(form));
       std::exit(2);
     }
   };
@@ -518,9 +536,9 @@ void TimeBatchedWgrad(const char* label, int G, int64_t rows, int64_t k, int64_t
   CHECK_CUDA(cudaEventCreate(&start)); CHECK_CUDA(cudaEventCreate(&stop));
   for (int i = 0; i < 3; ++i) launch();
   const double ms = MedianLaunchMs(stream, start, stop, launch);
-  const double flops = 2.0 * double(m) * double(k) * double(n);
-  std::printf("PERF %-10s wgrad G=%-4d rows/group=%-5lld k=%-5lld n=%-5lld %-15s eager %.3f ms %6.1f TFLOP/s\n",
-              label, G, (long long)rows, (long long)k, (long long)n, "batched", ms,
+  const double flops = 2.0 * double(G) * double(M) * double(N) * double(K);
+  std::printf("PERF %-10s %-5s G=%-4d rows/group=%-5lld k=%-5lld n=%-5lld %-15s eager %.3f ms %6.1f TFLOP/s\n",
+              label, FormName(form), G, (long long)rows, (long long)k, (long long)n, "batched", ms,
               flops / ms * 1e-9);
   cudaEventDestroy(start); cudaEventDestroy(stop); cudaStreamDestroy(stream);
 }
@@ -904,7 +922,7 @@ void Run16BitCases(const std::vector<Case>& cases, bool graph_first) {
 
 int main(int argc, char** argv) {
   bool perf = true, check = true, sweep = false, uniform_sweep = false, fp8_mainloops = false;
-  bool wgrad_configs = false, cublaslt_grouped = false;
+  bool wgrad_configs = false, cublaslt_grouped = false, grouping_cost = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-perf") == 0) perf = false;
     if (std::strcmp(argv[i], "--perf-only") == 0) check = false;
@@ -921,6 +939,10 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--wgrad-configs") == 0) wgrad_configs = true;
     // Checks and times cuBLASLt's grouped GEMM (device shapes) next to jaxfuse's kernel.
     if (std::strcmp(argv[i], "--cublaslt-grouped") == 0) cublaslt_grouped = true;
+    // Times the bf16 forward's grouped kernels next to CUTLASS's strided-batched GEMM with
+    // the same tiles on equal groups: what the per-group tensormaps and shapes cost where a
+    // CTA changes group at nearly every tile (512 rows per group).
+    if (std::strcmp(argv[i], "--grouping-cost") == 0) grouping_cost = true;
   }
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
@@ -1054,10 +1076,24 @@ int main(int argc, char** argv) {
         Time<bf16, bf16, bf16>("small 1x1", gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kSmall);
         pair = saved;
         Time<bf16, bf16, bf16>("wgrad auto", gg::Form::kWgrad, s.G, s.rows, s.k, s.n, gg::TileConfig::kAuto);
-        TimeBatchedWgrad<batched_wgrad::Cooperative128x256>("batch coop", s.G, s.rows, s.k, s.n);
-        TimeBatchedWgrad<batched_wgrad::Pingpong128x128>("batch ping", s.G, s.rows, s.k, s.n);
+        TimeBatched<batched::WgradCooperative128x256>("batch coop", gg::Form::kWgrad, s.G, s.rows, s.k, s.n);
+        TimeBatched<batched::WgradPingpong128x128>("batch ping", gg::Form::kWgrad, s.G, s.rows, s.k, s.n);
       }
     pair = saved;
+    perf = check = false;
+  }
+
+  if (grouping_cost) {
+    using bf16 = __nv_bfloat16;
+    struct Shape { int G; int64_t rows; };
+    for (int round = 0; round < 2; ++round)
+      for (const Shape s : {Shape{64, 512}, Shape{128, 512}, Shape{8, 8192}}) {
+        Time<bf16, bf16, bf16>("fwd large", gg::Form::kForward, s.G, s.rows, 2048, 4096, gg::TileConfig::kLarge);
+        Time<bf16, bf16, bf16>("fwd small", gg::Form::kForward, s.G, s.rows, 2048, 4096, gg::TileConfig::kSmall);
+        Time<bf16, bf16, bf16>("fwd auto", gg::Form::kForward, s.G, s.rows, 2048, 4096, gg::TileConfig::kAuto);
+        TimeBatched<batched::FwdCooperative128x256>("batch coop", gg::Form::kForward, s.G, s.rows, 2048, 4096);
+        TimeBatched<batched::FwdPingpong128x128>("batch ping", gg::Form::kForward, s.G, s.rows, 2048, 4096);
+      }
     perf = check = false;
   }
 

@@ -67,6 +67,7 @@ def test_reference_matches_float64_numpy(dtype, alpha):
 # --- FFI handlers against the reference --------------------------------------------
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("alpha", ALPHAS)
@@ -338,6 +339,7 @@ def relative_error(actual, expected) -> float:
   return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("alpha", [1.0, -2.5])
 def test_fp8_forward_matches_the_fp8_reference(backend, alpha):
@@ -361,6 +363,7 @@ def numpy_fp8_per_tensor(value, fp8_dtype):
   return data.astype(np.float64), 1.0 / np.float64(scale)
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp8_backward_matches_float64_of_the_fp8_operands(backend):
   """dx = alpha * dy_q @ kernel_q^T and dkernel = alpha * x_q^T @ dy_q, with x and kernel
@@ -520,6 +523,7 @@ def test_quantized_kernel_gives_the_results_of_quantizing_in_the_call(backend, i
       assert not np.any(np.asarray(leaf, np.float32))
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_quantize_kernel_values_against_float64(backend):
   """data [N, K] = E4M3(kernel.T / scale_inv) with scale_inv = amax / 448 (NaN ignored),

@@ -160,6 +160,7 @@ def test_matches_numpy_and_the_2d_block_quantization(backend, fmt, dtype, shape)
   assert empty.shape == (0,) and empty.dtype == data.dtype
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_tile_subnormal_tile_and_special_values(backend):
   x = special_values(np.random.default_rng(0), (3, 260, 300), jnp.bfloat16)
@@ -198,6 +199,7 @@ def test_an_outlier_changes_only_its_tiles_scale(backend):
   assert diff[inside].any() and not diff[~inside].any()
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("untransposed", [False, True])
 @pytest.mark.parametrize("shape", [(0, 16, 16), (2, 0, 16), (2, 16, 0), (0, 0, 0)], ids=str)
@@ -345,6 +347,7 @@ def test_gpu_tiled_kernel_matches_the_cpu_handler(dtype, untransposed):
   np.testing.assert_array_equal(got[1], ref_scale_inv)
 
 
+@pytest.mark.sanitize
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, shape", [
     (jnp.float32, (3, 1024, 2048)),   # general kernel: float32 always

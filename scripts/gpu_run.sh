@@ -80,8 +80,8 @@ PYEOF
       # GPU_TESTS narrows the run (e.g. "tests/ops/test_quantize.py"); default: all tests.
       # TEST_WORKERS > 1 spreads the tests over that many pytest-xdist processes on the one
       # GPU (most of a test's time is XLA's compile, on the CPU; the pytest-xdist and execnet
-      # wheels travel in .whl/: scripts/fetch_test_wheels.sh). Each process then allocates GPU memory as it goes, not 75%
-      # of it up front.
+      # wheels travel in .whl/: scripts/fetch_test_wheels.sh). Each process then allocates
+      # GPU memory as it goes, not 75% of it up front.
       workers=() test_env=()
       if [ "${TEST_WORKERS:-1}" -gt 1 ] && $PY -c "import xdist" 2>/dev/null; then
         workers=(-n "$TEST_WORKERS") test_env=(XLA_PYTHON_CLIENT_PREALLOCATE=false)

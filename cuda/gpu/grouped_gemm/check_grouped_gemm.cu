@@ -466,25 +466,24 @@ struct Config {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
-// wgrad: A = x^T (M = k contiguous: column-major), B = dy (n contiguous).
-using WgradCooperative128x256 =
-    Config<cutlass::layout::ColumnMajor, Shape<_128, _256, _64>, Shape<_2, _1, _1>,
-           cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-           cutlass::epilogue::TmaWarpSpecializedCooperative>::Gemm;
-using WgradPingpong128x128 =
-    Config<cutlass::layout::ColumnMajor, Shape<_128, _128, _64>, Shape<_1, _1, _1>,
-           cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-           cutlass::epilogue::TmaWarpSpecialized>::Gemm;
-// forward: A = x (K contiguous), B = w[g] (n contiguous); the bf16 forward's kLarge and
-// kSmall tiles and clusters.
-using FwdCooperative128x256 =
-    Config<cutlass::layout::RowMajor, Shape<_128, _256, _64>, Shape<_1, _2, _1>,
-           cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-           cutlass::epilogue::TmaWarpSpecializedCooperative>::Gemm;
-using FwdPingpong128x128 =
-    Config<cutlass::layout::RowMajor, Shape<_128, _128, _64>, Shape<_1, _1, _1>,
-           cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-           cutlass::epilogue::TmaWarpSpecialized>::Gemm;
+// The grouped kernels' two tiles: cooperative 128x256 (kLarge) and ping-pong 128x128 with
+// no cluster (kSmall).
+template <class LayoutA, class ClusterShape>
+using Cooperative128x256 =
+    typename Config<LayoutA, Shape<_128, _256, _64>, ClusterShape,
+                    cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                    cutlass::epilogue::TmaWarpSpecializedCooperative>::Gemm;
+template <class LayoutA>
+using Pingpong128x128 =
+    typename Config<LayoutA, Shape<_128, _128, _64>, Shape<_1, _1, _1>,
+                    cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                    cutlass::epilogue::TmaWarpSpecialized>::Gemm;
+// wgrad: A = x^T (M = k contiguous: column-major), B = dy (n contiguous); forward: A = x
+// (K contiguous), B = w[g] (n contiguous). Clusters as the bf16 kLarge kernels'.
+using WgradCooperative128x256 = Cooperative128x256<cutlass::layout::ColumnMajor, Shape<_2, _1, _1>>;
+using WgradPingpong128x128 = Pingpong128x128<cutlass::layout::ColumnMajor>;
+using FwdCooperative128x256 = Cooperative128x256<cutlass::layout::RowMajor, Shape<_1, _2, _1>>;
+using FwdPingpong128x128 = Pingpong128x128<cutlass::layout::RowMajor>;
 }  // namespace batched
 
 // G equal problems of CUTLASS extents M x N x K (wgrad: M = k, N = n, K = rows; forward:

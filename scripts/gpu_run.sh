@@ -144,11 +144,12 @@ PYEOF
         log "sanitizer $name: rc=$rc ${errors:-no summary} ${tests:-no pytest summary} (last test: $last)"
         [ $rc -eq 0 ] || status=1
       done
-      # The grouped GEMM's own hostile-layout cases, without JAX in the process.
+      # The grouped GEMM's own hostile-layout cases, without JAX in the process
+      # (SANITIZE_CHECK_ARGS picks a mode, e.g. "--l2-prefetch --no-perf").
       if [ -x .gpu_src/prebuilt/check_grouped_gemm ]; then
-        log "compute-sanitizer memcheck: check_grouped_gemm --no-perf"
+        log "compute-sanitizer memcheck: check_grouped_gemm ${SANITIZE_CHECK_ARGS:---no-perf}"
         timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool memcheck --error-exitcode 9 \
-          .gpu_src/prebuilt/check_grouped_gemm --no-perf >"$LOGS/sanitizer_check.log" 2>&1
+          .gpu_src/prebuilt/check_grouped_gemm ${SANITIZE_CHECK_ARGS:---no-perf} >"$LOGS/sanitizer_check.log" 2>&1
         rc=$?; tail -5 "$LOGS/sanitizer_check.log" | tee -a "$OUT/summary.txt"
         [ $rc -eq 0 ] || { status=1; log "SANITIZER (check_grouped_gemm) FAILED rc=$rc"; }
       fi

@@ -10,11 +10,9 @@
 // its share of group g + 1's A and B, so that the wave of CTAs reaching g + 1 a few tiles
 // later reads them from L2 instead of all missing to DRAM at once.
 //
-// Only where groups are short and small: the group entered has at most kMaxWavesPerGroup
-// waves of tiles (so the prefetch is used within a few tiles' time), and the next group's
-// operands span at most kMaxPrefetchBytes (so the group being computed and the one
-// prefetched share the H100's / H200's 50 MB L2; a large group, 8 x 8192 rows, is never
-// streamed in ahead of use). Params::l2_prefetch (from
+// Only where a group is short: at most kMaxWavesPerGroup waves of tiles (CTAs) per group,
+// so that two groups' operands (the one being computed, the one prefetched) sit in L2 and
+// a large group (8 x 8192 rows) is never streamed in ahead of use. Params::l2_prefetch (from
 // Arguments, GemmArrays::l2_prefetch, JAXFUSE_GROUPED_GEMM_L2_PREFETCH) turns it off at run
 // time, so one build can A/B it. Everything else is the base collective's.
 #pragma once
@@ -46,7 +44,6 @@ struct L2PrefetchMainloop : Base {
   using typename Base::TileShape;
   using UnderlyingShape = cute::Shape<int, int, int>;  // M, N, K of one group
   static constexpr int kMaxWavesPerGroup = 4;
-  static constexpr int64_t kMaxPrefetchBytes = int64_t{24} << 20;
 
   struct Arguments : Base::Arguments {
     bool l2_prefetch = false;
@@ -91,15 +88,14 @@ struct L2PrefetchMainloop : Base {
     const StrideB stride_b = params.dB[group];
     const int64_t lda = kAKMajor ? get<0>(stride_a) : get<1>(stride_a);
     const int64_t ldb = kBKMajor ? get<0>(stride_b) : get<1>(stride_b);
-    const int64_t a_bytes = (kAKMajor ? Span(m, k, lda) : Span(k, m, lda)) *
-                            cute::sizeof_bits_v<typename Base::InternalElementA> / 8;
-    const int64_t b_bytes = (kBKMajor ? Span(n, k, ldb) : Span(k, n, ldb)) *
-                            cute::sizeof_bits_v<typename Base::InternalElementB> / 8;
-    if (a_bytes + b_bytes > kMaxPrefetchBytes) return;
+    const int64_t a_elements = kAKMajor ? Span(m, k, lda) : Span(k, m, lda);
+    const int64_t b_elements = kBKMajor ? Span(n, k, ldb) : Span(k, n, ldb);
     const int lane = static_cast<int>(threadIdx.x % 32);
-    PrefetchL2Piece(reinterpret_cast<const char*>(params.ptr_A[group]), a_bytes,
+    PrefetchL2Piece(reinterpret_cast<const char*>(params.ptr_A[group]),
+                    a_elements * cute::sizeof_bits_v<typename Base::InternalElementA> / 8,
                     part * 32 + lane, parts * 32);
-    PrefetchL2Piece(reinterpret_cast<const char*>(params.ptr_B[group]), b_bytes,
+    PrefetchL2Piece(reinterpret_cast<const char*>(params.ptr_B[group]),
+                    b_elements * cute::sizeof_bits_v<typename Base::InternalElementB> / 8,
                     part * 32 + lane, parts * 32);
   }
 

@@ -328,22 +328,6 @@ def test_programmatic_dependent_launch_changes_no_bit(tmp_path):
 
 
 @pytest.mark.gpu
-def test_l2_prefetch_changes_no_bit(tmp_path):
-  """With JAXFUSE_GROUPED_GEMM_L2_PREFETCH=1 the 16-bit kernels pull the next group's
-  operands into L2 as they enter a group (these groups are short enough for it); a prefetch
-  moves no data into the computation, so bf16 forward, dgrad and wgrad (and the FP8 ones
-  next to them) must give the very bits of =0, on ragged sizes with an empty group and
-  sum < m and on a sum past m, replayed in one executable."""
-  runs = helpers.outputs_under_environments(
-      _PDL_SCRIPT, tmp_path, {"off": {"JAXFUSE_GROUPED_GEMM_L2_PREFETCH": "0"},
-                              "on": {"JAXFUSE_GROUPED_GEMM_L2_PREFETCH": "1"},
-                              "default": {"JAXFUSE_GROUPED_GEMM_L2_PREFETCH": None}})
-  assert np.isfinite(runs["off"]).all() and np.abs(runs["off"]).max() > 0
-  np.testing.assert_array_equal(runs["on"], runs["off"])
-  np.testing.assert_array_equal(runs["default"], runs["off"])
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("n", [1000, 520])
 def test_small_wgrad_cluster_pairing_matches_float64_numpy(tmp_path, n):
   """The bf16 wgrad's kSmall runs a 1x2-cluster kernel where the column tiles pair up

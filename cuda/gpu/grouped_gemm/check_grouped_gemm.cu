@@ -922,7 +922,6 @@ void Run16BitCases(const std::vector<Case>& cases, bool graph_first) {
 int main(int argc, char** argv) {
   bool perf = true, check = true, sweep = false, uniform_sweep = false, fp8_mainloops = false;
   bool wgrad_configs = false, cublaslt_grouped = false, grouping_cost = false;
-  bool l2_prefetch = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-perf") == 0) perf = false;
     if (std::strcmp(argv[i], "--perf-only") == 0) check = false;
@@ -943,9 +942,6 @@ int main(int argc, char** argv) {
     // the same tiles on equal groups: what the per-group tensormaps and shapes cost where a
     // CTA changes group at nearly every tile (512 rows per group).
     if (std::strcmp(argv[i], "--grouping-cost") == 0) grouping_cost = true;
-    // Checks the 16-bit kernels with the next group's operands prefetched into L2
-    // (l2_prefetch_mainloop.cuh) on the hostile layouts, then times them with and without.
-    if (std::strcmp(argv[i], "--l2-prefetch") == 0) l2_prefetch = true;
   }
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
@@ -1083,42 +1079,6 @@ int main(int argc, char** argv) {
         TimeBatched<batched::WgradPingpong128x128>("batch ping", gg::Form::kWgrad, s.G, s.rows, s.k, s.n);
       }
     pair = saved;
-    perf = check = false;
-  }
-
-  if (l2_prefetch) {
-    using bf16 = __nv_bfloat16;
-    bool& prefetch = gg::detail::ActiveTuningOptions().l2_prefetch;
-    const bool saved = prefetch;
-    prefetch = true;
-    // Empty groups, sums past and short of m, negative offsets, 128 small groups (where
-    // the prefetch runs: short groups), graph replays after the offsets change.
-    std::vector<Case> cases;
-    cases.push_back({"G=4 empty group, sum<m (m=1024,k=136,n=264)", 1024, 136, 264, OffsetsFromSizes({300, 0, 517, 129})});
-    cases.push_back({"G=3 sum>m (m=1000,k=256,n=384)", 1000, 256, 384, OffsetsFromSizes({700, 600, 500})});
-    cases.push_back({"G=4 non-monotone/negative offsets (m=600,k=128,n=128)", 600, 128, 128, {0, 100, 50, 400, -3}});
-    {
-      std::vector<int> sizes(128);
-      srand(7);
-      for (int g = 0; g < 128; ++g) sizes[g] = (g % 9 == 0) ? 0 : rand() % 130;
-      cases.push_back({"G=128 random sizes, some empty (m=8192,k=128,n=256)", 8192, 128, 256, OffsetsFromSizes(sizes)});
-    }
-    std::printf("== bf16 and f16 with the L2 prefetch\n");
-    for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
-      RunCase<bf16, bf16, bf16>(cases[1], form, gg::TileConfig::kAuto, true);
-    Run16BitCases<bf16>(cases, false);
-    for (const Case& c : cases)
-      for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
-        RunCase<__half, __half, __half>(c, form, gg::TileConfig::kAuto, false);
-    struct Shape { int G; int64_t rows; };
-    for (int round = 0; round < (perf ? 2 : 0); ++round)
-      for (const Shape s : {Shape{64, 512}, Shape{128, 512}, Shape{8, 8192}})
-        for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
-          for (bool on : {false, true}) {
-            prefetch = on;
-            Time<bf16, bf16, bf16>(on ? "bf16 L2 prefetch" : "bf16 no prefetch", form, s.G, s.rows, 2048, 4096, gg::TileConfig::kAuto);
-          }
-    prefetch = saved;
     perf = check = false;
   }
 

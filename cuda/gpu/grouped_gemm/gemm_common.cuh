@@ -22,7 +22,6 @@
 #include "fp8_blockwise_pipelined_promotion.cuh"
 #include "fp8_pipelined_promotion.cuh"
 #include "internal.cuh"
-#include "l2_prefetch_mainloop.cuh"
 
 #if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
 #error "jaxfuse grouped GEMM needs CUDA >= 12.3 and -gencode=arch=compute_90a,code=sm_90a"
@@ -54,12 +53,11 @@ struct WaitForPriorGrid : Base {
 //   family files for what they mean), ED: output element type (C is void: no source read),
 //   TM/TN/TK: CTA tile, CM/CN: cluster, KS/ES: mainloop / epilogue schedules.
 #define JAXFUSE_GG_DEFINE_GEMM(NAME, EA, LA, EB, LB, ED, TM, TN, TK, CM, CN, KS, ES)          \
-  JAXFUSE_GG_DEFINE_GEMM_WITH_MAINLOOP(NAME, L2PrefetchMainloop, EA, LA, EB, LB, ED, TM, TN, TK, \
-                                       CM, CN, KS, ES)
+  JAXFUSE_GG_DEFINE_GEMM_WITH_MAINLOOP(NAME, StockMainloop, EA, LA, EB, LB, ED, TM, TN, TK, CM,  \
+                                       CN, KS, ES)
 
-// The builder's mainloop as it is. The alternatives: L2PrefetchMainloop
-// (l2_prefetch_mainloop.cuh, JAXFUSE_GG_DEFINE_GEMM's: the next group's operands pulled into
-// L2), PipelinedPromotionMainloop (fp8_pipelined_promotion.cuh: the promoted FP8 mma()).
+// The builder's mainloop as it is; the alternative is PipelinedPromotionMainloop
+// (fp8_pipelined_promotion.cuh), which replaces the promoted FP8 mainloop's mma().
 template <class BuilderMainloop>
 using StockMainloop = BuilderMainloop;
 
@@ -140,14 +138,6 @@ struct TakesBlockScales<Mainloop,
                         std::void_t<decltype(std::declval<typename Mainloop::Arguments&>().ptr_SFA)>>
     : std::true_type {};
 
-// Whether a collective mainloop takes the L2 prefetch switch (L2PrefetchMainloop).
-template <class Mainloop, class = void>
-struct TakesL2Prefetch : std::false_type {};
-template <class Mainloop>
-struct TakesL2Prefetch<
-    Mainloop, std::void_t<decltype(std::declval<typename Mainloop::Arguments&>().l2_prefetch)>>
-    : std::true_type {};
-
 template <class Gemm>
 typename Gemm::Arguments MakeArguments(const GemmArrays& arrays, int sm_count,
                                        int max_active_clusters) {
@@ -185,9 +175,6 @@ typename Gemm::Arguments MakeArguments(const GemmArrays& arrays, int sm_count,
     args.mainloop.layout_SFA = nullptr;
     args.mainloop.ptr_SFB = arrays.ptr_sfb;
     args.mainloop.layout_SFB = nullptr;
-  }
-  if constexpr (TakesL2Prefetch<typename Kernel::CollectiveMainloop>::value) {
-    args.mainloop.l2_prefetch = arrays.l2_prefetch;
   }
 
   auto& fusion = args.epilogue.thread;

@@ -558,10 +558,6 @@ TuningOptions& ActiveTuningOptions() {
     if (const char* pair = std::getenv("JAXFUSE_GROUPED_GEMM_WGRAD_PAIR")) {
       o.wgrad_pair = pair[0] != '0';
     }
-    if (const char* prefetch = std::getenv("JAXFUSE_GROUPED_GEMM_L2_PREFETCH")) {
-      if (prefetch[0] == '0') o.l2_prefetch = false;
-      if (prefetch[0] == '1') o.l2_prefetch = true;
-    }
     return o;
   }();
   return options;
@@ -776,7 +772,6 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   arrays.raster = raster != 0 ? raster : (wgrad ? 'M' : 'N');
   arrays.columns = wgrad || p.form == Form::kForward ? p.n : p.k;
   arrays.pdl = UseProgrammaticLaunch(p);
-  arrays.l2_prefetch = detail::ActiveTuningOptions().l2_prefetch;
   if (config == TileConfig::kUniform) return family.uniform.run(config, arrays, sm_count, stream);
   if (!adaptive) return family.run(config, arrays, sm_count, stream);
   // kAdaptive: both kernels on the stream; the one the setup kernel gave no rows exits at once.

@@ -35,7 +35,6 @@ struct GemmArrays {
   int64_t columns = 0;                // CUTLASS N of every group (host value; the bf16 wgrad
                                       // picks its small kernel's cluster shape from it)
   bool pdl = false;                   // launch as a programmatic dependent (host value)
-  bool l2_prefetch = false;           // L2PrefetchMainloop's switch (host value)
 };
 
 // Block edge of the blockwise FP8 scales (both the 1 x 128 and the 128 x 128 blocks);
@@ -65,10 +64,6 @@ struct TuningOptions {
   // JAXFUSE_GROUPED_GEMM_WGRAD_PAIR=0: the bf16 wgrad's kSmall always runs its 1x1-cluster
   // kernel (default: the 1x2 one where the column tiles pair up; gemm_bf16_wgrad.cu).
   bool wgrad_pair = true;
-  // JAXFUSE_GROUPED_GEMM_L2_PREFETCH=1|0: the 16-bit (and FP8 fast-accumulation) kernels
-  // prefetch the next group's operands into L2 where groups are short
-  // (l2_prefetch_mainloop.cuh).
-  bool l2_prefetch = false;
 };
 TuningOptions& ActiveTuningOptions();
 

@@ -148,7 +148,7 @@ PYEOF
         [ $rc -eq 0 ] || status=1
       done
       # The grouped GEMM's own hostile-layout cases, without JAX in the process
-      # (SANITIZE_CHECK_ARGS picks a mode, e.g. "--l2-prefetch --no-perf").
+      # (SANITIZE_CHECK_ARGS picks a mode, e.g. "--wgrad-configs --no-perf").
       if [ -x .gpu_src/prebuilt/check_grouped_gemm ]; then
         log "compute-sanitizer memcheck: check_grouped_gemm ${SANITIZE_CHECK_ARGS:---no-perf}"
         timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool memcheck --error-exitcode 9 \

@@ -360,6 +360,51 @@ def test_small_wgrad_cluster_pairing_matches_float64_numpy(tmp_path, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["small", "large", "adaptive"])
+def test_prepared_tensormaps_match_float64_numpy_and_cutlass(tmp_path, tile):
+  """JAXFUSE_GROUPED_GEMM_TENSORMAPS=prepared: the 16-bit kernels read per-group TMA
+  descriptors that a kernel launched before them writes (prepared_tensormaps.cuh) instead
+  of rewriting CUTLASS's per-SM ones at each group change. Forward, dgrad and wgrad of 37
+  groups (several empty, the first and the last among them; ragged; sums below and past m)
+  against float64 numpy, and bit for bit against CUTLASS's descriptors (same tiles, same
+  accumulation order), with the preparing kernel launched as a programmatic dependent (the
+  default at this size) and plainly."""
+  m, k, n, groups = 3000, 136, 264, 37
+  x, kernel = make_inputs(13, m, k, n, groups, jnp.bfloat16)
+  d_out = helpers.random_array(np.random.default_rng(14), (m, n), jnp.bfloat16)
+  np.savez(tmp_path / "in.npz", **{name: np.asarray(a, np.float32)
+                                   for name, a in (("x", x), ("w", kernel), ("d_out", d_out))})
+  rng = np.random.default_rng(15)
+  ragged = rng.integers(0, 130, groups)
+  ragged[[0, 5, 17, groups - 1]] = 0
+  size_sets = (list(ragged), [128] * groups)  # sum < m; sum 4736 > m: cut at m
+  environments = {"cutlass": {"JAXFUSE_GROUPED_GEMM_TENSORMAPS": "cutlass"},
+                  "prepared": {"JAXFUSE_GROUPED_GEMM_TENSORMAPS": "prepared"}}
+  if tile == "large":
+    environments["prepared_plain"] = {"JAXFUSE_GROUPED_GEMM_TENSORMAPS": "prepared",
+                                      "JAXFUSE_GROUPED_GEMM_PDL": "0"}
+  runs = {}
+  for name, variables in environments.items():
+    subprocess.run([sys.executable, "-c", _TILE_SCRIPT, str(tmp_path),
+                    *(",".join(map(str, sizes)) for sizes in size_sets)],
+                   env=dict(os.environ, JAXFUSE_GROUPED_GEMM_TILE=tile, **variables),
+                   check=True, timeout=300)
+    with np.load(tmp_path / "out.npz") as results:
+      runs[name] = dict(results)
+  for index, sizes in enumerate(size_sets):
+    want_x, want_kernel = numpy_grouped_grads(x, kernel, sizes, d_out)
+    prepared = runs["prepared"]
+    helpers.assert_close(prepared[f"{index}_out"], numpy_grouped_linear(x, kernel, sizes),
+                         jnp.bfloat16, msg=f"{tile} forward {sizes}")
+    helpers.assert_close(prepared[f"{index}_d_x"], want_x, jnp.bfloat16, msg=f"{tile} dgrad")
+    helpers.assert_close(prepared[f"{index}_d_kernel"], want_kernel, jnp.bfloat16,
+                         msg=f"{tile} wgrad")
+  for name, results in runs.items():
+    for key, value in results.items():
+      np.testing.assert_array_equal(value, runs["cutlass"][key], err_msg=f"{name} {key}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile", ["adaptive", "uniform", "large"])
 def test_large_tile_configs_match_float64_numpy(tmp_path, tile):
   """The 128-row-tile kernel, the kUniform kernel (fit for multiples of its row granularity,

@@ -3,7 +3,8 @@
 //   nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //     -I cuda/include -I <cutlass>/include cuda/gpu/grouped_gemm/*.cu -o check_grouped_gemm
 // Run: ./check_grouped_gemm [--no-perf | --perf-only | --sweep-scheduler | --uniform |
-// --fp8-mainloops | --wgrad-configs | --cublaslt-grouped]. Exit status 0 iff
+// --fp8-mainloops | --wgrad-configs | --cublaslt-grouped | --grouping-cost | --tensormaps].
+// Exit status 0 iff
 // every case passed.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -922,6 +923,7 @@ void Run16BitCases(const std::vector<Case>& cases, bool graph_first) {
 int main(int argc, char** argv) {
   bool perf = true, check = true, sweep = false, uniform_sweep = false, fp8_mainloops = false;
   bool wgrad_configs = false, cublaslt_grouped = false, grouping_cost = false;
+  bool tensormaps = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-perf") == 0) perf = false;
     if (std::strcmp(argv[i], "--perf-only") == 0) check = false;
@@ -942,6 +944,10 @@ int main(int argc, char** argv) {
     // the same tiles on equal groups: what the per-group tensormaps and shapes cost where a
     // CTA changes group at nearly every tile (512 rows per group).
     if (std::strcmp(argv[i], "--grouping-cost") == 0) grouping_cost = true;
+    // Checks the 16-bit kernels with per-group TMA descriptors prepared before they run
+    // (prepared_tensormaps.cuh) on hostile layouts, every config, eager and graph-replayed,
+    // and times them against CUTLASS's rewritten per-SM descriptors (--no-perf: checks only).
+    if (std::strcmp(argv[i], "--tensormaps") == 0) tensormaps = true;
   }
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
@@ -1079,6 +1085,47 @@ int main(int argc, char** argv) {
         TimeBatched<batched::WgradPingpong128x128>("batch ping", gg::Form::kWgrad, s.G, s.rows, s.k, s.n);
       }
     pair = saved;
+    perf = check = false;
+  }
+
+  if (tensormaps) {
+    using bf16 = __nv_bfloat16;
+    bool& prepared = gg::detail::ActiveTuningOptions().prepared_tensormaps;
+    const bool saved = prepared;
+    // Empty groups (one of them first and one last), sum < m, sum > m, partial tiles,
+    // negative and non-monotone offsets, one group, many small groups.
+    std::vector<Case> cases;
+    cases.push_back({"G=5 empty first/last, sum<m (m=1500,k=136,n=264)", 1500, 136, 264, OffsetsFromSizes({0, 300, 517, 129, 0})});
+    cases.push_back({"G=3 sum>m (m=1000,k=256,n=384)", 1000, 256, 384, OffsetsFromSizes({700, 600, 500})});
+    cases.push_back({"G=4 non-monotone/negative offsets (m=600,k=128,n=256)", 600, 128, 256, {0, 100, 50, 400, -3}});
+    cases.push_back({"G=1 (m=777,k=64,n=520)", 777, 64, 520, OffsetsFromSizes({777})});
+    std::vector<int> many(200);
+    for (int g = 0; g < 200; ++g) many[g] = (g % 7 == 3) ? 0 : 8 + (g * 37) % 120;
+    cases.push_back({"G=200 small groups, some empty (k=128,n=384)", 16000, 128, 384, OffsetsFromSizes(many)});
+    prepared = true;
+    std::printf("== 16-bit kernels, prepared per-group tensormaps\n");
+    for (const Case& c : cases)
+      for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
+        for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall,
+                                   gg::TileConfig::kUniform, gg::TileConfig::kAdaptive}) {
+          if (form == gg::Form::kWgrad && cfg != gg::TileConfig::kLarge &&
+              cfg != gg::TileConfig::kSmall) continue;
+          RunCase<bf16, bf16, bf16>(c, form, cfg, false);
+        }
+    for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad}) {
+      RunCase<bf16, bf16, bf16>(cases[0], form, gg::TileConfig::kAuto, true);
+      RunCase<__half, __half, __half>(cases[0], form, gg::TileConfig::kAuto, false);
+    }
+    struct Shape { int G; int64_t rows; };
+    for (int round = 0; round < (perf ? 2 : 0); ++round)
+      for (const Shape s : {Shape{64, 512}, Shape{128, 512}, Shape{8, 8192}})
+        for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
+          for (bool on : {false, true}) {
+            prepared = on;
+            Time<bf16, bf16, bf16>(on ? "prepared" : "cutlass", form, s.G, s.rows, 2048, 4096,
+                                   gg::TileConfig::kAuto);
+          }
+    prepared = saved;
     perf = check = false;
   }
 

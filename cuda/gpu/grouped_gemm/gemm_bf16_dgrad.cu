@@ -5,16 +5,18 @@
 
 namespace jaxfuse::grouped_gemm::detail {
 
-JAXFUSE_GG_DEFINE_GEMM(Bf16DgradLarge, cutlass::bfloat16_t, cutlass::layout::RowMajor,
-                       cutlass::bfloat16_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
-                       128, 256, 64, 1, 2,
-                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
-JAXFUSE_GG_DEFINE_GEMM(Bf16DgradSmall, cutlass::bfloat16_t, cutlass::layout::RowMajor,
-                       cutlass::bfloat16_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
-                       128, 128, 64, 1, 1,
-                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                       cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
+JAXFUSE_GG_DEFINE_GEMM_TENSORMAP_VARIANTS(
+    Bf16DgradLarge, cutlass::bfloat16_t, cutlass::layout::RowMajor,
+    cutlass::bfloat16_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
+    128, 256, 64, 1, 2,
+    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+    cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
+JAXFUSE_GG_DEFINE_GEMM_TENSORMAP_VARIANTS(
+    Bf16DgradSmall, cutlass::bfloat16_t, cutlass::layout::RowMajor,
+    cutlass::bfloat16_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
+    128, 128, 64, 1, 1,
+    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+    cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
 
 JAXFUSE_GG_DEFINE_FAMILY_2(Bf16Dgrad, Bf16DgradLarge, Bf16DgradSmall)
 

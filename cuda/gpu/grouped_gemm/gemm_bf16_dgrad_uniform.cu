@@ -8,11 +8,12 @@
 
 namespace jaxfuse::grouped_gemm::detail {
 
-JAXFUSE_GG_DEFINE_GEMM(Bf16DgradUniformGemm, cutlass::bfloat16_t, cutlass::layout::RowMajor,
-                       cutlass::bfloat16_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
-                       128, 256, 64, 2, 1,
-                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
+JAXFUSE_GG_DEFINE_GEMM_TENSORMAP_VARIANTS(
+    Bf16DgradUniformGemm, cutlass::bfloat16_t, cutlass::layout::RowMajor,
+    cutlass::bfloat16_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
+    128, 256, 64, 2, 1,
+    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+    cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
 
 JAXFUSE_GG_DEFINE_UNIFORM_FAMILY(Bf16DgradUniform, Bf16DgradUniformGemm)
 

@@ -22,6 +22,7 @@
 #include "fp8_blockwise_pipelined_promotion.cuh"
 #include "fp8_pipelined_promotion.cuh"
 #include "internal.cuh"
+#include "prepared_tensormaps.cuh"
 
 #if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
 #error "jaxfuse grouped GEMM needs CUDA >= 12.3 and -gencode=arch=compute_90a,code=sm_90a"
@@ -64,17 +65,37 @@ using StockMainloop = BuilderMainloop;
 // JAXFUSE_GG_DEFINE_GEMM with the builder's collective mainloop wrapped in WRAP<...>.
 #define JAXFUSE_GG_DEFINE_GEMM_WITH_MAINLOOP(NAME, WRAP, EA, LA, EB, LB, ED, TM, TN, TK, CM, CN, \
                                              KS, ES)                                       \
+  JAXFUSE_GG_DEFINE_GEMM_WRAPPED(NAME, WRAP, StockEpilogue, EA, LA, EB, LB, ED, TM, TN, TK,   \
+                                 CM, CN, KS, ES)
+
+template <class BuilderEpilogue>
+using StockEpilogue = BuilderEpilogue;
+
+// JAXFUSE_GG_DEFINE_GEMM twice, as TensormapVariants (below): NAME##Cutlass with CUTLASS's
+// collectives, NAME##Prepared reading per-group descriptors (prepared_tensormaps.cuh).
+#define JAXFUSE_GG_DEFINE_GEMM_TENSORMAP_VARIANTS(NAME, EA, LA, EB, LB, ED, TM, TN, TK, CM, CN,  \
+                                                  KS, ES)                                      \
+  JAXFUSE_GG_DEFINE_GEMM_WRAPPED(NAME##Cutlass, StockMainloop, StockEpilogue, EA, LA, EB, LB,  \
+                                 ED, TM, TN, TK, CM, CN, KS, ES)                               \
+  JAXFUSE_GG_DEFINE_GEMM_WRAPPED(NAME##Prepared, PreparedTensormapMainloop,                    \
+                                 PreparedTensormapEpilogue, EA, LA, EB, LB, ED, TM, TN, TK, CM, \
+                                 CN, KS, ES)                                                   \
+  using NAME = TensormapVariants<NAME##Cutlass, NAME##Prepared>;
+
+// The builder's collectives wrapped in MAINLOOP<...> and EPILOGUE<...>.
+#define JAXFUSE_GG_DEFINE_GEMM_WRAPPED(NAME, WRAP, EPILOGUE, EA, LA, EB, LB, ED, TM, TN, TK, CM, \
+                                       CN, KS, ES)                                         \
   namespace NAME##_types {                                                                 \
   using TileShape = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<TK>>;              \
   using ClusterShape = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;                \
   static constexpr int kAlignA = 128 / cutlass::sizeof_bits<EA>::value;                    \
   static constexpr int kAlignB = 128 / cutlass::sizeof_bits<EB>::value;                    \
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ED>::value;                    \
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<     \
+  using CollectiveEpilogue = EPILOGUE<typename cutlass::epilogue::collective::CollectiveBuilder< \
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,        \
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,                 \
       cutlass::layout::RowMajor*, kAlignD, ED, cutlass::layout::RowMajor*, kAlignD, ES,    \
-      cutlass::epilogue::fusion::LinearCombination<ED, float, void, float>>::CollectiveOp; \
+      cutlass::epilogue::fusion::LinearCombination<ED, float, void, float>>::CollectiveOp>; \
   using CollectiveMainloop = WRAP<typename cutlass::gemm::collective::CollectiveBuilder<   \
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, EA, LA*, kAlignA, EB, LB*,      \
       kAlignB, float, TileShape, ClusterShape,                                             \
@@ -206,17 +227,46 @@ typename Gemm::Arguments MakeArguments(const GemmArrays& arrays, int sm_count,
   return args;
 }
 
-// Host-only: CUTLASS's workspace (tensormaps per SM + scheduler) for this kernel.
+// Host-only: CUTLASS's workspace (tensormaps per SM + scheduler; with prepared tensormaps
+// also one descriptor per group and operand) for this kernel.
 template <class Gemm>
-size_t CutlassWorkspaceBytes(int num_groups, int sm_count) {
+size_t OneGemmWorkspaceBytes(int num_groups, int sm_count) {
   GemmArrays dummy;
   dummy.num_groups = num_groups;
   auto args = MakeArguments<Gemm>(dummy, sm_count, /*max_active_clusters=*/0);
   return Gemm::get_workspace_size(args);
 }
 
+// Whether Kernel's collectives read per-group descriptors (prepared_tensormaps.cuh).
+template <class Kernel, class = void>
+struct ReadsPreparedTensormaps : std::false_type {};
+template <class Kernel>
+struct ReadsPreparedTensormaps<
+    Kernel, std::void_t<decltype(Kernel::CollectiveMainloop::kPreparedTensormaps)>>
+    : std::true_type {};
+
+// Launches PrepareTensormapsKernel for the initialized `gemm` (its parameters hold the
+// descriptor templates and the setup arrays' addresses): one warp per group, as a
+// programmatic dependent of the setup kernel where the GEMM is one.
 template <class Gemm>
-cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream) {
+cudaError_t LaunchPrepareTensormaps(const Gemm& gemm, int num_groups, bool pdl,
+                                    cudaStream_t stream) {
+  using Kernel = typename Gemm::GemmKernel;
+  constexpr int kWarps = 4;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((num_groups + kWarps - 1) / kWarps, 1, 1);
+  config.blockDim = dim3(32 * kWarps, 1, 1);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, PrepareTensormapsKernel<Kernel, kWarps>, gemm.params());
+}
+
+template <class Gemm>
+cudaError_t RunOneGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream) {
   if (sm_count <= 0 || arrays.num_groups <= 0) return cudaErrorInvalidValue;
   auto args = MakeArguments<Gemm>(arrays, sm_count, MaxActiveClusters<Gemm>());
   if (Gemm::get_workspace_size(args) > arrays.cutlass_workspace_bytes) {
@@ -230,12 +280,57 @@ cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream)
     cudaError_t error = cudaGetLastError();
     return error != cudaSuccess ? error : cudaErrorUnknown;
   }
+  if constexpr (ReadsPreparedTensormaps<typename Gemm::GemmKernel>::value) {
+    cudaError_t error = LaunchPrepareTensormaps(gemm, arrays.num_groups, arrays.pdl, stream);
+    if (error != cudaSuccess) return error;
+  }
   if (gemm.run(stream, /*cuda_adapter=*/nullptr, arrays.pdl) !=
       cutlass::Status::kSuccess) {
     cudaError_t error = cudaGetLastError();
     return error != cudaSuccess ? error : cudaErrorLaunchFailure;
   }
   return cudaSuccess;
+}
+
+// One kernel built twice: with CUTLASS's per-SM descriptors, rewritten at every group
+// change, and with per-group descriptors prepared before it runs (prepared_tensormaps.cuh).
+// ActiveTuningOptions().prepared_tensormaps (JAXFUSE_GROUPED_GEMM_TENSORMAPS) picks one;
+// the workspace has room for either.
+template <class CutlassGemm, class PreparedGemm>
+struct TensormapVariants {
+  using GemmKernel = typename CutlassGemm::GemmKernel;  // tile and cluster shapes
+};
+
+template <class Gemm>
+struct GemmRunner {
+  static size_t Workspace(int num_groups, int sm_count) {
+    return OneGemmWorkspaceBytes<Gemm>(num_groups, sm_count);
+  }
+  static cudaError_t Run(const GemmArrays& arrays, int sm_count, cudaStream_t stream) {
+    return RunOneGemm<Gemm>(arrays, sm_count, stream);
+  }
+};
+template <class CutlassGemm, class PreparedGemm>
+struct GemmRunner<TensormapVariants<CutlassGemm, PreparedGemm>> {
+  static size_t Workspace(int num_groups, int sm_count) {
+    return std::max(OneGemmWorkspaceBytes<CutlassGemm>(num_groups, sm_count),
+                    OneGemmWorkspaceBytes<PreparedGemm>(num_groups, sm_count));
+  }
+  static cudaError_t Run(const GemmArrays& arrays, int sm_count, cudaStream_t stream) {
+    return ActiveTuningOptions().prepared_tensormaps
+               ? RunOneGemm<PreparedGemm>(arrays, sm_count, stream)
+               : RunOneGemm<CutlassGemm>(arrays, sm_count, stream);
+  }
+};
+
+// The workspace Gemm (one kernel or TensormapVariants) needs, and running it.
+template <class Gemm>
+size_t CutlassWorkspaceBytes(int num_groups, int sm_count) {
+  return GemmRunner<Gemm>::Workspace(num_groups, sm_count);
+}
+template <class Gemm>
+cudaError_t RunGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stream) {
+  return GemmRunner<Gemm>::Run(arrays, sm_count, stream);
 }
 
 }  // namespace jaxfuse::grouped_gemm::detail

@@ -558,6 +558,11 @@ TuningOptions& ActiveTuningOptions() {
     if (const char* pair = std::getenv("JAXFUSE_GROUPED_GEMM_WGRAD_PAIR")) {
       o.wgrad_pair = pair[0] != '0';
     }
+    if (const char* tensormaps = std::getenv("JAXFUSE_GROUPED_GEMM_TENSORMAPS")) {
+      const std::string value(tensormaps);
+      if (value == "prepared") o.prepared_tensormaps = true;
+      if (value == "cutlass") o.prepared_tensormaps = false;
+    }
     return o;
   }();
   return options;

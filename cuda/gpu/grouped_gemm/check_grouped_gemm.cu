@@ -1120,11 +1120,13 @@ int main(int argc, char** argv) {
     for (int round = 0; round < (perf ? 2 : 0); ++round)
       for (const Shape s : {Shape{64, 512}, Shape{128, 512}, Shape{8, 8192}})
         for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
-          for (bool on : {false, true}) {
-            prepared = on;
-            Time<bf16, bf16, bf16>(on ? "prepared" : "cutlass", form, s.G, s.rows, 2048, 4096,
-                                   gg::TileConfig::kAuto);
-          }
+          for (gg::TileConfig cfg : {gg::TileConfig::kAuto, gg::TileConfig::kSmall,
+                                     gg::TileConfig::kLarge})
+            for (bool on : {false, true}) {
+              prepared = on;
+              Time<bf16, bf16, bf16>(on ? "prepared" : "cutlass", form, s.G, s.rows, 2048,
+                                     4096, cfg);
+            }
     prepared = saved;
     perf = check = false;
   }

@@ -360,11 +360,12 @@ def test_small_wgrad_cluster_pairing_matches_float64_numpy(tmp_path, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["small", "large", "adaptive"])
+@pytest.mark.parametrize("tile", ["large", "adaptive", "uniform"])
 def test_prepared_tensormaps_match_float64_numpy_and_cutlass(tmp_path, tile):
-  """JAXFUSE_GROUPED_GEMM_TENSORMAPS=prepared: the 16-bit kernels read per-group TMA
-  descriptors that a kernel launched before them writes (prepared_tensormaps.cuh) instead
-  of rewriting CUTLASS's per-SM ones at each group change. Forward, dgrad and wgrad of 37
+  """The bf16 cooperative kernels (kLarge, kUniform; kAdaptive launches both) read
+  per-group TMA descriptors that a kernel launched before them writes
+  (prepared_tensormaps.cuh) instead of rewriting CUTLASS's per-SM ones at each group
+  change; JAXFUSE_GROUPED_GEMM_TENSORMAPS=cutlass brings those back. Forward, dgrad and wgrad of 37
   groups (several empty, the first and the last among them; ragged; sums below and past m)
   against float64 numpy, and bit for bit against CUTLASS's descriptors (same tiles, same
   accumulation order), with the preparing kernel launched as a programmatic dependent (the

@@ -944,9 +944,10 @@ int main(int argc, char** argv) {
     // the same tiles on equal groups: what the per-group tensormaps and shapes cost where a
     // CTA changes group at nearly every tile (512 rows per group).
     if (std::strcmp(argv[i], "--grouping-cost") == 0) grouping_cost = true;
-    // Checks the 16-bit kernels with per-group TMA descriptors prepared before they run
-    // (prepared_tensormaps.cuh) on hostile layouts, every config, eager and graph-replayed,
-    // and times them against CUTLASS's rewritten per-SM descriptors (--no-perf: checks only).
+    // Checks the bf16 kernels with per-group TMA descriptors prepared before they run
+    // (prepared_tensormaps.cuh: the cooperative ones) on hostile layouts, every config, eager
+    // and graph-replayed, and times them against CUTLASS's rewritten per-SM descriptors
+    // (JAXFUSE_GROUPED_GEMM_TENSORMAPS=cutlass; --no-perf: checks only).
     if (std::strcmp(argv[i], "--tensormaps") == 0) tensormaps = true;
   }
   int device = 0;
@@ -1103,7 +1104,7 @@ int main(int argc, char** argv) {
     for (int g = 0; g < 200; ++g) many[g] = (g % 7 == 3) ? 0 : 8 + (g * 37) % 120;
     cases.push_back({"G=200 small groups, some empty (k=128,n=384)", 16000, 128, 384, OffsetsFromSizes(many)});
     prepared = true;
-    std::printf("== 16-bit kernels, prepared per-group tensormaps\n");
+    std::printf("== bf16 kernels, prepared per-group tensormaps (cooperative ones)\n");
     for (const Case& c : cases)
       for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
         for (gg::TileConfig cfg : {gg::TileConfig::kLarge, gg::TileConfig::kSmall,

@@ -293,9 +293,9 @@ cudaError_t RunOneGemm(const GemmArrays& arrays, int sm_count, cudaStream_t stre
 }
 
 // One kernel built twice: with CUTLASS's per-SM descriptors, rewritten at every group
-// change, and with per-group descriptors prepared before it runs (prepared_tensormaps.cuh).
-// ActiveTuningOptions().prepared_tensormaps (JAXFUSE_GROUPED_GEMM_TENSORMAPS) picks one;
-// the workspace has room for either.
+// change, and with per-group descriptors prepared before it runs (prepared_tensormaps.cuh;
+// the default). ActiveTuningOptions().prepared_tensormaps (JAXFUSE_GROUPED_GEMM_TENSORMAPS)
+// picks one; the workspace has room for either.
 template <class CutlassGemm, class PreparedGemm>
 struct TensormapVariants {
   using GemmKernel = typename CutlassGemm::GemmKernel;  // tile and cluster shapes

@@ -64,10 +64,11 @@ struct TuningOptions {
   // JAXFUSE_GROUPED_GEMM_WGRAD_PAIR=0: the bf16 wgrad's kSmall always runs its 1x1-cluster
   // kernel (default: the 1x2 one where the column tiles pair up; gemm_bf16_wgrad.cu).
   bool wgrad_pair = true;
-  // The 16-bit kernels read per-group TMA descriptors prepared before they run
+  // The 16-bit cooperative kernels read per-group TMA descriptors prepared before they run
   // (prepared_tensormaps.cuh) instead of rewriting CUTLASS's per-SM ones at every group
-  // change: JAXFUSE_GROUPED_GEMM_TENSORMAPS=prepared|cutlass.
-  bool prepared_tensormaps = false;
+  // change; JAXFUSE_GROUPED_GEMM_TENSORMAPS=cutlass runs CUTLASS's (the ping-pong kernels
+  // always do: prepared ones measured 10-15% slower there, README.md).
+  bool prepared_tensormaps = true;
 };
 TuningOptions& ActiveTuningOptions();
 

@@ -11,12 +11,11 @@ JAXFUSE_GG_DEFINE_GEMM_TENSORMAP_VARIANTS(
     128, 256, 64, 1, 2,
     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
-JAXFUSE_GG_DEFINE_GEMM(
-    Bf16FwdSmall, cutlass::bfloat16_t, cutlass::layout::RowMajor,
-    cutlass::bfloat16_t, cutlass::layout::RowMajor, cutlass::bfloat16_t,
-    128, 128, 64, 1, 1,
-    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-    cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
+JAXFUSE_GG_DEFINE_GEMM(Bf16FwdSmall, cutlass::bfloat16_t, cutlass::layout::RowMajor,
+                       cutlass::bfloat16_t, cutlass::layout::RowMajor, cutlass::bfloat16_t,
+                       128, 128, 64, 1, 1,
+                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                       cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
 
 JAXFUSE_GG_DEFINE_FAMILY_2(Bf16Fwd, Bf16FwdLarge, Bf16FwdSmall)
 

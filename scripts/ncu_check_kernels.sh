@@ -7,6 +7,11 @@
 # scripts/ncu_stall_table.py).
 #
 #   scripts/ncu_check_kernels.sh OUTDIR "CHECK ARGS" NAME=REGEX [NAME=REGEX ...]
+#   scripts/ncu_check_kernels.sh OUTDIR "CHECK ARGS" --metrics NAME
+#
+# The second form times every launch once (JAXFUSE_CHECK_LAUNCHES=1) and collects, for every
+# CUTLASS kernel launch, duration, DRAM bytes read and written and the L2 hit rate into
+# OUTDIR/NAME_metrics.csv (one pass per launch: a whole --grouping-cost run in ~1 min).
 #
 # e.g. the grouped ping-pong forward next to CUTLASS's batched ping-pong (--grouping-cost
 # launches the 64 x 512 case first):
@@ -20,6 +25,15 @@ binary=.gpu_src/prebuilt/check_grouped_gemm
 [ -x "$binary" ] || { echo "no $binary (scripts/prepare_gpu_run.sh --check)" >&2; exit 2; }
 mkdir -p "$out"
 status=0
+if [ "${1:-}" = --metrics ]; then
+  JAXFUSE_CHECK_LAUNCHES=1 timeout ${NCU_TIMEOUT:-300} ncu --clock-control none \
+    --kernel-name-base demangled -k 'regex:^void cutlass::device_kernel' --csv --page raw \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed \
+    "$binary" $args >"$out/$2_metrics.csv" 2>"$out/$2_metrics.log"
+  status=$?
+  grep PERF "$out/$2_metrics.csv" | cut -c1-120 | head -40
+  exit $status
+fi
 for spec in "$@"; do
   name=${spec%%=*} regex=${spec#*=}
   echo "== ncu $name: $regex"

@@ -338,7 +338,13 @@ void RunCase(const Case& c, gg::Form form, gg::TileConfig config, bool use_graph
 // CUDA events on `stream` (clocks vary on random data).
 template <class Launch>
 double MedianLaunchMs(cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop, Launch&& launch) {
-  const int iters = 30, reps = 5;
+  // JAXFUSE_CHECK_LAUNCHES=1 times one launch once: a run under Nsight Compute then profiles
+  // a handful of launches per kernel (scripts/ncu_check_kernels.sh --metrics).
+  static const bool single = [] {
+    const char* env = std::getenv("JAXFUSE_CHECK_LAUNCHES");
+    return env != nullptr && std::atoi(env) == 1;
+  }();
+  const int iters = single ? 1 : 30, reps = single ? 1 : 5;
   std::vector<double> t;
   for (int r = 0; r < reps; ++r) {
     CHECK_CUDA(cudaEventRecord(start, stream));
@@ -513,6 +519,16 @@ void TimeBatched(const char* label, gg::Form form, int G, int64_t rows, int64_t 
   args.epilogue.ptr_D = d.as<typename Gemm::ElementD>();
   args.epilogue.dD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, shape_d);
   args.hw_info.sm_count = g_sm_count;
+  // The grouped kernels' raster order and swizzle where JAXFUSE_GROUPED_GEMM_RASTER /
+  // _SWIZZLE set them (a like-for-like comparison), else CUTLASS's heuristic (along M where
+  // a problem has more column tiles than row tiles) and swizzle 1.
+  using Raster = decltype(args.scheduler.raster_order);
+  const char raster = gg::detail::ActiveTuningOptions().raster;
+  if (raster != 0) args.scheduler.raster_order = raster == 'N' ? Raster::AlongN : Raster::AlongM;
+  args.scheduler.max_swizzle_size = gg::detail::ActiveTuningOptions().swizzle;
+  const int64_t tiles_m = (M + 127) / 128, tiles_n = (N + cute::size<1>(typename Kernel::TileShape{}) - 1) /
+                                                     cute::size<1>(typename Kernel::TileShape{});
+  const char used = raster != 0 ? raster : (tiles_n > tiles_m ? 'M' : 'N');
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
     std::printf("PERF %-10s skipped: can_implement failed\n", label);
@@ -537,8 +553,8 @@ void TimeBatched(const char* label, gg::Form form, int G, int64_t rows, int64_t 
   const double ms = MedianLaunchMs(stream, start, stop, launch);
   const double flops = 2.0 * double(G) * double(M) * double(N) * double(K);
   std::printf("PERF %-10s %-5s G=%-4d rows/group=%-5lld k=%-5lld n=%-5lld %-15s eager %.3f ms %6.1f TFLOP/s\n",
-              label, FormName(form), G, (long long)rows, (long long)k, (long long)n, "batched", ms,
-              flops / ms * 1e-9);
+              label, FormName(form), G, (long long)rows, (long long)k, (long long)n,
+              used == 'N' ? "batched rN" : "batched rM", ms, flops / ms * 1e-9);
   cudaEventDestroy(start); cudaEventDestroy(stop); cudaStreamDestroy(stream);
 }
 

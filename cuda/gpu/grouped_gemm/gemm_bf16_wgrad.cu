@@ -28,39 +28,22 @@ JAXFUSE_GG_DEFINE_GEMM(Bf16WgradSmallPair, cutlass::bfloat16_t, cutlass::layout:
                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                        cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
 
-// EXPERIMENT (session 41): the small kernels with prepared D descriptors
-// (JAXFUSE_GROUPED_GEMM_PINGPONG_TENSORMAPS=epilogue).
-#define JAXFUSE_BF16_WGRAD_SMALL_E(NAME, CN)                                                  \
-  JAXFUSE_GG_DEFINE_GEMM_WRAPPED(NAME, StockMainloop, PreparedTensormapEpilogue,              \
-                                 cutlass::bfloat16_t, cutlass::layout::ColumnMajor,           \
-                                 cutlass::bfloat16_t, cutlass::layout::RowMajor,              \
-                                 cutlass::bfloat16_t, 128, 128, 64, 1, CN,                    \
-                                 cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,     \
-                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
-JAXFUSE_BF16_WGRAD_SMALL_E(Bf16WgradSmallE, 1)
-JAXFUSE_BF16_WGRAD_SMALL_E(Bf16WgradSmallPairE, 2)
-
 size_t Bf16Wgrad_WorkspaceBytes(TileConfig config, int num_groups, int sm_count) {
   if (config != TileConfig::kSmall) {
     return CutlassWorkspaceBytes<Bf16WgradLarge>(num_groups, sm_count);
   }
   // Either small kernel may run (the choice needs n): room for both.
-  return std::max({CutlassWorkspaceBytes<Bf16WgradSmall>(num_groups, sm_count),
-                   CutlassWorkspaceBytes<Bf16WgradSmallPair>(num_groups, sm_count),
-                   CutlassWorkspaceBytes<Bf16WgradSmallE>(num_groups, sm_count),
-                   CutlassWorkspaceBytes<Bf16WgradSmallPairE>(num_groups, sm_count)});
+  return std::max(CutlassWorkspaceBytes<Bf16WgradSmall>(num_groups, sm_count),
+                  CutlassWorkspaceBytes<Bf16WgradSmallPair>(num_groups, sm_count));
 }
 
 cudaError_t Bf16Wgrad_Run(TileConfig config, const GemmArrays& arrays, int sm_count,
                           cudaStream_t stream) {
   if (config != TileConfig::kSmall) return RunGemm<Bf16WgradLarge>(arrays, sm_count, stream);
-  const bool prepared_d = ActiveTuningOptions().pingpong_tensormaps == 'e';
   if (Bf16WgradPairsColumnTiles(arrays.columns)) {
-    return prepared_d ? RunGemm<Bf16WgradSmallPairE>(arrays, sm_count, stream)
-                      : RunGemm<Bf16WgradSmallPair>(arrays, sm_count, stream);
+    return RunGemm<Bf16WgradSmallPair>(arrays, sm_count, stream);
   }
-  return prepared_d ? RunGemm<Bf16WgradSmallE>(arrays, sm_count, stream)
-                    : RunGemm<Bf16WgradSmall>(arrays, sm_count, stream);
+  return RunGemm<Bf16WgradSmall>(arrays, sm_count, stream);
 }
 
 }  // namespace jaxfuse::grouped_gemm::detail

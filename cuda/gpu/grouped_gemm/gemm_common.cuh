@@ -326,28 +326,23 @@ struct GemmRunner<TensormapVariants<CutlassGemm, PreparedGemm>> {
 // (Mainloop) or for the epilogue's D only (Epilogue); ActiveTuningOptions().
 // pingpong_tensormaps (JAXFUSE_GROUPED_GEMM_PINGPONG_TENSORMAPS=cutlass|all|mainloop|
 // epilogue) picks one.
-template <class CutlassGemm, class AllGemm, class MainloopGemm, class EpilogueGemm,
-          class PairGemm>
+template <class CutlassGemm, class AllGemm, class MainloopGemm, class EpilogueGemm>
 struct PingpongTensormapVariants {
   using GemmKernel = typename CutlassGemm::GemmKernel;
 };
-template <class CutlassGemm, class AllGemm, class MainloopGemm, class EpilogueGemm,
-          class PairGemm>
-struct GemmRunner<
-    PingpongTensormapVariants<CutlassGemm, AllGemm, MainloopGemm, EpilogueGemm, PairGemm>> {
+template <class CutlassGemm, class AllGemm, class MainloopGemm, class EpilogueGemm>
+struct GemmRunner<PingpongTensormapVariants<CutlassGemm, AllGemm, MainloopGemm, EpilogueGemm>> {
   static size_t Workspace(int num_groups, int sm_count) {
     return std::max({OneGemmWorkspaceBytes<CutlassGemm>(num_groups, sm_count),
                      OneGemmWorkspaceBytes<AllGemm>(num_groups, sm_count),
                      OneGemmWorkspaceBytes<MainloopGemm>(num_groups, sm_count),
-                     OneGemmWorkspaceBytes<EpilogueGemm>(num_groups, sm_count),
-                     OneGemmWorkspaceBytes<PairGemm>(num_groups, sm_count)});
+                     OneGemmWorkspaceBytes<EpilogueGemm>(num_groups, sm_count)});
   }
   static cudaError_t Run(const GemmArrays& arrays, int sm_count, cudaStream_t stream) {
     switch (ActiveTuningOptions().pingpong_tensormaps) {
       case 'a': return RunOneGemm<AllGemm>(arrays, sm_count, stream);
       case 'm': return RunOneGemm<MainloopGemm>(arrays, sm_count, stream);
       case 'e': return RunOneGemm<EpilogueGemm>(arrays, sm_count, stream);
-      case 'p': return RunOneGemm<PairGemm>(arrays, sm_count, stream);
       default: return RunOneGemm<CutlassGemm>(arrays, sm_count, stream);
     }
   }

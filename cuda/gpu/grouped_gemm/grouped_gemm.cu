@@ -564,7 +564,6 @@ TuningOptions& ActiveTuningOptions() {
       if (value == "all") o.pingpong_tensormaps = 'a';
       if (value == "mainloop") o.pingpong_tensormaps = 'm';
       if (value == "epilogue") o.pingpong_tensormaps = 'e';
-      if (value == "pair") o.pingpong_tensormaps = 'p';
     }
     if (const char* tensormaps = std::getenv("JAXFUSE_GROUPED_GEMM_TENSORMAPS")) {
       const std::string value(tensormaps);

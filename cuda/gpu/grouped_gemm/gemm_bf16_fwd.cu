@@ -11,18 +11,11 @@ JAXFUSE_GG_DEFINE_GEMM_TENSORMAP_VARIANTS(
     128, 256, 64, 1, 2,
     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
-#define JAXFUSE_BF16_FWD_SMALL(NAME, MAINLOOP, EPILOGUE)                                     \
-  JAXFUSE_GG_DEFINE_GEMM_WRAPPED(NAME, MAINLOOP, EPILOGUE, cutlass::bfloat16_t,                \
-                                 cutlass::layout::RowMajor, cutlass::bfloat16_t,               \
-                                 cutlass::layout::RowMajor, cutlass::bfloat16_t, 128, 128, 64, \
-                                 1, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong, \
-                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
-JAXFUSE_BF16_FWD_SMALL(Bf16FwdSmallCutlass, StockMainloop, StockEpilogue)
-JAXFUSE_BF16_FWD_SMALL(Bf16FwdSmallAll, PreparedTensormapMainloop, PreparedTensormapEpilogue)
-JAXFUSE_BF16_FWD_SMALL(Bf16FwdSmallMainloop, PreparedTensormapMainloop, StockEpilogue)
-JAXFUSE_BF16_FWD_SMALL(Bf16FwdSmallEpilogue, StockMainloop, PreparedTensormapEpilogue)
-using Bf16FwdSmall = PingpongTensormapVariants<Bf16FwdSmallCutlass, Bf16FwdSmallAll,
-                                               Bf16FwdSmallMainloop, Bf16FwdSmallEpilogue>;
+JAXFUSE_GG_DEFINE_GEMM(Bf16FwdSmall, cutlass::bfloat16_t, cutlass::layout::RowMajor,
+                       cutlass::bfloat16_t, cutlass::layout::RowMajor, cutlass::bfloat16_t,
+                       128, 128, 64, 1, 1,
+                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                       cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
 
 JAXFUSE_GG_DEFINE_FAMILY_2(Bf16Fwd, Bf16FwdLarge, Bf16FwdSmall)
 

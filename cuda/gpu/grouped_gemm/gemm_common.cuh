@@ -237,11 +237,13 @@ size_t OneGemmWorkspaceBytes(int num_groups, int sm_count) {
   return Gemm::get_workspace_size(args);
 }
 
-// Whether one of Kernel's collectives reads per-group descriptors (prepared_tensormaps.cuh).
+// Whether Kernel's collectives read per-group descriptors (prepared_tensormaps.cuh).
+template <class Kernel, class = void>
+struct ReadsPreparedTensormaps : std::false_type {};
 template <class Kernel>
-struct ReadsPreparedTensormaps
-    : std::bool_constant<IsPreparedCollective<typename Kernel::CollectiveMainloop>::value ||
-                         IsPreparedCollective<typename Kernel::CollectiveEpilogue>::value> {};
+struct ReadsPreparedTensormaps<
+    Kernel, std::void_t<decltype(Kernel::CollectiveMainloop::kPreparedTensormaps)>>
+    : std::true_type {};
 
 // Launches PrepareTensormapsKernel for the initialized `gemm` (its parameters hold the
 // descriptor templates and the setup arrays' addresses): one warp per group, as a
@@ -318,33 +320,6 @@ struct GemmRunner<TensormapVariants<CutlassGemm, PreparedGemm>> {
     return ActiveTuningOptions().prepared_tensormaps
                ? RunOneGemm<PreparedGemm>(arrays, sm_count, stream)
                : RunOneGemm<CutlassGemm>(arrays, sm_count, stream);
-  }
-};
-
-// EXPERIMENT (session 41): one ping-pong kernel built four times, with CUTLASS's descriptors
-// (Cutlass), prepared ones for both collectives (All), for the mainloop's A and B only
-// (Mainloop) or for the epilogue's D only (Epilogue); ActiveTuningOptions().
-// pingpong_tensormaps (JAXFUSE_GROUPED_GEMM_PINGPONG_TENSORMAPS=cutlass|all|mainloop|
-// epilogue) picks one.
-template <class CutlassGemm, class AllGemm, class MainloopGemm, class EpilogueGemm>
-struct PingpongTensormapVariants {
-  using GemmKernel = typename CutlassGemm::GemmKernel;
-};
-template <class CutlassGemm, class AllGemm, class MainloopGemm, class EpilogueGemm>
-struct GemmRunner<PingpongTensormapVariants<CutlassGemm, AllGemm, MainloopGemm, EpilogueGemm>> {
-  static size_t Workspace(int num_groups, int sm_count) {
-    return std::max({OneGemmWorkspaceBytes<CutlassGemm>(num_groups, sm_count),
-                     OneGemmWorkspaceBytes<AllGemm>(num_groups, sm_count),
-                     OneGemmWorkspaceBytes<MainloopGemm>(num_groups, sm_count),
-                     OneGemmWorkspaceBytes<EpilogueGemm>(num_groups, sm_count)});
-  }
-  static cudaError_t Run(const GemmArrays& arrays, int sm_count, cudaStream_t stream) {
-    switch (ActiveTuningOptions().pingpong_tensormaps) {
-      case 'a': return RunOneGemm<AllGemm>(arrays, sm_count, stream);
-      case 'm': return RunOneGemm<MainloopGemm>(arrays, sm_count, stream);
-      case 'e': return RunOneGemm<EpilogueGemm>(arrays, sm_count, stream);
-      default: return RunOneGemm<CutlassGemm>(arrays, sm_count, stream);
-    }
   }
 };
 

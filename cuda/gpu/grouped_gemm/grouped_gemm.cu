@@ -558,13 +558,6 @@ TuningOptions& ActiveTuningOptions() {
     if (const char* pair = std::getenv("JAXFUSE_GROUPED_GEMM_WGRAD_PAIR")) {
       o.wgrad_pair = pair[0] != '0';
     }
-    if (const char* pingpong = std::getenv("JAXFUSE_GROUPED_GEMM_PINGPONG_TENSORMAPS")) {
-      const std::string value(pingpong);
-      if (value == "cutlass") o.pingpong_tensormaps = 'c';
-      if (value == "all") o.pingpong_tensormaps = 'a';
-      if (value == "mainloop") o.pingpong_tensormaps = 'm';
-      if (value == "epilogue") o.pingpong_tensormaps = 'e';
-    }
     if (const char* tensormaps = std::getenv("JAXFUSE_GROUPED_GEMM_TENSORMAPS")) {
       const std::string value(tensormaps);
       if (value == "prepared") o.prepared_tensormaps = true;

@@ -69,9 +69,6 @@ struct TuningOptions {
   // change; JAXFUSE_GROUPED_GEMM_TENSORMAPS=cutlass runs CUTLASS's (the ping-pong kernels
   // always do: prepared ones measured 10-15% slower there, README.md).
   bool prepared_tensormaps = true;
-  // EXPERIMENT (session 41): the bf16 forward ping-pong kernel's descriptors, 'c' (CUTLASS's),
-  // 'a' (prepared, both collectives), 'm' (mainloop only), 'e' (epilogue only).
-  char pingpong_tensormaps = 'c';
 };
 TuningOptions& ActiveTuningOptions();
 

@@ -20,7 +20,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "cute/arch/copy_sm90_desc.hpp"
 #include "cute/tensor.hpp"
@@ -41,13 +40,6 @@ struct GroupTensormap {
   }
   CUTLASS_DEVICE operator cute::TmaDescriptor const*() const { return current; }
 };
-
-// Whether a collective (mainloop or epilogue) reads prepared descriptors.
-template <class Collective, class = void>
-struct IsPreparedCollective : std::false_type {};
-template <class Collective>
-struct IsPreparedCollective<Collective, std::void_t<decltype(Collective::kPreparedTensormaps)>>
-    : std::true_type {};
 
 // Makes a prepared descriptor visible to this thread's TMA (it was written through the
 // generic proxy, by the preparing kernel) and starts fetching it.
@@ -115,7 +107,6 @@ struct PreparedTensormapMainloop : Base {
 template <class Base>
 struct PreparedTensormapEpilogue : Base {
   using Base::Base;
-  static constexpr bool kPreparedTensormaps = true;
   using typename Base::Arguments;
   using typename Base::Params;
   using typename Base::TensorMapStorage;
@@ -161,8 +152,8 @@ struct PreparedTensormapEpilogue : Base {
   CUTLASS_DEVICE void tensormaps_fence_acquire(TensorMap const&) {}
 };
 
-// Writes every group's A, B and D descriptors for Kernel (for each of its collectives that is
-// one of the two above): one warp per group, patching the host-built templates in shared memory with the
+// Writes every group's A, B and D descriptors for Kernel (whose collectives are the two
+// above): one warp per group, patching the host-built templates in shared memory with the
 // group's address, extents and strides (CUTLASS's own mainloop code for A and B; the same
 // steps as its epilogue for D) and copying them out with a release fence. Groups with no
 // tiles (M or N zero) are skipped: the kernel never points at them.
@@ -171,8 +162,11 @@ __global__ void __launch_bounds__(32 * kWarps)
     PrepareTensormapsKernel(CUTLASS_GRID_CONSTANT typename Kernel::Params const params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Mainloop = typename Kernel::CollectiveMainloop;
+  using MainloopBase = typename Mainloop::Stock;
   using Epilogue = typename Kernel::CollectiveEpilogue;
   using ElementD = typename Epilogue::ElementD;
+  __shared__ typename MainloopBase::TensorMapStorage mainloop_maps[kWarps];
+  __shared__ alignas(128) cute::TmaDescriptor d_maps[kWarps];
 
   // The shapes, pointers and strides come from the setup kernel launched before this one
   // (as a programmatic dependent where the GEMM is one); the GEMM waits for this grid.
@@ -186,21 +180,15 @@ __global__ void __launch_bounds__(32 * kWarps)
   if (m == 0 || n == 0) return;
   const int sm_count = params.hw_info.sm_count;
 
-  if constexpr (IsPreparedCollective<Mainloop>::value) {
-    using MainloopBase = typename Mainloop::Stock;
-    __shared__ typename MainloopBase::TensorMapStorage mainloop_maps[kWarps];
-    MainloopBase mainloop;
-    auto per_sm = mainloop.tensormaps_init(params.mainloop, mainloop_maps[warp], sm_count, 0);
-    mainloop.tensormaps_perform_update(mainloop_maps[warp], params.mainloop, per_sm, shape,
-                                       group);
-    __syncwarp();
-    cute::TmaDescriptor* prepared_ab = Mainloop::Prepared(params.mainloop, sm_count);
-    mainloop.tensormaps_cp_fence_release(
-        mainloop_maps[warp], cute::make_tuple(prepared_ab + Mainloop::kOperands * group,
-                                              prepared_ab + Mainloop::kOperands * group + 1));
-  }
-  if constexpr (IsPreparedCollective<Epilogue>::value) {
-  __shared__ alignas(128) cute::TmaDescriptor d_maps[kWarps];
+  MainloopBase mainloop;
+  auto per_sm = mainloop.tensormaps_init(params.mainloop, mainloop_maps[warp], sm_count, 0);
+  mainloop.tensormaps_perform_update(mainloop_maps[warp], params.mainloop, per_sm, shape, group);
+  __syncwarp();
+  cute::TmaDescriptor* prepared_ab = Mainloop::Prepared(params.mainloop, sm_count);
+  mainloop.tensormaps_cp_fence_release(
+      mainloop_maps[warp], cute::make_tuple(prepared_ab + Mainloop::kOperands * group,
+                                            prepared_ab + Mainloop::kOperands * group + 1));
+
   if (cute::elect_one_sync()) {
     auto const* source = reinterpret_cast<uint4 const*>(params.epilogue.tma_store_d.get_tma_descriptor());
     auto* target = reinterpret_cast<uint4*>(&d_maps[warp]);
@@ -220,7 +208,6 @@ __global__ void __launch_bounds__(32 * kWarps)
   __syncwarp();
   cute::tma_descriptor_cp_fence_release(Epilogue::Prepared(params.epilogue, sm_count) + group,
                                         d_maps[warp]);
-  }
 #endif
 }
 

@@ -1,5 +1,6 @@
 """Developer tools that run without a GPU: scripts/kernel_registers.py's reading of ptxas's
-report, and bench_moe's retry of a reference that XLA's autotuner cannot compile."""
+report, scripts/ncu_metrics_table.py's reading of Nsight Compute's raw CSV, and bench_moe's
+retry of a reference that XLA's autotuner cannot compile."""
 
 from __future__ import annotations
 
@@ -43,6 +44,47 @@ def test_kernel_registers_reads_each_entry_function():
   assert [row[1:] for row in rows] == [(64, 28, 1920), (40, 0, 0)]
   assert "RowKernel" in rows[0][0] and "AmaxKernel" in rows[1][0]
   assert [row[1] for row in tool.report(PTXAS, "Amax")] == [40]
+
+
+def _ncu_raw_csv(path, launches):
+  """An `ncu --csv --page raw` file as ncu_check_kernels.sh --metrics writes it: the
+  check's own output first, then a header row, a units row and one row per launch."""
+  metrics = ["gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum",
+             "lts__t_sector_hit_rate.pct",
+             "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed"]
+  lines = ["PERF fwd small  fwd   G=64 ...", '"ID","Kernel Name","Grid Size",' +
+           ",".join(f'"{m}"' for m in metrics), '"","","",' + ",".join('"x"' for _ in metrics)]
+  for i, (name, values) in enumerate(launches):
+    lines.append(f'"{i}","{name}","132",' + ",".join(f'"{v:,}"' for v in values))
+  path.write_text("\n".join(lines) + "\n")
+
+
+def test_ncu_metrics_table_takes_the_median_launch_of_each_run(tmp_path, capsys):
+  tool = load_script("ncu_metrics_table")
+  grouped_ping = ("void cutlass::device_kernel<GemmUniversal<cutlass::gemm::GroupProblemShape<"
+                  "int>, KernelPtrArrayTmaWarpSpecializedPingpong>>(T1::Params)")
+  grouped_coop = ("void cutlass::device_kernel<GemmUniversal<cutlass::gemm::GroupProblemShape<"
+                  "int>, PreparedTensormapMainloop<KernelPtrArrayTmaWarpSpecializedCooperative>>"
+                  ">(T1::Params)")
+  batched_ping = ("void cutlass::device_kernel<GemmUniversal<cute::tuple<int, int, int, int>, "
+                  "KernelTmaWarpSpecializedPingpong>>(T1::Params)")
+  # Durations in ns, bytes, percent; the middle launch of each run is the median.
+  _ncu_raw_csv(tmp_path / "m.csv", [
+      (grouped_ping, (1_300_000, 3.0e9, 2.7e8, 50.0, 45.0)),
+      (grouped_ping, (1_200_000, 2.9e9, 2.7e8, 54.0, 48.0)),
+      (grouped_ping, (1_250_000, 2.8e9, 2.7e8, 52.0, 47.0)),
+      (grouped_coop, (800_000, 1.5e9, 2.6e8, 57.0, 80.0)),
+      (batched_ping, (716_000, 1.22e9, 2.6e8, 68.0, 95.0)),
+      (grouped_ping, (1_100_000, 2.1e9, 2.7e8, 63.0, 60.0))])
+  kinds = [launch[0] for launch in tool.launches(str(tmp_path / "m.csv"))]
+  assert kinds == ["grouped ping"] * 3 + ["grouped coop prep", "batched ping", "grouped ping"]
+  tool.main(["ncu_metrics_table.py", str(tmp_path / "m.csv")])
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 4  # a later run of the same kind is a run of its own
+  assert lines[0].startswith("grouped ping") and "launches   3" in lines[0]
+  assert "1250.0 us" in lines[0] and "2.800 GB" in lines[0] and "52.0%" in lines[0]
+  assert lines[2].startswith("batched ping") and "716.0 us" in lines[2]
+  assert "1100.0 us" in lines[3]
 
 
 class _Compiled:

@@ -78,6 +78,7 @@ PYEOF
       ;;
     test)
       # GPU_TESTS narrows the run (e.g. "tests/ops/test_quantize.py"); default: all tests.
+      # GPU_TESTS_K is a pytest -k expression, kept whole (GPU_TESTS is split at spaces).
       # TEST_WORKERS > 1 spreads the tests over that many pytest-xdist processes on the one
       # GPU (most of a test's time is XLA's compile, on the CPU; the pytest-xdist and execnet
       # wheels travel in .whl/: scripts/fetch_test_wheels.sh). Each process then allocates
@@ -86,8 +87,10 @@ PYEOF
       if [ "${TEST_WORKERS:-1}" -gt 1 ] && $PY -c "import xdist" 2>/dev/null; then
         workers=(-n "$TEST_WORKERS") test_env=(XLA_PYTHON_CLIENT_PREALLOCATE=false)
       fi
-      log "pytest -m gpu ${workers[*]} ${GPU_TESTS:-tests}"
-      timeout ${TEST_TIMEOUT:-420} env "${test_env[@]}" $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=15 "${workers[@]}" ${GPU_TESTS:-tests} 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40
+      select=()
+      [ -n "${GPU_TESTS_K:-}" ] && select=(-k "$GPU_TESTS_K")
+      log "pytest -m gpu ${workers[*]} ${GPU_TESTS:-tests} ${GPU_TESTS_K:+-k \"$GPU_TESTS_K\"}"
+      timeout ${TEST_TIMEOUT:-420} env "${test_env[@]}" $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=15 "${workers[@]}" "${select[@]}" ${GPU_TESTS:-tests} 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40
       [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; log "GPU TESTS FAILED"; }
       ;;
     bench)

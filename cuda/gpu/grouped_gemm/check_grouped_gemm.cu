@@ -522,13 +522,20 @@ void TimeBatched(const char* label, gg::Form form, int G, int64_t rows, int64_t 
   // The grouped kernels' raster order and swizzle where JAXFUSE_GROUPED_GEMM_RASTER /
   // _SWIZZLE set them (a like-for-like comparison), else CUTLASS's heuristic (along M where
   // a problem has more column tiles than row tiles) and swizzle 1.
-  using Raster = decltype(args.scheduler.raster_order);
+  using RasterOption = decltype(args.scheduler.raster_order);
   const char raster = gg::detail::ActiveTuningOptions().raster;
-  if (raster != 0) args.scheduler.raster_order = raster == 'N' ? Raster::AlongN : Raster::AlongM;
+  if (raster != 0) {
+    args.scheduler.raster_order = raster == 'N' ? RasterOption::AlongN : RasterOption::AlongM;
+  }
   args.scheduler.max_swizzle_size = gg::detail::ActiveTuningOptions().swizzle;
-  const int64_t tiles_m = (M + 127) / 128, tiles_n = (N + cute::size<1>(typename Kernel::TileShape{}) - 1) /
-                                                     cute::size<1>(typename Kernel::TileShape{});
-  const char used = raster != 0 ? raster : (tiles_n > tiles_m ? 'M' : 'N');
+  // The order the scheduler will run, as CUTLASS decides it (printed with the timing).
+  using SchedulerParams = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params;
+  const auto tile = typename Kernel::TileShape{};
+  const bool along_n =
+      SchedulerParams::get_rasterization_order(
+          static_cast<uint32_t>((M + cute::size<0>(tile) - 1) / cute::size<0>(tile)),
+          static_cast<uint32_t>((N + cute::size<1>(tile) - 1) / cute::size<1>(tile)),
+          args.scheduler.raster_order) == SchedulerParams::RasterOrder::AlongN;
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
     std::printf("PERF %-10s skipped: can_implement failed\n", label);
@@ -554,7 +561,7 @@ void TimeBatched(const char* label, gg::Form form, int G, int64_t rows, int64_t 
   const double flops = 2.0 * double(G) * double(M) * double(N) * double(K);
   std::printf("PERF %-10s %-5s G=%-4d rows/group=%-5lld k=%-5lld n=%-5lld %-15s eager %.3f ms %6.1f TFLOP/s\n",
               label, FormName(form), G, (long long)rows, (long long)k, (long long)n,
-              used == 'N' ? "batched rN" : "batched rM", ms, flops / ms * 1e-9);
+              along_n ? "batched rN" : "batched rM", ms, flops / ms * 1e-9);
   cudaEventDestroy(start); cudaEventDestroy(stop); cudaStreamDestroy(stream);
 }
 

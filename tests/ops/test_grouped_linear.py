@@ -406,6 +406,49 @@ def test_prepared_tensormaps_match_float64_numpy_and_cutlass(tmp_path, tile):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [1000, 520])
+def test_team_tile_scheduler_matches_float64_numpy_and_cutlass_order(tmp_path, n):
+  """The bf16 ping-pong kernels (kSmall) hand out their tiles through the team scheduler
+  (team_tile_scheduler.cuh): JAXFUSE_GROUPED_GEMM_TEAMS=T splits the CTAs into T teams,
+  each walking its own contiguous share of all groups' tiles; T = 1 is CUTLASS's order.
+  Forward, dgrad and wgrad (n = 1000: the wgrad's 1x2-cluster kernel; n = 520: the 1x1
+  one) on 37 ragged groups (empty ones first, last and between; sums below and past m)
+  against float64 numpy for several team counts (more teams than groups, and more than
+  the CTAs, which clamps), and bit for bit against CUTLASS's order: only which CTA computes
+  a tile changes, not how."""
+  m, k, groups = 3000, 136, 37
+  x, kernel = make_inputs(16, m, k, n, groups, jnp.bfloat16)
+  d_out = helpers.random_array(np.random.default_rng(17), (m, n), jnp.bfloat16)
+  np.savez(tmp_path / "in.npz", **{name: np.asarray(a, np.float32)
+                                   for name, a in (("x", x), ("w", kernel), ("d_out", d_out))})
+  rng = np.random.default_rng(18)
+  ragged = rng.integers(0, 200, groups)
+  ragged[[0, 9, 20, groups - 1]] = 0
+  size_sets = (list(ragged), [128] * groups)  # sum < m; sum 4736 > m: cut at m
+  runs = {}
+  for teams in ("1", "3", "7", "64", "1000"):
+    subprocess.run([sys.executable, "-c", _TILE_SCRIPT, str(tmp_path),
+                    *(",".join(map(str, sizes)) for sizes in size_sets)],
+                   env=dict(os.environ, JAXFUSE_GROUPED_GEMM_TILE="small",
+                            JAXFUSE_GROUPED_GEMM_TEAMS=teams),
+                   check=True, timeout=300)
+    with np.load(tmp_path / "out.npz") as results:
+      runs[teams] = dict(results)
+  for index, sizes in enumerate(size_sets):
+    want_x, want_kernel = numpy_grouped_grads(x, kernel, sizes, d_out)
+    for teams, results in runs.items():
+      helpers.assert_close(results[f"{index}_out"], numpy_grouped_linear(x, kernel, sizes),
+                           jnp.bfloat16, msg=f"teams={teams} forward {sizes}")
+      helpers.assert_close(results[f"{index}_d_x"], want_x, jnp.bfloat16,
+                           msg=f"teams={teams} dgrad")
+      helpers.assert_close(results[f"{index}_d_kernel"], want_kernel, jnp.bfloat16,
+                           msg=f"teams={teams} wgrad")
+  for teams, results in runs.items():
+    for key, value in results.items():
+      np.testing.assert_array_equal(value, runs["1"][key], err_msg=f"teams={teams} {key}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile", ["adaptive", "uniform", "large"])
 def test_large_tile_configs_match_float64_numpy(tmp_path, tile):
   """The 128-row-tile kernel, the kUniform kernel (fit for multiples of its row granularity,

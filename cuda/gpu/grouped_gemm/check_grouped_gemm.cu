@@ -3,7 +3,8 @@
 //   nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //     -I cuda/include -I <cutlass>/include cuda/gpu/grouped_gemm/*.cu -o check_grouped_gemm
 // Run: ./check_grouped_gemm [--no-perf | --perf-only | --sweep-scheduler | --uniform |
-// --fp8-mainloops | --wgrad-configs | --cublaslt-grouped | --grouping-cost | --tensormaps].
+// --fp8-mainloops | --wgrad-configs | --cublaslt-grouped | --grouping-cost | --tensormaps |
+// --teams].
 // Exit status 0 iff every case passed.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -942,10 +943,30 @@ void Run16BitCases(const std::vector<Case>& cases, bool graph_first) {
         RunCase<T, T, T>(c, form, cfg, graph_first);
 }
 
+// Hostile group layouts: empty groups, sums below and past m, non-monotone and negative
+// offsets, many small groups, multiples of 512 rows.
+std::vector<Case> HostileCases() {
+  std::vector<Case> cases;
+  cases.push_back({"G=4 empty group, sum<m (m=1024,k=136,n=264)", 1024, 136, 264, OffsetsFromSizes({300, 0, 517, 129})});
+  cases.push_back({"G=3 sum>m (m=1000,k=256,n=384)", 1000, 256, 384, OffsetsFromSizes({700, 600, 500})});
+  cases.push_back({"G=1 (m=777,k=64,n=512)", 777, 64, 512, OffsetsFromSizes({777})});
+  cases.push_back({"G=4 non-monotone/negative offsets (m=600,k=128,n=128)", 600, 128, 128, {0, 100, 50, 400, -3}});
+  {
+    std::vector<int> sizes(128);
+    srand(7);
+    for (int g = 0; g < 128; ++g) sizes[g] = (g % 9 == 0) ? 0 : rand() % 130;
+    cases.push_back({"G=128 random sizes, some empty (m=8192,k=128,n=256)", 8192, 128, 256, OffsetsFromSizes(sizes)});
+  }
+  // Multiples of 512 rows (kAdaptive gives them to the kUniform kernel), sum < m.
+  cases.push_back({"G=5 multiples of 512, empty group, sum<m (m=3000,k=192,n=520)", 3000, 192, 520,
+                   OffsetsFromSizes({512, 1024, 0, 512, 512})});
+  return cases;
+}
+
 int main(int argc, char** argv) {
   bool perf = true, check = true, sweep = false, uniform_sweep = false, fp8_mainloops = false;
   bool wgrad_configs = false, cublaslt_grouped = false, grouping_cost = false;
-  bool tensormaps = false;
+  bool tensormaps = false, teams_mode = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-perf") == 0) perf = false;
     if (std::strcmp(argv[i], "--perf-only") == 0) check = false;
@@ -971,6 +992,12 @@ int main(int argc, char** argv) {
     // and graph-replayed, and times them against CUTLASS's rewritten per-SM descriptors
     // (JAXFUSE_GROUPED_GEMM_TENSORMAPS=cutlass; --no-perf: checks only).
     if (std::strcmp(argv[i], "--tensormaps") == 0) tensormaps = true;
+    // Checks the bf16 ping-pong kernels (kSmall) with the team tile scheduler
+    // (team_tile_scheduler.cuh) on hostile layouts for several team counts, eager and
+    // graph-replayed, then times them for team counts 1 (CUTLASS's order) to 33 along both
+    // raster orders, next to the default config and CUTLASS's batched ping-pong kernel
+    // (--no-perf: checks only).
+    if (std::strcmp(argv[i], "--teams") == 0) teams_mode = true;
   }
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
@@ -1168,6 +1195,51 @@ int main(int argc, char** argv) {
     perf = check = false;
   }
 
+  if (teams_mode) {
+    using bf16 = __nv_bfloat16;
+    gg::detail::TuningOptions& options = gg::detail::ActiveTuningOptions();
+    const gg::detail::TuningOptions saved = options;
+    const std::vector<Case> cases = HostileCases();
+    // 64 teams exceed the CTAs of a 1x2-cluster kernel on some GPUs (clamped to the clusters).
+    for (int teams : {2, 3, 5, 64}) {
+      options.teams = teams;
+      std::printf("== bf16 kSmall (ping-pong), %d teams\n", teams);
+      for (const Case& c : cases)
+        for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
+          RunCase<bf16, bf16, bf16>(c, form, gg::TileConfig::kSmall, false);
+      for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad})
+        RunCase<bf16, bf16, bf16>(cases[0], form, gg::TileConfig::kSmall, true);
+    }
+    options = saved;
+    struct Shape { int G; int64_t rows; };
+    for (int round = 0; round < (perf ? 2 : 0); ++round)
+      for (char raster : {'M', 'N'}) {
+        options.raster = raster;
+        for (const Shape s : {Shape{64, 512}, Shape{128, 512}, Shape{8, 8192}})
+          for (gg::Form form : {gg::Form::kForward, gg::Form::kDgrad, gg::Form::kWgrad}) {
+            for (int teams : {1, 2, 4, 8, 16, 33}) {
+              options.teams = teams;
+              char label[32];
+              std::snprintf(label, sizeof(label), "r%c t=%d", raster, teams);
+              Time<bf16, bf16, bf16>(label, form, s.G, s.rows, 2048, 4096, gg::TileConfig::kSmall);
+            }
+            options.teams = 1;
+            char label[32];
+            std::snprintf(label, sizeof(label), "r%c auto", raster);
+            Time<bf16, bf16, bf16>(label, form, s.G, s.rows, 2048, 4096, gg::TileConfig::kAuto);
+            if (form == gg::Form::kForward) {
+              std::snprintf(label, sizeof(label), "r%c batch", raster);
+              TimeBatched<batched::FwdPingpong128x128>(label, form, s.G, s.rows, 2048, 4096);
+            } else if (form == gg::Form::kWgrad) {
+              std::snprintf(label, sizeof(label), "r%c batch", raster);
+              TimeBatched<batched::WgradPingpong128x128>(label, form, s.G, s.rows, 2048, 4096);
+            }
+          }
+      }
+    options = saved;
+    perf = check = false;
+  }
+
   if (cublaslt_grouped && !GroupedSupported()) {
     // A missing library is a failure; a library without the mode is reported and skipped.
     if (!lt::Load()) ++g_failures;
@@ -1195,21 +1267,7 @@ int main(int argc, char** argv) {
   }
 
   if (check) {
-  // Hostile group layouts.
-  std::vector<Case> cases;
-  cases.push_back({"G=4 empty group, sum<m (m=1024,k=136,n=264)", 1024, 136, 264, OffsetsFromSizes({300, 0, 517, 129})});
-  cases.push_back({"G=3 sum>m (m=1000,k=256,n=384)", 1000, 256, 384, OffsetsFromSizes({700, 600, 500})});
-  cases.push_back({"G=1 (m=777,k=64,n=512)", 777, 64, 512, OffsetsFromSizes({777})});
-  cases.push_back({"G=4 non-monotone/negative offsets (m=600,k=128,n=128)", 600, 128, 128, {0, 100, 50, 400, -3}});
-  {
-    std::vector<int> sizes(128);
-    srand(7);
-    for (int g = 0; g < 128; ++g) sizes[g] = (g % 9 == 0) ? 0 : rand() % 130;
-    cases.push_back({"G=128 random sizes, some empty (m=8192,k=128,n=256)", 8192, 128, 256, OffsetsFromSizes(sizes)});
-  }
-  // Multiples of 512 rows (kAdaptive gives them to the kUniform kernel), sum < m.
-  cases.push_back({"G=5 multiples of 512, empty group, sum<m (m=3000,k=192,n=520)", 3000, 192, 520,
-                   OffsetsFromSizes({512, 1024, 0, 512, 512})});
+  const std::vector<Case> cases = HostileCases();
 
   // Graph capture first (so the first-ever Run of these kernels happens inside a capture),
   // then the same layouts eagerly.

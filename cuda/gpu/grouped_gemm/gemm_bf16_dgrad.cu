@@ -11,7 +11,7 @@ JAXFUSE_GG_DEFINE_GEMM_TENSORMAP_VARIANTS(
     128, 256, 64, 1, 2,
     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
-JAXFUSE_GG_DEFINE_GEMM(Bf16DgradSmall, cutlass::bfloat16_t, cutlass::layout::RowMajor,
+JAXFUSE_GG_DEFINE_GEMM_TEAMS(Bf16DgradSmall, cutlass::bfloat16_t, cutlass::layout::RowMajor,
                        cutlass::bfloat16_t, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
                        128, 128, 64, 1, 1,
                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,

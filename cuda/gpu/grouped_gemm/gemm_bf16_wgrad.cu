@@ -12,7 +12,7 @@ JAXFUSE_GG_DEFINE_GEMM_TENSORMAP_VARIANTS(
     128, 256, 64, 2, 1,
     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
-JAXFUSE_GG_DEFINE_GEMM(Bf16WgradSmall, cutlass::bfloat16_t, cutlass::layout::ColumnMajor,
+JAXFUSE_GG_DEFINE_GEMM_TEAMS(Bf16WgradSmall, cutlass::bfloat16_t, cutlass::layout::ColumnMajor,
                        cutlass::bfloat16_t, cutlass::layout::RowMajor, cutlass::bfloat16_t,
                        128, 128, 64, 1, 1,
                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
@@ -22,7 +22,7 @@ JAXFUSE_GG_DEFINE_GEMM(Bf16WgradSmall, cutlass::bfloat16_t, cutlass::layout::Col
 // column tiles pair up (ceil(n / 128) even). Measured (check_grouped_gemm --wgrad-configs,
 // H100, s36): +0-11% over the 1x1 kernel at 512 rows per group, +3-8% over kLarge on a
 // DeepSeek-like FC2 wgrad (k = 1408, n = 2048, 1536 rows per group).
-JAXFUSE_GG_DEFINE_GEMM(Bf16WgradSmallPair, cutlass::bfloat16_t, cutlass::layout::ColumnMajor,
+JAXFUSE_GG_DEFINE_GEMM_TEAMS(Bf16WgradSmallPair, cutlass::bfloat16_t, cutlass::layout::ColumnMajor,
                        cutlass::bfloat16_t, cutlass::layout::RowMajor, cutlass::bfloat16_t,
                        128, 128, 64, 1, 2,
                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,

@@ -23,6 +23,7 @@
 #include "fp8_pipelined_promotion.cuh"
 #include "internal.cuh"
 #include "prepared_tensormaps.cuh"
+#include "team_tile_scheduler.cuh"
 
 #if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
 #error "jaxfuse grouped GEMM needs CUDA >= 12.3 and -gencode=arch=compute_90a,code=sm_90a"
@@ -31,6 +32,8 @@
 namespace jaxfuse::grouped_gemm::detail {
 
 using GroupShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // <M,N,K>
+// The same shape for kernels whose tiles the team scheduler hands out (team_tile_scheduler.cuh).
+using TeamGroupShape = TeamGroupProblemShape<cute::Shape<int, int, int>>;
 
 // A CUTLASS kernel whose every CTA first waits for the grid launched before it on the
 // stream (griddepcontrol.wait: that grid complete, its writes visible). CUTLASS's SM90
@@ -82,9 +85,24 @@ using StockEpilogue = BuilderEpilogue;
                                  CN, KS, ES)                                                   \
   using NAME = TensormapVariants<NAME##Cutlass, NAME##Prepared>;
 
+// JAXFUSE_GG_DEFINE_GEMM with its tiles handed out by the team scheduler
+// (team_tile_scheduler.cuh; TuningOptions::teams, 1 = CUTLASS's order).
+#define JAXFUSE_GG_DEFINE_GEMM_TEAMS(NAME, EA, LA, EB, LB, ED, TM, TN, TK, CM, CN, KS, ES)    \
+  JAXFUSE_GG_DEFINE_GEMM_SHAPED(NAME, TeamGroupShape, StockMainloop, StockEpilogue, EA, LA, EB, \
+                                LB, ED, TM, TN, TK, CM, CN, KS, ES)                        \
+  static_assert(std::is_base_of_v<TeamGroupTileScheduler<TeamGroupShape, 8>,                 \
+                                  typename NAME::GemmKernel::TileScheduler>,                 \
+                "the team scheduler specialization was not picked");
+
 // The builder's collectives wrapped in MAINLOOP<...> and EPILOGUE<...>.
 #define JAXFUSE_GG_DEFINE_GEMM_WRAPPED(NAME, WRAP, EPILOGUE, EA, LA, EB, LB, ED, TM, TN, TK, CM, \
                                        CN, KS, ES)                                         \
+  JAXFUSE_GG_DEFINE_GEMM_SHAPED(NAME, GroupShape, WRAP, EPILOGUE, EA, LA, EB, LB, ED, TM, TN, \
+                                TK, CM, CN, KS, ES)
+
+// The same with the kernel's grouped problem shape type SHAPE (GroupShape or TeamGroupShape).
+#define JAXFUSE_GG_DEFINE_GEMM_SHAPED(NAME, SHAPE, WRAP, EPILOGUE, EA, LA, EB, LB, ED, TM, TN, \
+                                      TK, CM, CN, KS, ES)                                  \
   namespace NAME##_types {                                                                 \
   using TileShape = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<TK>>;              \
   using ClusterShape = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;                \
@@ -103,7 +121,7 @@ using StockEpilogue = BuilderEpilogue;
           sizeof(typename CollectiveEpilogue::SharedStorage))>,                            \
       KS>::CollectiveOp>;                                                                  \
   using Kernel = WaitForPriorGrid<cutlass::gemm::kernel::GemmUniversal<                      \
-      GroupShape, CollectiveMainloop, CollectiveEpilogue>>;                                \
+      SHAPE, CollectiveMainloop, CollectiveEpilogue>>;                                     \
   }                                                                                        \
   using NAME = cutlass::gemm::device::GemmUniversalAdapter<NAME##_types::Kernel>;
 
@@ -159,6 +177,14 @@ struct TakesBlockScales<Mainloop,
                         std::void_t<decltype(std::declval<typename Mainloop::Arguments&>().ptr_SFA)>>
     : std::true_type {};
 
+// Whether scheduler arguments take a team count (team_tile_scheduler.cuh).
+template <class SchedulerArguments, class = void>
+struct HasTeams : std::false_type {};
+template <class SchedulerArguments>
+struct HasTeams<SchedulerArguments,
+                std::void_t<decltype(std::declval<SchedulerArguments&>().teams)>>
+    : std::true_type {};
+
 template <class Gemm>
 typename Gemm::Arguments MakeArguments(const GemmArrays& arrays, int sm_count,
                                        int max_active_clusters) {
@@ -182,9 +208,9 @@ typename Gemm::Arguments MakeArguments(const GemmArrays& arrays, int sm_count,
   typename Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   // No host problem shapes: the kernel reads shapes on the device (graph safe).
-  args.problem_shape = GroupShape{arrays.num_groups,
-                                  reinterpret_cast<UnderlyingShape*>(arrays.problem_shapes),
-                                  nullptr};
+  static_cast<GroupShape&>(args.problem_shape) =
+      GroupShape{arrays.num_groups, reinterpret_cast<UnderlyingShape*>(arrays.problem_shapes),
+                 nullptr};
   args.mainloop.ptr_A = reinterpret_cast<const ElementA**>(arrays.ptr_a);
   args.mainloop.dA = reinterpret_cast<StrideA*>(arrays.stride_a);
   args.mainloop.ptr_B = reinterpret_cast<const ElementB**>(arrays.ptr_b);
@@ -220,6 +246,9 @@ typename Gemm::Arguments MakeArguments(const GemmArrays& arrays, int sm_count,
   using Raster = decltype(args.scheduler.raster_order);
   args.scheduler.raster_order = arrays.raster == 'N' ? Raster::AlongN : Raster::AlongM;
   args.scheduler.max_swizzle_size = ActiveTuningOptions().swizzle;
+  if constexpr (HasTeams<decltype(args.scheduler)>::value) {
+    args.scheduler.teams = ActiveTuningOptions().teams;
+  }
 
   args.hw_info.device_id = 0;  // unused when sm_count > 0
   args.hw_info.sm_count = sm_count;

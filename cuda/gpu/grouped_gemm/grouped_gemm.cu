@@ -558,6 +558,10 @@ TuningOptions& ActiveTuningOptions() {
     if (const char* pair = std::getenv("JAXFUSE_GROUPED_GEMM_WGRAD_PAIR")) {
       o.wgrad_pair = pair[0] != '0';
     }
+    if (const char* teams = std::getenv("JAXFUSE_GROUPED_GEMM_TEAMS")) {
+      const int value = std::atoi(teams);
+      if (value >= 1 && value <= 1024) o.teams = value;
+    }
     if (const char* tensormaps = std::getenv("JAXFUSE_GROUPED_GEMM_TENSORMAPS")) {
       const std::string value(tensormaps);
       if (value == "prepared") o.prepared_tensormaps = true;

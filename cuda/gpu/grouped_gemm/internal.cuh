@@ -69,6 +69,10 @@ struct TuningOptions {
   // change; JAXFUSE_GROUPED_GEMM_TENSORMAPS=cutlass runs CUTLASS's (the ping-pong kernels
   // always do: prepared ones measured 10-15% slower there, README.md).
   bool prepared_tensormaps = true;
+  // Teams of the tile scheduler of the bf16 ping-pong kernels (team_tile_scheduler.cuh): each
+  // team of CTAs walks its own contiguous share of the tiles, so a CTA changes group every
+  // few tiles. 1 = CUTLASS's order. JAXFUSE_GROUPED_GEMM_TEAMS=1..1024.
+  int teams = 1;
 };
 TuningOptions& ActiveTuningOptions();
 

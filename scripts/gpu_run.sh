@@ -163,7 +163,8 @@ PYEOF
     check)
       # Stand-alone checks: a binary prebuilt on the dev machine (.gpu_src/prebuilt/NAME,
       # see scripts/build_check.sh) or built here; CHECK_ARGS go to every binary (e.g.
-      # --sweep-scheduler for check_grouped_gemm).
+      # --sweep-scheduler for check_grouped_gemm); CHECK_TIMEOUT (s, default 420) bounds
+      # each binary, so that the logs still come back from a call near its time limit.
       # Without JAX in the process, the nvidia wheels' libraries (cuBLASLt for
       # --cublaslt-grouped) are on no default path.
       wheel_libs=$($PY -c "import nvidia, os; print(':'.join(os.path.join(p, s) for p in nvidia.__path__ for s in ('cu13/lib', 'cublas/lib') if os.path.isdir(os.path.join(p, s))))" 2>/dev/null)
@@ -182,7 +183,7 @@ PYEOF
           binary=/tmp/checks/$name
         fi
         log "stand-alone $name ${CHECK_ARGS:-}"
-        "$binary" ${CHECK_ARGS:-} 2>&1 | tee "$LOGS/$name.log" | tail -60
+        timeout ${CHECK_TIMEOUT:-420} "$binary" ${CHECK_ARGS:-} 2>&1 | tee "$LOGS/$name.log" | tail -60
         [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; log "$name FAILED"; }
       done
       ;;

@@ -1223,7 +1223,7 @@ int main(int argc, char** argv) {
               std::snprintf(label, sizeof(label), "r%c t=%d", raster, teams);
               Time<bf16, bf16, bf16>(label, form, s.G, s.rows, 2048, 4096, gg::TileConfig::kSmall);
             }
-            options.teams = 1;
+            options.teams = 0;  // the library's default: TeamsFor's heuristic
             char label[32];
             std::snprintf(label, sizeof(label), "r%c auto", raster);
             Time<bf16, bf16, bf16>(label, form, s.G, s.rows, 2048, 4096, gg::TileConfig::kAuto);

@@ -247,7 +247,7 @@ typename Gemm::Arguments MakeArguments(const GemmArrays& arrays, int sm_count,
   args.scheduler.raster_order = arrays.raster == 'N' ? Raster::AlongN : Raster::AlongM;
   args.scheduler.max_swizzle_size = ActiveTuningOptions().swizzle;
   if constexpr (HasTeams<decltype(args.scheduler)>::value) {
-    args.scheduler.teams = ActiveTuningOptions().teams;
+    args.scheduler.teams = arrays.teams;
   }
 
   args.hw_info.device_id = 0;  // unused when sm_count > 0

@@ -1,6 +1,7 @@
 // jaxfuse grouped GEMM: dispatch, workspace layout, setup kernel and zeroing kernels.
 // No CUTLASS header here (compiles in seconds); the CUTLASS kernels live in gemm_*.cu.
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstdint>
 #include <string>
@@ -560,7 +561,7 @@ TuningOptions& ActiveTuningOptions() {
     }
     if (const char* teams = std::getenv("JAXFUSE_GROUPED_GEMM_TEAMS")) {
       const int value = std::atoi(teams);
-      if (value >= 1 && value <= 1024) o.teams = value;
+      if (value >= 1 && value <= 1024) o.teams = value;  // else the heuristic (TeamsFor)
     }
     if (const char* tensormaps = std::getenv("JAXFUSE_GROUPED_GEMM_TENSORMAPS")) {
       const std::string value(tensormaps);
@@ -655,6 +656,27 @@ bool UseProgrammaticLaunch(const Problem& p) {
   if (forced >= 0) return forced == 1;
   const double macs = static_cast<double>(p.m) * static_cast<double>(p.k) * static_cast<double>(p.n);
   return macs <= static_cast<double>(kProgrammaticLaunchMaxMacs);
+}
+// Teams of the team tile scheduler (team_tile_scheduler.cuh; only the bf16 ping-pong
+// kernels take it): JAXFUSE_GROUPED_GEMM_TEAMS where set, else as many teams as keep the
+// operands of the groups walked side by side within about half of the L2 (each team works
+// on its own group), at most 4, for the wgrad only. Measured on an H100 (session 42,
+// `check_grouped_gemm --teams`, README "The team tile scheduler"): the 512-row wgrad (6 MB of
+// operands per group) ran 2-6% faster with 2-4 teams, 8 teams gained nothing and 16 (96 MB
+// side by side) lost 15-40%; the ping-pong forward and dgrad gained nothing at any count, and
+// every kernel lost at 8192 rows per group with 4 teams or more.
+int TeamsFor(const Problem& p) {
+  const int forced = detail::ActiveTuningOptions().teams;
+  if (forced > 0) return forced;
+  if (p.form != Form::kWgrad || p.num_groups < 2) return 1;
+  constexpr double kSideBySideBytes = 24.0 * (1 << 20);
+  constexpr int kMaxTeams = 4;
+  const double rows_per_group = static_cast<double>(p.m) / p.num_groups;
+  const double group_bytes =
+      rows_per_group * (p.k * ElementBytes(p.a_type) + p.n * ElementBytes(p.b_type));
+  if (group_bytes <= 0) return 1;
+  const double fit = std::floor(kSideBySideBytes / group_bytes);
+  return static_cast<int>(std::max(1.0, std::min<double>(kMaxTeams, fit)));
 }
 }  // namespace
 
@@ -783,6 +805,7 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   arrays.raster = raster != 0 ? raster : (wgrad ? 'M' : 'N');
   arrays.columns = wgrad || p.form == Form::kForward ? p.n : p.k;
   arrays.pdl = UseProgrammaticLaunch(p);
+  arrays.teams = TeamsFor(p);
   if (config == TileConfig::kUniform) return family.uniform.run(config, arrays, sm_count, stream);
   if (!adaptive) return family.run(config, arrays, sm_count, stream);
   // kAdaptive: both kernels on the stream; the one the setup kernel gave no rows exits at once.

@@ -35,6 +35,8 @@ struct GemmArrays {
   int64_t columns = 0;                // CUTLASS N of every group (host value; the bf16 wgrad
                                       // picks its small kernel's cluster shape from it)
   bool pdl = false;                   // launch as a programmatic dependent (host value)
+  int teams = 1;                      // team tile scheduler's teams (team_tile_scheduler.cuh;
+                                      // host value; kernels without it ignore it)
 };
 
 // Block edge of the blockwise FP8 scales (both the 1 x 128 and the 128 x 128 blocks);
@@ -71,8 +73,9 @@ struct TuningOptions {
   bool prepared_tensormaps = true;
   // Teams of the tile scheduler of the bf16 ping-pong kernels (team_tile_scheduler.cuh): each
   // team of CTAs walks its own contiguous share of the tiles, so a CTA changes group every
-  // few tiles. 1 = CUTLASS's order. JAXFUSE_GROUPED_GEMM_TEAMS=1..1024.
-  int teams = 1;
+  // few tiles. 1 = CUTLASS's order; 0 = the heuristic (grouped_gemm.cu, TeamsFor).
+  // JAXFUSE_GROUPED_GEMM_TEAMS=1..1024.
+  int teams = 0;
 };
 TuningOptions& ActiveTuningOptions();
 

@@ -658,20 +658,24 @@ bool UseProgrammaticLaunch(const Problem& p) {
   return macs <= static_cast<double>(kProgrammaticLaunchMaxMacs);
 }
 // Teams of the team tile scheduler (team_tile_scheduler.cuh; only the bf16 ping-pong
-// kernels take it): JAXFUSE_GROUPED_GEMM_TEAMS where set, else as many teams as keep the
-// operands of the groups walked side by side within about half of the L2 (each team works
-// on its own group), at most 4, for the wgrad only. Measured on an H100 (session 42,
-// `check_grouped_gemm --teams`, README "The team tile scheduler"): the 512-row wgrad (6 MB of
-// operands per group) ran 2-6% faster with 2-4 teams, 8 teams gained nothing and 16 (96 MB
-// side by side) lost 15-40%; the ping-pong forward and dgrad gained nothing at any count, and
-// every kernel lost at 8192 rows per group with 4 teams or more.
+// kernels take it): JAXFUSE_GROUPED_GEMM_TEAMS where set, else, for the short-contraction
+// wgrad (at most 1024 rows per group), as many teams as keep the operands of the groups
+// walked side by side within about half of the L2 (each team works on its own group), at
+// most 4. Measured on an H100 (session 42, README "The team tile scheduler"): in
+// `check_grouped_gemm --teams` the 512-row wgrad (6 MB of operands per group) ran 1-5%
+// faster with 2-4 teams, 8 gained nothing and 16 (96 MB side by side) lost 15-40%; the
+// ping-pong forward and dgrad gained nothing at any count, and every kernel lost at 8192
+// rows per group with 4 teams or more. In the op benchmark 4 teams made the wgrad's kernel
+// 2% (64 x 512), 11% (128 x 512) and 8% (64 x ~512 routed) faster.
 int TeamsFor(const Problem& p) {
   const int forced = detail::ActiveTuningOptions().teams;
   if (forced > 0) return forced;
   if (p.form != Form::kWgrad || p.num_groups < 2) return 1;
   constexpr double kSideBySideBytes = 24.0 * (1 << 20);
+  constexpr double kMaxRowsPerGroup = 1024;  // longer contractions: not measured to gain
   constexpr int kMaxTeams = 4;
   const double rows_per_group = static_cast<double>(p.m) / p.num_groups;
+  if (rows_per_group > kMaxRowsPerGroup) return 1;
   const double group_bytes =
       rows_per_group * (p.k * ElementBytes(p.a_type) + p.n * ElementBytes(p.b_type));
   if (group_bytes <= 0) return 1;

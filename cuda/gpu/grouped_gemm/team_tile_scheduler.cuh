@@ -10,15 +10,15 @@
 // (README.md, "Raster order and DRAM traffic"). The gap shrinks as groups grow (13% for the
 // 512-row wgrad, which changes group every ~4 tiles; 2-3% at 8192 rows, every ~16 tiles).
 //
-// How: with T teams (TuningOptions::teams, JAXFUSE_GROUPED_GEMM_TEAMS), team k owns the
-// clusters [p_k, p_{k+1}), p_k = floor(k P / T), and the work units
-// [floor(U p_k / P), floor(U p_{k+1} / P)) of the U units in all (a unit is one cluster's
-// worth of tiles: the stock scheduler's linear index divided by the cluster size). Within a
-// team, cluster s walks its units s, s + S, s + 2S, ... (S clusters in the team). Every unit
-// is walked exactly once, each team's share is proportional to its clusters (at most one
-// unit of imbalance per cluster), and a unit maps to (group, m, n) exactly as in CUTLASS's
-// scheduler, so raster order, swizzle and clusters mean what they meant. T = 1 is CUTLASS's
-// order.
+// How: with T teams (GemmArrays::teams: grouped_gemm.cu's TeamsFor, or
+// JAXFUSE_GROUPED_GEMM_TEAMS), team k owns the clusters [p_k, p_{k+1}), p_k = floor(k P / T),
+// and the work units [floor(U p_k / P), floor(U p_{k+1} / P)) of the U units in all (a unit
+// is one cluster's worth of tiles: the stock scheduler's linear index divided by the cluster
+// size). Within a team, cluster s walks its units s, s + S, s + 2S, ... (S clusters in the
+// team; jaxfuse/team_share.h, whose host test checks that every unit is walked exactly
+// once). Each team's share is proportional to its clusters, and a unit maps to
+// (group, m, n) exactly as in CUTLASS's scheduler, so raster order, swizzle and clusters
+// mean what they meant. T = 1 is CUTLASS's order.
 //
 // U needs every group's tile count: each warp sums them from the device shapes when its
 // scheduler is built (G / 32 loads per lane), only where T > 1.
@@ -29,6 +29,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/sm90_tile_scheduler_group.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
+#include "jaxfuse/team_share.h"
 
 namespace jaxfuse::grouped_gemm::detail {
 
@@ -86,20 +87,13 @@ class TeamGroupTileScheduler
     const uint64_t clusters = uint64_t(gridDim.x) * gridDim.y * gridDim.z / cluster_size_;
     const uint64_t cluster = first / cluster_size_;
     position_in_cluster_ = first % cluster_size_;
-    const uint64_t teams = params.teams < clusters ? uint64_t(params.teams) : clusters;
-    if (teams <= 1) {
-      unit_ = cluster;
-      stride_ = clusters;
-      end_ = ~uint64_t(0);  // CUTLASS's mapping ends the walk past the last group
-      return;
-    }
-    const uint64_t units = TotalTiles(params) / cluster_size_;
-    const uint64_t team = ((cluster + 1) * teams - 1) / clusters;
-    const uint64_t team_first = team * clusters / teams;
-    const uint64_t team_end = (team + 1) * clusters / teams;
-    unit_ = units * team_first / clusters + (cluster - team_first);
-    stride_ = team_end - team_first;
-    end_ = units * team_end / clusters;
+    // One team (CUTLASS's order) needs no unit count: its walk ends past the last group.
+    const uint64_t units =
+        params.teams > 1 && clusters > 1 ? TotalTiles(params) / cluster_size_ : 0;
+    const TeamShare share = TeamShareOf(cluster, clusters, uint64_t(params.teams), units);
+    unit_ = share.first;
+    stride_ = share.stride;
+    end_ = share.end;
 #endif
   }
 

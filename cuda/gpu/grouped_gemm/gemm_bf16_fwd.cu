@@ -11,11 +11,13 @@ JAXFUSE_GG_DEFINE_GEMM_TENSORMAP_VARIANTS(
     128, 256, 64, 1, 2,
     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
+// On the team tile scheduler (team_tile_scheduler.cuh) so that JAXFUSE_GROUPED_GEMM_TEAMS
+// reaches it; by default one team, CUTLASS's order (more teams gained nothing: README.md).
 JAXFUSE_GG_DEFINE_GEMM_TEAMS(Bf16FwdSmall, cutlass::bfloat16_t, cutlass::layout::RowMajor,
-                       cutlass::bfloat16_t, cutlass::layout::RowMajor, cutlass::bfloat16_t,
-                       128, 128, 64, 1, 1,
-                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                       cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
+                             cutlass::bfloat16_t, cutlass::layout::RowMajor, cutlass::bfloat16_t,
+                             128, 128, 64, 1, 1,
+                             cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                             cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
 
 JAXFUSE_GG_DEFINE_FAMILY_2(Bf16Fwd, Bf16FwdLarge, Bf16FwdSmall)
 

@@ -279,6 +279,21 @@ _TILE_SCRIPT = textwrap.dedent("""
 """)
 
 
+def _tile_script_runs(tmp_path, size_sets, environments):
+  """_TILE_SCRIPT's arrays ("{index}_out", "_d_x", "_d_kernel" per size set) from one fresh
+  process per entry of `environments` (name -> variables set on top of os.environ: the
+  grouped GEMM reads its tuning variables once per process), by name. The inputs are
+  tmp_path/in.npz."""
+  runs = {}
+  for name, variables in environments.items():
+    subprocess.run([sys.executable, "-c", _TILE_SCRIPT, str(tmp_path),
+                    *(",".join(map(str, sizes)) for sizes in size_sets)],
+                   env=dict(os.environ, **variables), check=True, timeout=300)
+    with np.load(tmp_path / "out.npz") as results:  # the next process overwrites it
+      runs[name] = dict(results)
+  return runs
+
+
 _PDL_SCRIPT = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp, numpy as np
@@ -342,15 +357,9 @@ def test_small_wgrad_cluster_pairing_matches_float64_numpy(tmp_path, n):
                                    for name, a in (("x", x), ("w", kernel), ("d_out", d_out))})
   size_sets = ([700, 0, 333, 600, 517],  # ragged, an empty group, sum < m
                [1024, 1024, 512, 512, 2048])  # sum > m: cut at m
-  runs = {}
-  for pair in ("1", "0"):  # the second process overwrites out.npz: keep the first's arrays
-    subprocess.run([sys.executable, "-c", _TILE_SCRIPT, str(tmp_path),
-                    *(",".join(map(str, sizes)) for sizes in size_sets)],
-                   env=dict(os.environ, JAXFUSE_GROUPED_GEMM_TILE="small",
-                            JAXFUSE_GROUPED_GEMM_WGRAD_PAIR=pair),
-                   check=True, timeout=300)
-    with np.load(tmp_path / "out.npz") as results:
-      runs[pair] = dict(results)
+  runs = _tile_script_runs(tmp_path, size_sets, {
+      pair: {"JAXFUSE_GROUPED_GEMM_TILE": "small", "JAXFUSE_GROUPED_GEMM_WGRAD_PAIR": pair}
+      for pair in ("1", "0")})
   for index, sizes in enumerate(size_sets):
     _, want_kernel = numpy_grouped_grads(x, kernel, sizes, d_out)
     for pair, results in runs.items():
@@ -384,14 +393,9 @@ def test_prepared_tensormaps_match_float64_numpy_and_cutlass(tmp_path, tile):
   if tile == "large":
     environments["prepared_plain"] = {"JAXFUSE_GROUPED_GEMM_TENSORMAPS": "prepared",
                                       "JAXFUSE_GROUPED_GEMM_PDL": "0"}
-  runs = {}
-  for name, variables in environments.items():
-    subprocess.run([sys.executable, "-c", _TILE_SCRIPT, str(tmp_path),
-                    *(",".join(map(str, sizes)) for sizes in size_sets)],
-                   env=dict(os.environ, JAXFUSE_GROUPED_GEMM_TILE=tile, **variables),
-                   check=True, timeout=300)
-    with np.load(tmp_path / "out.npz") as results:
-      runs[name] = dict(results)
+  runs = _tile_script_runs(tmp_path, size_sets, {
+      name: {"JAXFUSE_GROUPED_GEMM_TILE": tile, **variables}
+      for name, variables in environments.items()})
   for index, sizes in enumerate(size_sets):
     want_x, want_kernel = numpy_grouped_grads(x, kernel, sizes, d_out)
     prepared = runs["prepared"]
@@ -425,15 +429,9 @@ def test_team_tile_scheduler_matches_float64_numpy_and_cutlass_order(tmp_path, n
   ragged = rng.integers(0, 200, groups)
   ragged[[0, 9, 20, groups - 1]] = 0
   size_sets = (list(ragged), [128] * groups)  # sum < m; sum 4736 > m: cut at m
-  runs = {}
-  for teams in ("1", "3", "7", "64", "1000"):
-    subprocess.run([sys.executable, "-c", _TILE_SCRIPT, str(tmp_path),
-                    *(",".join(map(str, sizes)) for sizes in size_sets)],
-                   env=dict(os.environ, JAXFUSE_GROUPED_GEMM_TILE="small",
-                            JAXFUSE_GROUPED_GEMM_TEAMS=teams),
-                   check=True, timeout=300)
-    with np.load(tmp_path / "out.npz") as results:
-      runs[teams] = dict(results)
+  runs = _tile_script_runs(tmp_path, size_sets, {
+      teams: {"JAXFUSE_GROUPED_GEMM_TILE": "small", "JAXFUSE_GROUPED_GEMM_TEAMS": teams}
+      for teams in ("1", "3", "7", "64", "1000")})
   for index, sizes in enumerate(size_sets):
     want_x, want_kernel = numpy_grouped_grads(x, kernel, sizes, d_out)
     for teams, results in runs.items():
@@ -464,10 +462,8 @@ def test_large_tile_configs_match_float64_numpy(tmp_path, tile):
   size_sets = ([512, 1024, 0, 512, 512],  # multiples of 512 (and of 256), sum < m
                [700, 0, 333, 1200, 517],  # ragged
                [1024, 1024, 512, 512, 2048])  # multiples, sum > m: cut at m
-  subprocess.run([sys.executable, "-c", _TILE_SCRIPT, str(tmp_path),
-                  *(",".join(map(str, sizes)) for sizes in size_sets)],
-                 env=dict(os.environ, JAXFUSE_GROUPED_GEMM_TILE=tile), check=True, timeout=300)
-  results = np.load(tmp_path / "out.npz")
+  results = _tile_script_runs(tmp_path, size_sets,
+                             {tile: {"JAXFUSE_GROUPED_GEMM_TILE": tile}})[tile]
   for index, sizes in enumerate(size_sets):
     out, d_x, d_kernel = (results[f"{index}_{name}"] for name in ("out", "d_x", "d_kernel"))
     helpers.assert_close(out, numpy_grouped_linear(x, kernel, sizes), jnp.bfloat16,

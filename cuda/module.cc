@@ -39,6 +39,7 @@ namespace py = pybind11;
   X("jaxfuse_scaled_activation_fwd", JaxfuseScaledActivationFwdCpu)               \
   X("jaxfuse_scaled_activation_bwd", JaxfuseScaledActivationBwdCpu)               \
   X("jaxfuse_quantize", JaxfuseQuantizeCpu)                                       \
+  X("jaxfuse_quantize_gathered", JaxfuseQuantizeGatheredCpu)                      \
   X("jaxfuse_quantize_transposed", JaxfuseQuantizeTransposedCpu)                  \
   X("jaxfuse_quantize_blocks_transposed", JaxfuseQuantizeBlocksTransposedCpu)     \
   X("jaxfuse_quantize_columnwise_blocks", JaxfuseQuantizeColumnwiseBlocksCpu)     \
@@ -76,6 +77,7 @@ namespace py = pybind11;
   X("jaxfuse_scaled_activation_fwd", JaxfuseScaledActivationFwdCuda)                \
   X("jaxfuse_scaled_activation_bwd", JaxfuseScaledActivationBwdCuda)                \
   X("jaxfuse_quantize", JaxfuseQuantizeCuda)                                        \
+  X("jaxfuse_quantize_gathered", JaxfuseQuantizeGatheredCuda)                       \
   X("jaxfuse_quantize_transposed", JaxfuseQuantizeTransposedCuda)                   \
   X("jaxfuse_quantize_blocks_transposed", JaxfuseQuantizeBlocksTransposedCuda)      \
   X("jaxfuse_quantize_columnwise_blocks", JaxfuseQuantizeColumnwiseBlocksCuda)      \

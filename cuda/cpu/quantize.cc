@@ -1,6 +1,7 @@
 // CPU handlers for FP8 quantization and the fused scaled activation + quantization (forward
 // and backward). Reference loops: values are computed in fp32 into a temporary, then
 // quantized by QuantizeCpu (jaxfuse/quantize.h) with the FP8 rounding of jaxfuse/fp8.h.
+#include <algorithm>
 #include <vector>
 
 #include "jaxfuse/activation.h"
@@ -54,6 +55,41 @@ ffi::Error QuantizeCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer offsets,
   QuantizeCpu(problem, values.data(), static_cast<const int32_t*>(offsets.untyped_data()),
               static_cast<uint8_t*>(data->untyped_data()), scale_inv->untyped_data(),
               static_cast<float*>(amax->untyped_data()));
+  WriteColumnwiseCpu(copy_wanted, copy, *data, offsets, *columnwise);
+  return ffi::Error::Success();
+}
+
+// x's rows gathered (source indices clamped to [0, T), as the CUDA producer reads them),
+// then quantized per group with the given amaxes.
+ffi::Error QuantizeGatheredCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer source_rows,
+                                   ffi::AnyBuffer offsets, ffi::AnyBuffer amax,
+                                   ffi::Result<ffi::AnyBuffer> data,
+                                   ffi::Result<ffi::AnyBuffer> scale_inv,
+                                   ffi::Result<ffi::AnyBuffer> columnwise) {
+  QuantizeProblem problem;
+  if (auto error = ParseQuantizeGathered(x, source_rows, offsets, amax, *data, *scale_inv,
+                                         &problem);
+      error.failure()) {
+    return error;
+  }
+  ColumnwiseProblem copy;
+  bool copy_wanted = false;
+  if (auto error = CheckColumnwiseOutput(problem, *data, *columnwise, &copy, &copy_wanted);
+      error.failure()) {
+    return error;
+  }
+  const std::vector<float> sources = ToFloatVector(x);
+  const int64_t source_count = x.dimensions()[0], cols = problem.cols;
+  const int32_t* index = source_rows.typed_data<int32_t>();
+  std::vector<float> values(static_cast<size_t>(problem.rows * cols));
+  for (int64_t r = 0; r < problem.rows; ++r) {
+    const int64_t source = std::min<int64_t>(std::max<int64_t>(index[r], 0), source_count - 1);
+    std::copy_n(sources.begin() + source * cols, cols, values.begin() + r * cols);
+  }
+  std::vector<float> amax_used(static_cast<size_t>(problem.num_groups));
+  QuantizeCpu(problem, values.data(), offsets.typed_data<int32_t>(),
+              static_cast<uint8_t*>(data->untyped_data()), scale_inv->untyped_data(),
+              amax_used.data(), static_cast<const float*>(amax.untyped_data()));
   WriteColumnwiseCpu(copy_wanted, copy, *data, offsets, *columnwise);
   return ffi::Error::Success();
 }
@@ -238,6 +274,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeCpu, jaxfuse::QuantizeCpuImpl,
                                   .Ret<xffi::AnyBuffer>()  // columnwise FP8 [K, W] or [0]
                                   .Attr<int32_t>("mode")
                                   .Attr<int32_t>("block"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeGatheredCpu, jaxfuse::QuantizeGatheredCpuImpl,
+                              xffi::Ffi::Bind()
+                                  .Arg<xffi::AnyBuffer>()  // x [T, K]
+                                  .Arg<xffi::AnyBuffer>()  // source_rows int32 [M]
+                                  .Arg<xffi::AnyBuffer>()  // group offsets int32 [G + 1]
+                                  .Arg<xffi::AnyBuffer>()  // group amax float32 [G] (given)
+                                  .Ret<xffi::AnyBuffer>()  // data fp8 [M, K]
+                                  .Ret<xffi::AnyBuffer>()  // scale_inv float32 [G]
+                                  .Ret<xffi::AnyBuffer>());  // columnwise FP8 [K, W] or [0]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeTransposedCpu, jaxfuse::QuantizeTransposedCpuImpl,
                               xffi::Ffi::Bind()

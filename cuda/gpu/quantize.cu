@@ -366,6 +366,21 @@ template <class P, typename T>
 ffi::Error LaunchCurrentWithColumnwise(const P& p, const SinkArgs<T>& s, int64_t units,
                                        const ColumnwiseTarget& target, cudaStream_t stream);
 
+// Pass 2 of current scaling: scale_inv from the group amaxes in s.amax and the FP8 rows,
+// with the column-wise copy when `target` names one.
+template <class P, typename T>
+ffi::Error LaunchCurrentPass(const P& p, const SinkArgs<T>& s, int64_t units,
+                             const ColumnwiseTarget& target, cudaStream_t stream) {
+  if (target.out != nullptr) return LaunchCurrentWithColumnwise(p, s, units, target, stream);
+  if (s.rows > 0) {
+    gpu::LaunchRowKernel<P, SinkKind::kCurrent, T>(p, s, units, stream);
+  } else if (s.num_groups > 0) {  // no rows: the scales of the zero amaxes only
+    CurrentScaleInvKernel<<<1, 256, 0, stream>>>(s.amax, static_cast<float*>(s.scale_inv),
+                                                 s.num_groups, s.format);
+  }
+  return gpu::LaunchError("current-scaling quantization kernels");
+}
+
 // Runs the quantization chain of `problem` for producer p (units per row: units), writing
 // the column-wise copy of the result too when `target` names one (current scaling only).
 template <class P, typename T>
@@ -377,20 +392,11 @@ ffi::Error LaunchRows(cudaStream_t stream, const P& p, SinkArgs<T> s, int64_t un
       return Internal("zeroing the amax scratch failed");
     }
     if (s.rows > 0) LaunchAmaxPass(p, s, units, stream);
+    if (auto error = gpu::LaunchError("current-scaling amax pass"); error.failure()) return error;
     SinkArgs<T> second = s;
     second.out = nullptr;   // dx (if any) and dscales were written by pass 1
     second.side = nullptr;
-    if (target.out != nullptr) {
-      if (auto error = gpu::LaunchError("current-scaling amax pass"); error.failure()) return error;
-      return LaunchCurrentWithColumnwise(p, second, units, target, stream);
-    }
-    if (s.rows > 0) {
-      gpu::LaunchRowKernel<P, SinkKind::kCurrent, T>(p, second, units, stream);
-    } else if (problem.num_groups > 0) {  // no rows: the scales of the zero amaxes only
-      CurrentScaleInvKernel<<<1, 256, 0, stream>>>(
-          s.amax, static_cast<float*>(s.scale_inv), problem.num_groups, problem.format);
-    }
-    return gpu::LaunchError("current-scaling quantization kernels");
+    return LaunchCurrentPass(p, second, units, target, stream);
   }
   if (!ValidLaneBlock(problem.block)) {
     return InvalidArgument("the CUDA kernels support block sizes 8, 16, 32, 64, 128 and 256, got ",
@@ -891,6 +897,39 @@ ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer of
     p.vector = problem.cols % 8 == 0 && PointerAligned16(px);
     SinkArgs<T> s = MakeSink<T>(problem, offsets, *data, *scale_inv, *amax);
     return LaunchRows(stream, p, s, CeilDiv(problem.cols, 8), problem, target);
+  });
+}
+
+// Per-group current scaling of gathered rows x[source_rows[r]] (an MoE layer's tokens in
+// expert order, never written in 16 bits) with the group amaxes given: the caller computes
+// them from per-token amaxes (quantize/columnwise.py), so only pass 2 runs here, reading the
+// tokens through GatherLoadProducer, with the column-wise copy when asked for.
+ffi::Error QuantizeGatheredCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer source_rows,
+                                ffi::AnyBuffer offsets, ffi::AnyBuffer amax,
+                                ffi::Result<ffi::AnyBuffer> data,
+                                ffi::Result<ffi::AnyBuffer> scale_inv,
+                                ffi::Result<ffi::AnyBuffer> columnwise) {
+  QuantizeProblem problem;
+  if (auto error = ParseQuantizeGathered(x, source_rows, offsets, amax, *data, *scale_inv,
+                                         &problem);
+      error.failure()) {
+    return error;
+  }
+  ColumnwiseTarget target;
+  if (auto error = ParseColumnwiseTarget(problem, *data, *columnwise, &target); error.failure()) {
+    return error;
+  }
+  return gpu::DispatchFloat(x.element_type(), [&](auto zero) -> ffi::Error {
+    using T = decltype(zero);
+    gpu::GatherLoadProducer<T> p;
+    p.x = static_cast<const T*>(x.untyped_data());
+    p.cols = problem.cols;
+    p.vector = problem.cols % 8 == 0 && PointerAligned16(p.x);
+    p.source_rows = static_cast<const int32_t*>(source_rows.untyped_data());
+    p.sources = x.dimensions()[0];
+    // Pass 2 only reads the amaxes: the given ones stand in for the chain's scratch.
+    SinkArgs<T> s = MakeSink<T>(problem, offsets, *data, *scale_inv, amax);
+    return LaunchCurrentPass(p, s, CeilDiv(problem.cols, int64_t{8}), target, stream);
   });
 }
 
@@ -1844,6 +1883,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeCuda, jaxfuse::QuantizeCuda,
                                   .Ret<xffi::AnyBuffer>()  // columnwise FP8 [K, W] or [0]
                                   .Attr<int32_t>("mode")
                                   .Attr<int32_t>("block"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeGatheredCuda, jaxfuse::QuantizeGatheredCuda,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::AnyBuffer>()  // x [T, K]
+                                  .Arg<xffi::AnyBuffer>()  // source_rows int32 [M]
+                                  .Arg<xffi::AnyBuffer>()  // group offsets int32 [G + 1]
+                                  .Arg<xffi::AnyBuffer>()  // group amax float32 [G] (given)
+                                  .Ret<xffi::AnyBuffer>()  // data fp8 [M, K]
+                                  .Ret<xffi::AnyBuffer>()  // scale_inv float32 [G]
+                                  .Ret<xffi::AnyBuffer>(),  // columnwise FP8 [K, W] or [0]
                               {xffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeTransposedCuda, jaxfuse::QuantizeTransposedCuda,

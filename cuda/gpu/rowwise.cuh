@@ -219,14 +219,29 @@ constexpr int kMaxStreams = 3;
 // Segment(stream, row, 8 u)), so a kernel can issue several units' loads before any math
 // (QuantizeColumnwiseKernel). kRawStreams bounds Streams().
 
-// Plain values: x [rows, cols].
-template <typename T>
+// Plain values: x [rows, cols]; with kGathered, output row r is x[source_rows[r]] (x
+// [sources, cols]): an MoE layer's expert-sorted rows read straight from its tokens. A
+// gathered source index outside [0, sources) reads row 0 or sources - 1, never out of
+// bounds (the callers build the indices from a permutation; sources > 0 wherever there
+// are rows).
+template <typename T, bool kGathered = false>
 struct LoadProducer {
   static constexpr int kChunks = 1;
   static constexpr bool kSide = false;
   const T* x;
   int64_t cols;
   bool vector;  // cols % 8 == 0 and x 16-byte aligned
+  const int32_t* source_rows = nullptr;  // [rows], kGathered only
+  int64_t sources = 0;
+  __device__ const T* Row(int64_t row) const {
+    if constexpr (kGathered) {
+      const int64_t source = min(max(static_cast<int64_t>(__ldg(source_rows + row)),
+                                     int64_t{0}), sources - 1);
+      return x + source * cols;
+    } else {
+      return x + row * cols;
+    }
+  }
   __device__ int64_t Units() const { return (cols + kUnit - 1) / kUnit; }
   __device__ int64_t Col(int, int64_t u) const { return u * kUnit; }
   __device__ int Valid(int, int64_t u) const {
@@ -234,14 +249,14 @@ struct LoadProducer {
     return left >= kUnit ? kUnit : static_cast<int>(left);
   }
   __device__ void Compute(int64_t row, int64_t u, float, float (&v)[1][8], float&) const {
-    Load8(x + row * cols + u * kUnit, vector, Valid(0, u), v[0]);
+    Load8(Row(row) + u * kUnit, vector, Valid(0, u), v[0]);
   }
   __device__ void Prefetch(int64_t row, int64_t u, int level) const {
-    PrefetchUnit(x + row * cols + u * kUnit, level);
+    PrefetchUnit(Row(row) + u * kUnit, level);
   }
   static constexpr bool kStaged = true;
   __host__ __device__ int Streams() const { return 1; }
-  __device__ const T* Segment(int, int64_t row, int64_t col) const { return x + row * cols + col; }
+  __device__ const T* Segment(int, int64_t row, int64_t col) const { return Row(row) + col; }
   __device__ float RowScale(int64_t) const { return 1.0f; }
   __device__ void ComputeStaged(const T* const (&segment)[kMaxStreams], int offset, float,
                                 float (&v)[1][8], float&) const {
@@ -253,6 +268,9 @@ struct LoadProducer {
     RawToFloat8<T>(raw[0], v[0]);
   }
 };
+
+template <typename T>
+using GatherLoadProducer = LoadProducer<T, true>;
 
 // act(x) * scale: x [rows, W], output [rows, F].
 template <typename T>

@@ -417,8 +417,11 @@ inline std::vector<float> ToFloatVector(const ffi::AnyBuffer& buffer) {
 }
 
 // Quantizes values [batch * rows, cols] (fp32) into data, scale_inv and amax.
+// Current scaling takes the group amaxes from given_amax when it is not null (quantize_
+// gathered: computed by the caller) instead of from the values.
 inline void QuantizeCpu(const QuantizeProblem& p, const float* values, const int32_t* offsets,
-                        uint8_t* data, void* scale_inv, float* amax_out) {
+                        uint8_t* data, void* scale_inv, float* amax_out,
+                        const float* given_amax = nullptr) {
   const float fp8_max = Fp8Max(p.format);
   const int64_t total_rows = p.batch * p.rows;
   const int64_t cols = p.cols;
@@ -428,11 +431,12 @@ inline void QuantizeCpu(const QuantizeProblem& p, const float* values, const int
   if (p.mode == ScalingMode::kCurrent) {
     const int64_t groups = p.num_groups;
     std::vector<float> amax(groups, 0.0f);
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t g = 0; g < groups && given_amax == nullptr; ++g) {
       const int64_t begin = ClampedOffset(offsets, g, total_rows);
       const int64_t end = std::max(begin, ClampedOffset(offsets, g + 1, total_rows));
       for (int64_t i = begin * cols; i < end * cols; ++i) amax[g] = std::max(amax[g], AbsForAmax(values[i]));
     }
+    if (given_amax != nullptr) amax.assign(given_amax, given_amax + groups);
     std::vector<float> scale(groups);
     for (int64_t g = 0; g < groups; ++g) {
       scale[g] = ScaleFromAmax(amax[g], fp8_max);
@@ -631,6 +635,50 @@ inline ffi::Error ParseDactivationQuantize(
   problem->rows = act->rows;
   problem->cols = act->in_cols;
   return CheckQuantizeOutputs(*problem, offsets, data, scale_inv, amax, mode, block);
+}
+
+// Shapes and dtypes of quantize_gathered (both backends): x [sources, K] float, source_rows
+// int32 [rows], group offsets int32 [G + 1], the given group amaxes float32 [G], data FP8
+// [rows, K] and scale_inv float32 [G]. Fills a per-group current-scaling problem.
+inline ffi::Error ParseQuantizeGathered(const ffi::AnyBuffer& x, const ffi::AnyBuffer& source_rows,
+                                        const ffi::AnyBuffer& offsets, const ffi::AnyBuffer& amax,
+                                        const ffi::AnyBuffer& data,
+                                        const ffi::AnyBuffer& scale_inv,
+                                        QuantizeProblem* problem) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 2 || !IsFloatType(x.element_type())) {
+    return InvalidArgument("quantize_gathered: x must be a float32/bfloat16/float16 [T, K] "
+                           "array, got ", DataTypeName(x.element_type()), " ",
+                           ShapeString(dims));
+  }
+  if (source_rows.element_type() != ffi::DataType::S32 ||
+      source_rows.dimensions().size() != 1) {
+    return InvalidArgument("quantize_gathered: source_rows must be int32 [M], got ",
+                           DataTypeName(source_rows.element_type()), " ",
+                           ShapeString(source_rows.dimensions()));
+  }
+  if (amax.element_type() != ffi::DataType::F32) {
+    return InvalidArgument("quantize_gathered: amax must be float32 [G], got ",
+                           DataTypeName(amax.element_type()));
+  }
+  problem->rows = source_rows.dimensions()[0];
+  problem->cols = dims[1];
+  if (problem->rows > 0 && dims[0] == 0) {
+    return InvalidArgument("quantize_gathered: x has no rows to gather ", problem->rows,
+                           " rows from");
+  }
+  if (auto error = CheckQuantizeOutputs(*problem, offsets, data, scale_inv, amax,
+                                        static_cast<int32_t>(ScalingMode::kCurrent), 0);
+      error.failure()) {
+    return error;
+  }
+  const auto data_dims = data.dimensions();
+  if (data_dims.size() != 2 || data_dims[0] != problem->rows || data_dims[1] != problem->cols) {
+    return InvalidArgument("quantize_gathered: data must be [", problem->rows, ", ",
+                           problem->cols, "] (source_rows' length, x's columns), got ",
+                           ShapeString(data_dims));
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace jaxfuse

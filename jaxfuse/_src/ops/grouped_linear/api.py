@@ -266,16 +266,20 @@ def _fp8_forward(x, kernel, group_offsets, recipe, varying_axes, for_backward=Tr
                quantized_kernels.cotangent_template(kernel))
 
 
-def fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, dtype, columnwise=False):
+def fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, dtype, columnwise=False,
+              d_out_quantized=None):
   """The FP8 dgrad: d_out quantized per group in the recipe's gradient format (E5M2 by
   default) times the saved FP8 kernel [G, K, N] (the forward's values and scales).
 
   Returns (dx in `dtype`, the FP8 output gradient for the FP8 wgrad): (dy_data,
   dy_scale_inv), or with ``columnwise`` its quantize_columnwise.Columnwise copy, written by
-  the same quantization pass.
+  the same quantization pass. ``d_out_quantized``: that (data, scale_inv, operand) triple
+  made by the caller (d_out is then None), e.g. gathered.quantize_gathered_rows.
   """
-  dy_data, dy_scale_inv, dy_fp8 = quantize_columnwise.quantize_rows(
-      d_out, recipe, group_offsets, "gradient", copy=columnwise)
+  if d_out_quantized is None:
+    d_out_quantized = quantize_columnwise.quantize_rows(d_out, recipe, group_offsets,
+                                                        "gradient", copy=columnwise)
+  dy_data, dy_scale_inv, dy_fp8 = d_out_quantized
   d_x = fp8_gemm(dy_data, dy_scale_inv, w_data, w_scale_inv, group_offsets, ffi.DGRAD,
                  dtype, recipe)
   return d_x, dy_fp8

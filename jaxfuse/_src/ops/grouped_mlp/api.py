@@ -17,7 +17,7 @@ FC1 dgrad, FC1 wgrad) all read those offsets. The backward pass is
 Residuals: x, the kernels, the offsets, scales and h (FC1's output, pre-activation); the
 activation is recomputed in the backward pass unless ``save_activation=True`` keeps it too.
 
-An FP8 recipe swaps three pieces (see ``_Fp8``): the GEMM inputs are quantized per group,
+An FP8 recipe swaps three pieces (see ``Fp8Stages``): the GEMM inputs are quantized per group,
 the activation hand-off to FC2 is the fused ``scaled_activation_quantize`` and the backward
 activation is the fused ``scaled_dactivation_quantize`` feeding FC1's dgrad and wgrad.
 Weight gradients run in FP8 from those same FP8 tensors (``recipe.fp8_wgrad``, the
@@ -115,7 +115,7 @@ def _validate(x, kernel1, kernel2, group_sizes, scales, activation, recipe,
   if isinstance(recipe, recipes.Float8BlockScaling):
     _Blockwise.check(recipe, hidden, width, ffn)
   elif recipe is not None:
-    _Fp8.check(recipe, hidden, width, ffn, groups if implementation == "ffi" else 1)
+    Fp8Stages.check(recipe, hidden, width, ffn, groups if implementation == "ffi" else 1)
   if implementation == "ffi":
     if x_dtype not in _FFI_DTYPES:
       raise TypeError(f"grouped_mlp's kernels take bfloat16 or float16 x, got {x_dtype}; "
@@ -136,7 +136,7 @@ def _activation(h, scales, config: Config):
   return act_sharding.forward(h, scales, **config.act_kwargs)
 
 
-class _Fp8:
+class Fp8Stages:
   """The FP8 (Float8CurrentScaling(per_group=True)) variant of the three fused stages.
 
     forward:  x_q = quantize(x, per group, E4M3), w1_q = per-expert quantize(kernel1^T);
@@ -167,14 +167,22 @@ class _Fp8:
                             blockwise_too=True)
 
   @staticmethod
-  def forward(x, kernel1, kernel2, group_offsets, scales, config, for_backward=True):
+  def forward(x, kernel1, kernel2, group_offsets, scales, config, for_backward=True,
+              x_quantized=None):
+    """(y, residuals). ``x_quantized``: x's (data, scale_inv, wgrad operand) triple made by
+    the caller (as quantize_columnwise.quantize_rows; recipe.fp8_wgrad only), x then only
+    gives the dtype (the MoE layer's gathered tokens: moe/fp8_experts.py)."""
     recipe = config.recipe
     frozen1, frozen2 = config.frozen_kernels
     # The wgrads' column-wise copies of x and the activation from the quantizing passes
     # (quantize/columnwise.py) when a backward with FP8 wgrads follows.
     fuse = for_backward and quantize_columnwise.fuses(recipe)
-    x_data, x_scale_inv, x_fp8 = quantize_columnwise.quantize_rows(
-        x, recipe, group_offsets, "forward", copy=fuse and not frozen1)
+    if x_quantized is None:
+      x_quantized = quantize_columnwise.quantize_rows(x, recipe, group_offsets, "forward",
+                                                      copy=fuse and not frozen1)
+    elif not recipe.fp8_wgrad:
+      raise ValueError("a pre-quantized x needs recipe.fp8_wgrad (the 16-bit wgrad reads x)")
+    x_data, x_scale_inv, x_fp8 = x_quantized
     # Each weight's FP8 values in both layouts from one pass when a backward follows:
     # [G, N, K] for the forward, [G, K, N] saved for the backward's dgrad.
     w1_t, w1_scale_inv, *w1 = linear_api.expert_weights(kernel1, recipe,
@@ -202,7 +210,10 @@ class _Fp8:
                a_saved, templates)
 
   @staticmethod
-  def backward(config, varying_axes, saved, dy):
+  def backward(config, varying_axes, saved, dy, dy_quantized=None):
+    """The cotangents of (x, kernel1, kernel2, offsets, scales). ``dy_quantized``: dy's
+    (data, scale_inv, wgrad operand) triple made by the caller (fp8_dgrad's
+    d_out_quantized); dy is then only a ShapeDtypeStruct (rows and dtype)."""
     x, w1, w1_scale_inv, w2, w2_scale_inv, group_offsets, scales, h, a, templates = saved
     recipe = config.recipe
     dtype = dy.dtype  # the output's, which is x's
@@ -211,8 +222,10 @@ class _Fp8:
     # The forward's choice: dy's and dh's column-wise copies from their quantizing passes.
     fuse = isinstance(x, quantize_columnwise.Columnwise) or isinstance(
         a, quantize_columnwise.Columnwise)
-    da, dy_q = linear_api.fp8_dgrad(dy, w2, w2_scale_inv, group_offsets, recipe, dtype,
-                                    columnwise=fuse and not frozen2)
+    da, dy_q = linear_api.fp8_dgrad(None if dy_quantized is not None else dy, w2,
+                                    w2_scale_inv, group_offsets, recipe, dtype,
+                                    columnwise=fuse and not frozen2,
+                                    d_out_quantized=dy_quantized)
     if frozen2:
       d_kernel2 = None
     elif recipe.fp8_wgrad:
@@ -326,8 +339,8 @@ def _cotangents(varying_axes, templates, dx, d_kernel1, d_kernel2, d_scales, sca
 
 
 def _variant(recipe):
-  """The FP8 variant of a recipe: _Blockwise for Float8BlockScaling, else _Fp8."""
-  return _Blockwise if isinstance(recipe, recipes.Float8BlockScaling) else _Fp8
+  """The FP8 variant of a recipe: _Blockwise for Float8BlockScaling, else Fp8Stages."""
+  return _Blockwise if isinstance(recipe, recipes.Float8BlockScaling) else Fp8Stages
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -434,28 +447,37 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
   custom_vjp whose backward pass reuses the forward pass's offsets (computed once with
   ``jaxfuse.group_offsets``).
   """
+  implementation, config = checked_config(x, kernel1, kernel2, group_sizes, scales,
+                                          activation, recipe, save_activation,
+                                          implementation, limit, alpha, linear_offset)
+  recipe = config.recipe
+  if implementation == "xla":
+    act = (activation, config.limit, config.alpha, config.linear_offset)
+    if isinstance(recipe, recipes.Float8BlockScaling):
+      return reference.grouped_mlp_blockwise(x, kernel1, kernel2, group_sizes, scales, *act,
+                                             recipe)
+    if recipe is not None:
+      return reference.grouped_mlp_fp8(x, kernel1, kernel2, group_sizes, scales, *act, recipe)
+    return reference.grouped_mlp(x, kernel1, kernel2, group_sizes, scales, *act)
+  offsets = offsets_api.group_offsets(group_sizes, implementation="ffi")
+  varying_axes = tuple(compat.varying_axes(a) for a in (
+      x, linear_api.kernel_leaf(kernel1), linear_api.kernel_leaf(kernel2), offsets, scales))
+  return grouped_mlp_with_offsets(x, kernel1, kernel2, offsets, scales, config, varying_axes)
+
+
+def checked_config(x, kernel1, kernel2, group_sizes, scales, activation, recipe,
+                   save_activation, implementation, limit, alpha, linear_offset):
+  """Validates a grouped_mlp call (x may be a jax.ShapeDtypeStruct): (the resolved
+  implementation, its static Config). Raises as grouped_mlp documents."""
   implementation = implementation_lib.resolve(implementation)
   recipe = linear_api.recipe_for_kernels(recipe, kernel1, kernel2)
   _validate(x, kernel1, kernel2, group_sizes, scales, activation, recipe, implementation)
   limit = checks.static_float("limit", limit)
   alpha = checks.static_float("alpha", alpha)
   linear_offset = checks.static_float("linear_offset", linear_offset)
-  if implementation == "xla":
-    if isinstance(recipe, recipes.Float8BlockScaling):
-      return reference.grouped_mlp_blockwise(x, kernel1, kernel2, group_sizes, scales,
-                                             activation, limit, alpha, linear_offset, recipe)
-    if recipe is not None:
-      return reference.grouped_mlp_fp8(x, kernel1, kernel2, group_sizes, scales, activation,
-                                       limit, alpha, linear_offset, recipe)
-    return reference.grouped_mlp(x, kernel1, kernel2, group_sizes, scales, activation, limit,
-                                 alpha, linear_offset)
   frozen = tuple(quantized_kernels.is_frozen_kernel(k) for k in (kernel1, kernel2))
-  config = Config(activation, limit, alpha, linear_offset, bool(save_activation), recipe,
-                  frozen)
-  offsets = offsets_api.group_offsets(group_sizes, implementation="ffi")
-  varying_axes = tuple(compat.varying_axes(a) for a in (
-      x, linear_api.kernel_leaf(kernel1), linear_api.kernel_leaf(kernel2), offsets, scales))
-  return grouped_mlp_with_offsets(x, kernel1, kernel2, offsets, scales, config, varying_axes)
+  return implementation, Config(activation, limit, alpha, linear_offset,
+                                bool(save_activation), recipe, frozen)
 
 
 def flops(tokens: int, hidden: int, ffn: int, activation: str = "swiglu",

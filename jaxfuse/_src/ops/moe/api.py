@@ -23,6 +23,7 @@ from jaxfuse._src import checks
 from jaxfuse._src import implementation as implementation_lib
 from jaxfuse._src.ops.grouped_linear import api as linear_api
 from jaxfuse._src.ops.grouped_mlp import api as mlp_api
+from jaxfuse._src.ops.moe import fp8_experts
 from jaxfuse._src.ops.moe import reference
 from jaxfuse._src.ops.moe import router_logits as router_logits_lib
 from jaxfuse._src.ops.moe_permute import api as permute_api
@@ -111,12 +112,23 @@ def moe(x: jax.Array, router_kernel: jax.Array, kernel1: jax.Array, kernel2: jax
                                           score_function=score_function,
                                           normalize_topk=normalize_topk,
                                           implementation=impl)
-  x_sorted, row_map, group_sizes = permute_api.moe_permute(tokens, indices, experts,
-                                                           implementation=impl)
+  mlp_recipe = linear_api.recipe_for_kernels(recipe, kernel1, kernel2)
+  gathered_fp8 = fp8_experts.applies(mlp_recipe, impl)
+  if gathered_fp8:  # the FP8 quantization reads the tokens through the routing
+    row_map, group_sizes = permute_api.moe_routing(indices, experts)
+  else:
+    x_sorted, row_map, group_sizes = permute_api.moe_permute(tokens, indices, experts,
+                                                             implementation=impl)
   # Combine weights in expert order: scales[row_map[t, j]] = weights[t, j] (its gradient is
   # the gather back to [T, k], so the router learns through the activation's dscales).
-  scales = jnp.zeros((x_sorted.shape[0],), jnp.float32).at[row_map.reshape(-1)].set(
+  scales = jnp.zeros((row_map.size,), jnp.float32).at[row_map.reshape(-1)].set(
       weights.reshape(-1), mode="drop", unique_indices=True)
+  if gathered_fp8:
+    out = fp8_experts.moe_experts(tokens, kernel1, kernel2, row_map, group_sizes, scales,
+                                  activation=activation, recipe=recipe,
+                                  save_activation=save_activation, limit=limit, alpha=alpha,
+                                  linear_offset=linear_offset)
+    return out.reshape(shape), aux_loss
   y_sorted = mlp_api.grouped_mlp(x_sorted, kernel1, kernel2, group_sizes, scales, activation,
                                  recipe=recipe, save_activation=save_activation,
                                  implementation=impl, limit=limit, alpha=alpha,

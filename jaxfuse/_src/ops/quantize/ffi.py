@@ -68,6 +68,29 @@ def quantize(x, offsets, *, scaling_mode, block, fmt, columnwise=False):
   return (*out, compat.vary_like(copy, x, offsets)) if columnwise else out
 
 
+def quantize_gathered(x, source_rows, offsets, amax, *, fmt, columnwise=False):
+  """Per-group current scaling of gathered rows: row r of the result is x[source_rows[r]].
+
+  x [T, K] float; source_rows int32 [M] (indices outside [0, T) read row 0 or T - 1);
+  offsets int32 [G + 1] group the M result rows; amax float32 [G] is each group's amax,
+  given (``gathered.group_amax``), so the kernel makes one pass. Returns (data FP8 [M, K],
+  scale_inv float32 [G]) as ``quantize(x[source_rows], offsets, scaling_mode="per_group")``
+  would, plus the column-wise copy with ``columnwise``. The MoE layer's FP8 experts read
+  their tokens through it, so the expert-sorted 16-bit copy is never written.
+  """
+  ffi_registry.ensure_registered()
+  rows = source_rows.shape[0]
+  out_types = (jax.ShapeDtypeStruct((rows, x.shape[-1]), recipes.FP8_DTYPES[fmt]),
+               jax.ShapeDtypeStruct((offsets.shape[0] - 1,), jnp.float32),
+               _columnwise_type((rows, x.shape[-1]), offsets, fmt, columnwise))
+  data, scale_inv, copy = jax.ffi.ffi_call("jaxfuse_quantize_gathered", out_types,
+                                           vmap_method="sequential")(
+      x, source_rows, offsets, amax)
+  inputs = (x, source_rows, offsets, amax)
+  out = (compat.vary_like(data, *inputs), compat.vary_like(scale_inv, *inputs))
+  return (*out, compat.vary_like(copy, *inputs)) if columnwise else out
+
+
 def scaled_activation_quantize(x, scales, offsets, *, activation, limit, alpha, linear_offset,
                                scaling_mode, block, fmt, columnwise=False):
   """(data, scale_inv), plus the column-wise copy of data with ``columnwise`` (as quantize)."""

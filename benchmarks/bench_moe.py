@@ -7,8 +7,11 @@ expert weights quantized once, outside the timed calls (jaxfuse_fp8_quantized_ke
 the forward on jaxfuse.quantize_experts copies (inference), the forward + backward on
 trainable copies (quantize_experts(..., trainable=True): a micro-batch's step when the
 weights are quantized once per optimizer step); jaxfuse_fp8_blockwise_* the same two with
-recipe=Float8BlockScaling() (DeepSeek-V3's blocks). The five jaxfuse variants run in
-alternating chunks (common.time_alternating); the reference, ~10x slower, on its own.
+recipe=Float8BlockScaling() (DeepSeek-V3's blocks); jaxfuse_fp8_permuted_* is jaxfuse_fp8
+with the tokens permuted in 16 bits before the FP8 quantization (moe/fp8_experts.py's
+use_gathered(False): the A/B of quantizing them through the routing). The six jaxfuse
+variants run in alternating chunks (common.time_alternating); the reference, ~10x slower,
+on its own.
 
 Cases: Mixtral-like (8 experts, top-2, H=4096, F=14336) and DeepSeek-like (64 experts,
 top-6, H=2048, F=1408), 16384 tokens each. TFLOP/s count the experts' GEMMs over the T*k
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 import jaxfuse
 from benchmarks import common
 from jaxfuse._src.ops.moe import api as moe_api
+from jaxfuse._src.ops.moe import fp8_experts
 
 CASES = {  # name: (tokens, hidden, ffn, experts, top_k)
     "Mixtral-like 8x top-2 H=4096 F=14336": (16384, 4096, 14336, 8, 2),
@@ -48,22 +52,26 @@ def inputs(tokens, hidden, ffn, experts, seed=0):
 
 FP8_RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
 BLOCK_RECIPE = jaxfuse.quantization.Float8BlockScaling()
-LABELS = ("jaxfuse", "jaxfuse_fp8", "jaxfuse_fp8_quantized_kernels", "jaxfuse_fp8_blockwise",
-          "jaxfuse_fp8_blockwise_quantized_kernels", "reference")
+LABELS = ("jaxfuse", "jaxfuse_fp8", "jaxfuse_fp8_permuted", "jaxfuse_fp8_quantized_kernels",
+          "jaxfuse_fp8_blockwise", "jaxfuse_fp8_blockwise_quantized_kernels", "reference")
 
 
-def step(implementation, top_k, recipe=None):
+def step(implementation, top_k, recipe=None, gathered=True):
+  """{"fwd", "fwd+bwd"}: jitted steps of jaxfuse.moe; gathered=False traces the FP8
+  experts on 16-bit permuted tokens (fp8_experts.use_gathered)."""
+  def layer(x, r, k1, k2):
+    with fp8_experts.use_gathered(gathered):
+      return jaxfuse.moe(x, r, k1, k2, top_k=top_k, recipe=recipe,
+                         implementation=implementation)
+
   def forward_backward(x, router, k1, k2, dy):
-    (out, aux), vjp = jax.vjp(lambda x, r, k1, k2: jaxfuse.moe(
-        x, r, k1, k2, top_k=top_k, recipe=recipe, implementation=implementation),
-                              x, router, k1, k2)
+    (out, aux), vjp = jax.vjp(layer, x, router, k1, k2)
     # A trainable copy's gradient: its master's (common.masters).
     return out, common.masters(vjp((dy, jnp.ones_like(aux))))
 
   def forward(x, router, k1, k2, dy):
     del dy
-    return jaxfuse.moe(x, router, k1, k2, top_k=top_k, recipe=recipe,
-                       implementation=implementation)
+    return layer(x, router, k1, k2)
 
   return {"fwd": jax.jit(forward), "fwd+bwd": jax.jit(forward_backward)}
 
@@ -121,6 +129,8 @@ def main():
       block_step = step("ffi", top_k, BLOCK_RECIPE)[pass_name]
       variants = {"jaxfuse": common.rotating(step("ffi", top_k)[pass_name], [arguments]),
                   "jaxfuse_fp8": common.rotating(fp8_step, [arguments]),
+                  "jaxfuse_fp8_permuted": common.rotating(
+                      step("ffi", top_k, FP8_RECIPE, gathered=False)[pass_name], [arguments]),
                   "jaxfuse_fp8_quantized_kernels": common.rotating(
                       fp8_step, [quantized(FP8_RECIPE)]),
                   "jaxfuse_fp8_blockwise": common.rotating(block_step, [arguments]),
@@ -151,6 +161,9 @@ def main():
                         if row["reference_ms"] and row["jaxfuse_ms"] else None)
       row["fp8_speedup"] = (row["jaxfuse_ms"] / row["jaxfuse_fp8_ms"]
                             if row["jaxfuse_fp8_ms"] and row["jaxfuse_ms"] else None)
+      row["fp8_gathered_speedup"] = (row["jaxfuse_fp8_permuted_ms"] / row["jaxfuse_fp8_ms"]
+                                     if row["jaxfuse_fp8_ms"] and row["jaxfuse_fp8_permuted_ms"]
+                                     else None)
       quantized_ms = row["jaxfuse_fp8_quantized_kernels_ms"]
       row["fp8_quantized_kernels_speedup"] = (row["jaxfuse_ms"] / quantized_ms
                                               if quantized_ms and row["jaxfuse_ms"] else None)
@@ -158,7 +171,8 @@ def main():
       print(row, flush=True)
     del arguments
   common.print_table(rows, ["case", "pass", "jaxfuse_ms", "jaxfuse_tflops", "jaxfuse_fp8_ms",
-                            "fp8_speedup", "jaxfuse_fp8_quantized_kernels_ms",
+                            "fp8_speedup", "jaxfuse_fp8_permuted_ms", "fp8_gathered_speedup",
+                            "jaxfuse_fp8_quantized_kernels_ms",
                             "fp8_quantized_kernels_speedup", "jaxfuse_fp8_blockwise_ms",
                             "jaxfuse_fp8_blockwise_quantized_kernels_ms", "reference_ms",
                             "reference_tflops", "speedup"])

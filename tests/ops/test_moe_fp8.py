@@ -23,6 +23,7 @@ from jaxfuse._src.ops.quantize import ffi as quantize_ffi
 from jaxfuse._src.ops.quantize import gathered
 from tests import helpers
 from tests.ops.test_grouped_linear import BACKENDS, on, sizes_cases
+from tests.ops.test_grouped_mlp_fp8 import relative_error
 from tests.ops.test_moe import make_layer
 
 RECIPE = jaxfuse.quantization.Float8CurrentScaling(per_group=True)
@@ -183,17 +184,16 @@ def gathered_calls(fn, *args) -> int:
   return helpers.count_primitives(jaxpr, helpers.ffi_target("jaxfuse_quantize_gathered"))
 
 
-def layer_grads(x, router, k1, k2, dy, *, topk, fused, monkeypatch, make_kernels=None):
-  monkeypatch.setenv(fp8_experts.KNOB, "1" if fused else "0")
+def layer_grads(x, router, k1, k2, dy, *, topk, fused, make_kernels=None):
 
   def loss(x, router, k1, k2):
     kernels = make_kernels(k1, k2) if make_kernels else (k1, k2)
-    out, aux = jaxfuse.moe(x, router, *kernels, top_k=topk, recipe=RECIPE,
-                           implementation="ffi")
+    with fp8_experts.use_gathered(fused):
+      out, aux = jaxfuse.moe(x, router, *kernels, top_k=topk, recipe=RECIPE,
+                             implementation="ffi")
     return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32)) + aux, out
 
-  # A fresh function per setting: the knob is read when tracing.
-  grad = jax.grad(lambda *a: loss(*a), argnums=(0, 1, 2, 3), has_aux=True)
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
   # The path asked for is the path traced (forward and backward quantizations).
   assert gathered_calls(grad, x, router, k1, k2) == (2 if fused else 0)
   return jax.jit(grad)(x, router, k1, k2)
@@ -201,15 +201,14 @@ def layer_grads(x, router, k1, k2, dy, *, topk, fused, monkeypatch, make_kernels
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("topk, experts", [(2, 4), (3, 8), (1, 1)])
-def test_layer_is_bitwise_the_unfused_layer(backend, topk, experts, monkeypatch, one_device_rules):
+def test_layer_is_bitwise_the_unfused_layer(backend, topk, experts, one_device_rules):
   """Outputs and gradients of x, the router and both kernels: the same bits as
   moe_permute + grouped_mlp + moe_unpermute, with every token routed (top-k > 1)."""
   tokens, hidden, ffn = (40, 32, 48) if backend == "cpu" else (2048, 256, 512)
   x, router, k1, k2 = on(backend, *make_layer(30 + topk, tokens, hidden, ffn, experts))
   dy = on(backend, helpers.random_array(np.random.default_rng(31), x.shape, jnp.bfloat16))[0]
-  fused = layer_grads(x, router, k1, k2, dy, topk=topk, fused=True, monkeypatch=monkeypatch)
-  unfused = layer_grads(x, router, k1, k2, dy, topk=topk, fused=False,
-                        monkeypatch=monkeypatch)
+  fused = layer_grads(x, router, k1, k2, dy, topk=topk, fused=True)
+  unfused = layer_grads(x, router, k1, k2, dy, topk=topk, fused=False)
   (grads, out), (want_grads, want_out) = fused, unfused
   assert_same_bytes(out, want_out, "out")
   for name, g, w in zip(("dx", "drouter", "dkernel1", "dkernel2"), grads, want_grads):
@@ -220,54 +219,54 @@ def test_layer_is_bitwise_the_unfused_layer(backend, topk, experts, monkeypatch,
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_layer_with_empty_experts_matches_float64_numpy(backend, monkeypatch, one_device_rules):
-  """A router that sends every token to experts 0 and 2 leaves experts 1 and 3 empty."""
+def test_layer_with_empty_experts_matches_float64_numpy(backend, one_device_rules):
+  """Feature 0 of every token is 1 and dominates the logits: every token goes to experts 0
+  and 2, so experts 1 and 3 get no rows."""
   from tests.ops.test_moe import np_moe  # pylint: disable=import-outside-toplevel
   tokens, hidden, ffn = (48, 32, 16) if backend == "cpu" else (1024, 256, 256)
   x, router, k1, k2 = make_layer(33, tokens, hidden, ffn, 4)
-  router = router.at[:, 1].add(-100.0).at[:, 3].add(-100.0)
+  x = x.at[:, 0].set(1.0)
+  router = router.at[0].set(jnp.asarray([50.0, -50.0, 40.0, -50.0]))
   x, router, k1, k2 = on(backend, x, router, k1, k2)
-  monkeypatch.setenv(fp8_experts.KNOB, "1")
+  _, ids, _ = jaxfuse.moe_router(x, router, 2)
+  assert set(np.unique(np.asarray(ids))) == {0, 2}
   layer = lambda *a: jaxfuse.moe(*a, top_k=2, recipe=RECIPE, implementation="ffi")
   assert gathered_calls(layer, x, router, k1, k2) == 1
   out, _ = jax.jit(layer)(x, router, k1, k2)
   want, _ = np_moe(x, router, k1, k2, 2)
-  # Two E4M3 roundings (x, the activation) and the weights': a few percent of the largest.
-  err = np.abs(np.asarray(out, np.float64) - want).max() / np.abs(want).max()
-  assert err < 0.08, err
+  # E4M3 rounds x, the weights and the activation to 3 mantissa bits: the FP8 ops' bound
+  # against 16-bit results (test_grouped_mlp_fp8: 10% relative, Frobenius).
+  assert relative_error(out, want) < 0.10
 
 
 @pytest.mark.parametrize("trainable", [True, False])
-def test_layer_on_quantized_kernels_is_bitwise_the_unfused_layer(trainable, monkeypatch, one_device_rules):
+def test_layer_on_quantized_kernels_is_bitwise_the_unfused_layer(trainable, one_device_rules):
   """Trainable copies (their masters get the gradients) and frozen ones (no kernel
   gradient; the FP8 x needs no column-wise copy then)."""
   x, router, k1, k2 = make_layer(34, 40, 32, 48, 4)
   dy = helpers.random_array(np.random.default_rng(35), x.shape, jnp.bfloat16)
   make = lambda a, b: tuple(jaxfuse.quantize_experts(k, RECIPE, trainable=trainable,
                                                      implementation="ffi") for k in (a, b))
-  got = layer_grads(x, router, k1, k2, dy, topk=2, fused=True, monkeypatch=monkeypatch,
-                    make_kernels=make)
-  want = layer_grads(x, router, k1, k2, dy, topk=2, fused=False, monkeypatch=monkeypatch,
-                     make_kernels=make)
+  got = layer_grads(x, router, k1, k2, dy, topk=2, fused=True, make_kernels=make)
+  want = layer_grads(x, router, k1, k2, dy, topk=2, fused=False, make_kernels=make)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert_same_bytes(g, w, "leaf")
 
 
-def test_layer_never_writes_the_sorted_rows(monkeypatch, one_device_rules):
+def test_layer_never_writes_the_sorted_rows(one_device_rules):
   """The fused step: no permute kernel, the two quantizations read the tokens, the
   backward computes no offsets; the unfused step permutes x and dy."""
   x, router, k1, k2 = make_layer(36, 32, 32, 16, 4)
   loss = lambda x, r, k1, k2: jnp.sum(jaxfuse.moe(x, r, k1, k2, top_k=2, recipe=RECIPE,
                                                   implementation="ffi")[0].astype(jnp.float32))
   count = lambda jaxpr, name: helpers.count_primitives(jaxpr, helpers.ffi_target(name))
-  monkeypatch.setenv(fp8_experts.KNOB, "1")
   fused = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, router, k1, k2)
   assert count(fused, "jaxfuse_moe_permute") == 0
   assert count(fused, "jaxfuse_quantize_gathered") == 2
   assert count(fused, "jaxfuse_quantize") == 0
   assert count(fused, "jaxfuse_group_offsets") == 1
   assert count(fused, "jaxfuse_moe_unpermute") == 2  # out, and the tokens' gradient
-  monkeypatch.setenv(fp8_experts.KNOB, "0")
-  unfused = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, router, k1, k2)
+  with fp8_experts.use_gathered(False):
+    unfused = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, router, k1, k2)
   assert count(unfused, "jaxfuse_moe_permute") == 2
   assert count(unfused, "jaxfuse_quantize_gathered") == 0

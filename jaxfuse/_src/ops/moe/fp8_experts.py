@@ -18,13 +18,14 @@ unpermute:
 
 Same bytes and results as moe_permute + grouped_mlp + moe_unpermute (tests compare them
 bit for bit); at the DeepSeek-like layer (16k tokens, top-6, H = 2048) it skips ~0.8 GB
-of traffic in each direction. ``JAXFUSE_MOE_GATHERED_FP8=0`` keeps the unfused ops (A/B).
+of traffic in each direction. ``with fp8_experts.use_gathered(False):`` (or the environment
+variable JAXFUSE_MOE_GATHERED_FP8=0 at import) keeps the unfused ops, for A/B runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -38,14 +39,25 @@ from jaxfuse._src.ops.quantize import columnwise as quantize_columnwise
 from jaxfuse._src.ops.quantize import gathered
 from jaxfuse.quantization import recipes
 
-KNOB = "JAXFUSE_MOE_GATHERED_FP8"
+_ENABLED = compat.traced_bool_flag(
+    "jaxfuse_moe_gathered_fp8", True,
+    "Whether jaxfuse.moe's FP8 experts quantize their tokens through the routing instead of "
+    "permuting them in 16 bits first (same results; fewer bytes).")
+
+
+@contextlib.contextmanager
+def use_gathered(enabled: bool = True):
+  """``with use_gathered(False):`` traces moe's FP8 experts as moe_permute + grouped_mlp +
+  moe_unpermute (A/B runs, tests)."""
+  with _ENABLED(enabled):
+    yield
 
 
 def applies(recipe, implementation: str) -> bool:
   """Whether moe runs its experts here: the FFI path, per-expert current scaling with FP8
   weight gradients where the quantize kernels write the wgrad's column-wise copies (one
-  device, or shard_map with every axis manual), and KNOB not "0"."""
-  if os.environ.get(KNOB, "1") == "0" or implementation != "ffi":
+  device, or shard_map with every axis manual), unless ``use_gathered(False)``."""
+  if not _ENABLED.value or implementation != "ffi":
     return False
   return (isinstance(recipe, recipes.Float8CurrentScaling) and recipe.per_group and
           quantize_columnwise.fuses(recipe))

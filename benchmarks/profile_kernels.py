@@ -165,12 +165,12 @@ def linear_scale_add_fp8_backward_case(tokens, features, xla=False, residual_cot
   return step, (x, kernel, residual, d_out), lambda args, out: (args[0], args[1], out[0], args[3])
 
 
-def moe_case(name, recipe=None, pass_name="fwd+bwd"):
+def moe_case(name, recipe=None, pass_name="fwd+bwd", gathered=True):
   """bench_moe's layer step (router, permutation, grouped MLP, unpermute) on its inputs:
   what the layer spends outside the grouped GEMMs."""
   tokens, hidden, ffn, experts, top_k = bench_moe.CASES[name]
   x, router, k1, k2, dy = bench_moe.inputs(tokens, hidden, ffn, experts)
-  return bench_moe.step("ffi", top_k, recipe)[pass_name], (x, router, k1, k2, dy)
+  return bench_moe.step("ffi", top_k, recipe, gathered)[pass_name], (x, router, k1, k2, dy)
 
 
 def grouped_gemm_case(groups, rows_per_group, form, torch_baseline=False):
@@ -244,6 +244,8 @@ CASES = {
 for _moe in bench_moe.CASES:
   CASES[f"moe {_moe}"] = lambda n=_moe: moe_case(n)
   CASES[f"moe fp8 {_moe}"] = lambda n=_moe: moe_case(n, bench_moe.FP8_RECIPE)
+  CASES[f"moe fp8 permuted {_moe}"] = lambda n=_moe: moe_case(n, bench_moe.FP8_RECIPE,
+                                                             gathered=False)
 for _groups, _rows in ((8, 8192), (64, 512), (128, 512)):
   for _form in ("fwd", "dgrad", "wgrad"):
     for _torch in (False, True):

@@ -92,6 +92,9 @@ def moe(x: jax.Array, router_kernel: jax.Array, kernel1: jax.Array, kernel2: jax
       ``jaxfuse.quantize_experts`` (quantized once, for inference; see ``grouped_mlp``).
     top_k, score_function, normalize_topk: see ``moe_router``.
     activation, limit, alpha, linear_offset, recipe, save_activation: see ``grouped_mlp``.
+      Under Float8CurrentScaling(per_group=True) with FP8 weight gradients (one device, or
+      shard_map with every axis manual) the experts' quantization reads the tokens through
+      the routing instead of a 16-bit permuted copy (moe/fp8_experts.py; same results).
     implementation: None, "ffi" or "xla" (the ragged_dot / jnp composition).
 
   Returns:

@@ -397,6 +397,37 @@ def test_layer_runs_the_fused_kernels_and_one_offsets_computation():
   assert count(name_is("dot_general")) == 3
 
 
+def test_layer_in_shard_map_with_tokens_sharded():
+  """Data parallel inside shard_map: each of 4 devices routes its own tokens through
+  replicated router and expert weights. Outputs and token gradients are each device's own
+  layer's; the replicated weights' gradients the sum of the devices' (the split-bfloat16
+  router's custom_vjp once returned them per device, which shard_map refused)."""
+  from jax.sharding import Mesh, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jaxfuse._src import compat  # pylint: disable=g-import-not-at-top
+  devices, local = 4, 24
+  mesh = Mesh(np.array(jax.devices("cpu")[:devices]), ("data",))
+  x, router, k1, k2 = make_layer(25, devices * local, 16, 8, 4)
+  dy = helpers.random_array(np.random.default_rng(26), x.shape, jnp.bfloat16)
+
+  def local_loss(x, router, k1, k2, dy):
+    out, aux = jaxfuse.moe(x, router, k1, k2, top_k=2, implementation="ffi")
+    return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32)) + aux
+
+  sharded = lambda *a: jnp.sum(compat.shard_map(
+      lambda *b: local_loss(*b)[None], mesh=mesh, in_specs=(P("data"), P(), P(), P(),
+                                                             P("data")),
+      out_specs=P("data"))(*a))
+  got = jax.jit(jax.grad(sharded, argnums=(0, 1, 2, 3)))(x, router, k1, k2, dy)
+  per_device = [jax.grad(local_loss, argnums=(0, 1, 2, 3))(
+      x[d * local:(d + 1) * local], router, k1, k2, dy[d * local:(d + 1) * local])
+                for d in range(devices)]
+  want_dx = np.concatenate([helpers.as_f64(g[0]) for g in per_device])
+  helpers.assert_close(got[0], want_dx, jnp.bfloat16, msg="dx")
+  for i, name in ((1, "drouter"), (2, "dkernel1"), (3, "dkernel2")):
+    want = sum(helpers.as_f64(g[i]) for g in per_device)
+    helpers.assert_close(got[i], want, jnp.bfloat16, msg=name)
+
+
 @pytest.mark.parametrize("args, error, match", [
     (dict(top_k=5), ValueError, r"top_k must be an int in \[1, 4\]"),
     (dict(score_function="relu"), ValueError, r"score_function must be one of"),

@@ -11,6 +11,8 @@ FP8 kernels, the errors."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -270,3 +272,35 @@ def test_layer_never_writes_the_sorted_rows(one_device_rules):
     unfused = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, router, k1, k2)
   assert count(unfused, "jaxfuse_moe_permute") == 2
   assert count(unfused, "jaxfuse_quantize_gathered") == 0
+
+
+def test_shard_map_tokens_sharded_is_bitwise_the_unfused_layer():
+  """Inside shard_map with every axis manual (expert weights and router replicated, each
+  device its own tokens) the quantize kernels write the column-wise copies, so the
+  gathered path runs there: per-device outputs and gradients (the replicated ones summed
+  over the devices) are the permuted layer's bits."""
+  from jax.sharding import Mesh, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jaxfuse._src import compat  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("data",))
+  x, router, k1, k2 = make_layer(37, 4 * 24, 32, 16, 4)
+  dy = helpers.random_array(np.random.default_rng(38), x.shape, jnp.bfloat16)
+
+  def loss(x, router, k1, k2, fused):
+    def local(x, router, k1, k2, dy):
+      with fp8_experts.use_gathered(fused):
+        out, aux = jaxfuse.moe(x, router, k1, k2, top_k=2, recipe=RECIPE,
+                               implementation="ffi")
+      return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32))[None] + aux
+    per_device = compat.shard_map(local, mesh=mesh,
+                                  in_specs=(P("data"), P(), P(), P(), P("data")),
+                                  out_specs=P("data"))(x, router, k1, k2, dy)
+    return jnp.sum(per_device)
+
+  grads = {}
+  for fused in (True, False):
+    grad = jax.grad(functools.partial(loss, fused=fused), argnums=(0, 1, 2, 3))
+    assert gathered_calls(grad, x, router, k1, k2) == (2 if fused else 0)
+    grads[fused] = jax.jit(grad)(x, router, k1, k2)
+  for name, g, w in zip(("dx", "drouter", "dkernel1", "dkernel2"), grads[True], grads[False]):
+    assert_same_bytes(g, w, name)
+    assert np.abs(np.asarray(g, np.float32)).max() > 0, name

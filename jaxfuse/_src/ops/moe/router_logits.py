@@ -23,10 +23,13 @@ float32 additions.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
 import jax.numpy as jnp
+
+from jaxfuse._src import compat
 
 # Read when a router is traced: "split_bf16" (the default) makes the fused path compute the
 # logits here, "highest" keeps the specification's float32 HIGHEST dot. The GPU tests of the
@@ -109,7 +112,6 @@ def _split_matmul(left_parts, right_parts, contract_left: int, contract_right: i
   return total
 
 
-@jax.custom_vjp
 def router_logits(x: jax.Array, router_kernel: jax.Array) -> jax.Array:
   """float32 [T, E] = x [T, H] @ router_kernel [H, E] at float32 accuracy.
 
@@ -119,8 +121,16 @@ def router_logits(x: jax.Array, router_kernel: jax.Array) -> jax.Array:
 
   Returns:
     float32 [T, E]. Differentiable in both (gradients at float32 accuracy, in the inputs'
-    dtypes).
+    dtypes; inside shard_map, a replicated kernel's gradient is summed over the axes its
+    tokens vary along, as for a plain dot).
   """
+  varying_axes = (compat.varying_axes(x), compat.varying_axes(router_kernel))
+  return _router_logits(x, router_kernel, varying_axes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _router_logits(x, router_kernel, varying_axes):
+  del varying_axes
   return _logits(x, router_kernel)
 
 
@@ -130,11 +140,12 @@ def _logits(x, router_kernel):
   return _split_matmul(x_parts, kernel_parts, 1, 0)
 
 
-def _router_logits_fwd(x, router_kernel):
+def _router_logits_fwd(x, router_kernel, varying_axes):
+  del varying_axes
   return _logits(x, router_kernel), (x, router_kernel)
 
 
-def _router_logits_bwd(saved, d_logits):
+def _router_logits_bwd(varying_axes, saved, d_logits):
   x, router_kernel = saved
   d_parts = split_parts(d_logits, 3)
   kernel_parts = split_parts(router_kernel, 3)
@@ -150,7 +161,9 @@ def _router_logits_bwd(saved, d_logits):
   # d_kernel [H, E] = x^T . d_logits: x's parts against d's parts side by side along N.
   x_parts = split_parts(x, part_count(x.dtype))
   d_kernel = _split_matmul(x_parts, d_parts, 0, 0)
-  return d_x.astype(x.dtype), d_kernel.astype(router_kernel.dtype)
+  x_axes, kernel_axes = varying_axes
+  return (compat.match_varying_axes(d_x.astype(x.dtype), x_axes),
+          compat.match_varying_axes(d_kernel.astype(router_kernel.dtype), kernel_axes))
 
 
-router_logits.defvjp(_router_logits_fwd, _router_logits_bwd)
+_router_logits.defvjp(_router_logits_fwd, _router_logits_bwd)

@@ -11,6 +11,11 @@ activation's per-row scale, as TransformerEngine does, so ``moe_unpermute`` sums
 weights. Because FC2 is linear, FC2(act(h) * w) = w * FC2(act(h)): the result is the usual
 ``sum_j w_j * expert_j(x)``. Every (token, expert) copy is processed (no capacity, no drops),
 and the whole layer is differentiable, router included (through the scales' gradient).
+
+With Float8CurrentScaling(per_group=True) the permutation, the expert MLP and the unpermute
+are one custom_vjp (fp8_experts.py) wherever the quantize kernels write the FP8 wgrad's
+column-wise copies: the per-expert quantization of x (and of the output gradient) reads the
+tokens through the routing, so x_sorted is never written in 16 bits.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ unpermute. The router's load-balancing loss is added to the training loss.
     python examples/train_moe.py --steps 50 --implementation xla
     python examples/train_moe.py --fp8-inference       # also evaluate with FP8 experts
                                                        # (per-group and blockwise scaling)
+    python examples/train_moe.py --fp8                 # train with FP8 experts
 
 The loss is printed every --log-every steps with the training throughput in tokens/s
 (measured after the first, compiling, step).
@@ -126,7 +127,7 @@ class Block(nn.Module):
   config: Config
   dtype: jnp.dtype
   implementation: str
-  recipe: Any = None  # an FP8 recipe for the experts (the --fp8-inference evaluation)
+  recipe: Any = None  # an FP8 recipe for the experts (--fp8, the --fp8-inference evaluation)
 
   @nn.compact
   def __call__(self, x):
@@ -173,6 +174,10 @@ def main():
                       help="compute dtype (default: bfloat16 with ffi, float32 with xla)")
   parser.add_argument("--data-mb", type=float, default=4.0, help="text to read, in MB")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--fp8", action="store_true",
+                      help="train with the experts' GEMMs in FP8: per-expert current scaling "
+                           "(Float8CurrentScaling(per_group=True): E4M3 activations and "
+                           "weights, E5M2 gradients, FP8 weight gradients)")
   parser.add_argument("--fp8-inference", action="store_true",
                       help="after training, also evaluate with the experts in FP8 on weights "
                            "quantized once (jaxfuse.flax.linen.quantize_expert_params)")
@@ -193,11 +198,13 @@ def main():
         f"({jax.default_backend()}), implementation={implementation}, dtype={dtype.name}")
   print(f"data: {len(data) / 2**20:.1f} MB of Python standard library source; {config}")
 
-  model = MoETransformer(config, dtype, implementation)
+  recipe = jaxfuse.quantization.Float8CurrentScaling(per_group=True) if args.fp8 else None
+  model = MoETransformer(config, dtype, implementation, recipe)
   tokens, _ = next(batches(train, config.batch, config.seq_len, args.seed))
   params = model.init(jax.random.key(args.seed), jnp.asarray(tokens))["params"]
   count = sum(p.size for p in jax.tree.leaves(params))
-  print(f"parameters: {count / 1e6:.2f} M ({config.experts} experts, top-{config.top_k})")
+  print(f"parameters: {count / 1e6:.2f} M ({config.experts} experts, top-{config.top_k}; "
+        f"experts in {'FP8' if recipe else dtype.name})")
 
   schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate,
                                                 max(1, config.steps // 20), config.steps)

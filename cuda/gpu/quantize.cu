@@ -902,8 +902,9 @@ ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer of
 
 // Per-group current scaling of gathered rows x[source_rows[r]] (an MoE layer's tokens in
 // expert order, never written in 16 bits) with the group amaxes given: the caller computes
-// them from per-token amaxes (quantize/columnwise.py), so only pass 2 runs here, reading the
-// tokens through GatherLoadProducer, with the column-wise copy when asked for.
+// them from per-token amaxes (jaxfuse/_src/ops/quantize/gathered.py), so only pass 2 runs
+// here, reading the tokens through GatherLoadProducer, with the column-wise copy when asked
+// for.
 ffi::Error QuantizeGatheredCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer source_rows,
                                 ffi::AnyBuffer offsets, ffi::AnyBuffer amax,
                                 ffi::Result<ffi::AnyBuffer> data,

@@ -431,12 +431,15 @@ inline void QuantizeCpu(const QuantizeProblem& p, const float* values, const int
   if (p.mode == ScalingMode::kCurrent) {
     const int64_t groups = p.num_groups;
     std::vector<float> amax(groups, 0.0f);
-    for (int64_t g = 0; g < groups && given_amax == nullptr; ++g) {
-      const int64_t begin = ClampedOffset(offsets, g, total_rows);
-      const int64_t end = std::max(begin, ClampedOffset(offsets, g + 1, total_rows));
-      for (int64_t i = begin * cols; i < end * cols; ++i) amax[g] = std::max(amax[g], AbsForAmax(values[i]));
+    if (given_amax != nullptr) {
+      amax.assign(given_amax, given_amax + groups);
+    } else {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t begin = ClampedOffset(offsets, g, total_rows);
+        const int64_t end = std::max(begin, ClampedOffset(offsets, g + 1, total_rows));
+        for (int64_t i = begin * cols; i < end * cols; ++i) amax[g] = std::max(amax[g], AbsForAmax(values[i]));
+      }
     }
-    if (given_amax != nullptr) amax.assign(given_amax, given_amax + groups);
     std::vector<float> scale(groups);
     for (int64_t g = 0; g < groups; ++g) {
       scale[g] = ScaleFromAmax(amax[g], fp8_max);

@@ -274,7 +274,7 @@ def fp8_dgrad(d_out, w_data, w_scale_inv, group_offsets, recipe, dtype, columnwi
   Returns (dx in `dtype`, the FP8 output gradient for the FP8 wgrad): (dy_data,
   dy_scale_inv), or with ``columnwise`` its quantize_columnwise.Columnwise copy, written by
   the same quantization pass. ``d_out_quantized``: that (data, scale_inv, operand) triple
-  made by the caller (d_out is then None), e.g. gathered.quantize_gathered_rows.
+  made by the caller (d_out is then not read), e.g. gathered.quantize_gathered_rows.
   """
   if d_out_quantized is None:
     d_out_quantized = quantize_columnwise.quantize_rows(d_out, recipe, group_offsets,

@@ -222,8 +222,7 @@ class Fp8Stages:
     # The forward's choice: dy's and dh's column-wise copies from their quantizing passes.
     fuse = isinstance(x, quantize_columnwise.Columnwise) or isinstance(
         a, quantize_columnwise.Columnwise)
-    da, dy_q = linear_api.fp8_dgrad(None if dy_quantized is not None else dy, w2,
-                                    w2_scale_inv, group_offsets, recipe, dtype,
+    da, dy_q = linear_api.fp8_dgrad(dy, w2, w2_scale_inv, group_offsets, recipe, dtype,
                                     columnwise=fuse and not frozen2,
                                     d_out_quantized=dy_quantized)
     if frozen2:

@@ -103,12 +103,11 @@ def _forward(tokens, kernel1, kernel2, offsets, scales, source_rows, row_map, co
       copy=for_backward and not frozen1)
   y_sorted, saved = mlp_api.Fp8Stages.forward(tokens, kernel1, kernel2, offsets, scales, config,
                                          for_backward, x_quantized=x_quantized)
-  return _unit_unpermute(y_sorted, row_map), (saved, source_rows, row_map)
+  return _unit_unpermute(y_sorted, row_map), (saved, offsets, source_rows, row_map)
 
 
 def _backward(config, varying_axes, residuals, d_out):
-  saved, source_rows, row_map = residuals
-  offsets = saved[5]
+  saved, offsets, source_rows, row_map = residuals  # offsets: the forward's, not recomputed
   # The sorted rows' shape and dtype (out, and so d_out, has the tokens' dtype).
   sorted_rows = jax.ShapeDtypeStruct((source_rows.shape[0], d_out.shape[-1]), d_out.dtype)
   frozen2 = config.frozen_kernels[1]

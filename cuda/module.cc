@@ -41,6 +41,7 @@ namespace py = pybind11;
   X("jaxfuse_quantize", JaxfuseQuantizeCpu)                                       \
   X("jaxfuse_quantize_gathered", JaxfuseQuantizeGatheredCpu)                      \
   X("jaxfuse_quantize_transposed", JaxfuseQuantizeTransposedCpu)                  \
+  X("jaxfuse_quantize_batches_transposed", JaxfuseQuantizeBatchesTransposedCpu)   \
   X("jaxfuse_quantize_blocks_transposed", JaxfuseQuantizeBlocksTransposedCpu)     \
   X("jaxfuse_quantize_columnwise_blocks", JaxfuseQuantizeColumnwiseBlocksCpu)     \
   X("jaxfuse_batch_amax", JaxfuseBatchAmaxCpu)                                    \
@@ -79,6 +80,7 @@ namespace py = pybind11;
   X("jaxfuse_quantize", JaxfuseQuantizeCuda)                                        \
   X("jaxfuse_quantize_gathered", JaxfuseQuantizeGatheredCuda)                       \
   X("jaxfuse_quantize_transposed", JaxfuseQuantizeTransposedCuda)                   \
+  X("jaxfuse_quantize_batches_transposed", JaxfuseQuantizeBatchesTransposedCuda)    \
   X("jaxfuse_quantize_blocks_transposed", JaxfuseQuantizeBlocksTransposedCuda)      \
   X("jaxfuse_quantize_columnwise_blocks", JaxfuseQuantizeColumnwiseBlocksCuda)      \
   X("jaxfuse_batch_amax", JaxfuseBatchAmaxCuda)                                     \

@@ -72,7 +72,8 @@ def untransposed_copy_sizes(jaxpr) -> list[int]:
   def walk(jaxpr):
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
-      if ffi_target("jaxfuse_quantize_transposed")(eqn):
+      if (ffi_target("jaxfuse_quantize_transposed")(eqn)
+          or ffi_target("jaxfuse_quantize_batches_transposed")(eqn)):
         sizes.append(eqn.outvars[2].aval.size)
       for param in eqn.params.values():
         for sub in param if isinstance(param, (tuple, list)) else (param,):

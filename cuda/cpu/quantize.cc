@@ -111,6 +111,24 @@ ffi::Error QuantizeTransposedCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer amax,
   return ffi::Error::Success();
 }
 
+ffi::Error QuantizeBatchesTransposedCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> data,
+                                            ffi::Result<ffi::AnyBuffer> scale_inv,
+                                            ffi::Result<ffi::AnyBuffer> data_untransposed,
+                                            ffi::Result<ffi::AnyBuffer> scratch) {
+  TransposedProblem problem;
+  if (auto error = ParseQuantizeBatchesTransposed(x, *data, *scale_inv, *data_untransposed,
+                                                  *scratch, &problem);
+      error.failure()) {
+    return error;
+  }
+  std::vector<float> amax(problem.batch);
+  BatchAmaxCpu(BatchAmaxProblem{problem.batch, problem.rows * problem.cols}, x, amax.data());
+  QuantizeTransposedCpu(problem, x, amax.data(), static_cast<uint8_t*>(data->untyped_data()),
+                        static_cast<float*>(scale_inv->untyped_data()),
+                        static_cast<uint8_t*>(data_untransposed->untyped_data()));
+  return ffi::Error::Success();
+}
+
 ffi::Error QuantizeBlocksTransposedCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> data,
                                            ffi::Result<ffi::AnyBuffer> scale_inv,
                                            ffi::Result<ffi::AnyBuffer> data_untransposed) {
@@ -292,6 +310,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeTransposedCpu, jaxfuse::QuantizeTra
                                   .Ret<xffi::AnyBuffer>()   // data fp8 [B, C, R]
                                   .Ret<xffi::AnyBuffer>()   // scale_inv float32 [B]
                                   .Ret<xffi::AnyBuffer>()); // data_untransposed [B, R, C] or [0]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeBatchesTransposedCpu,
+                              jaxfuse::QuantizeBatchesTransposedCpuImpl,
+                              xffi::Ffi::Bind()
+                                  .Arg<xffi::AnyBuffer>()   // x [B, R, C]
+                                  .Ret<xffi::AnyBuffer>()   // data fp8 [B, C, R]
+                                  .Ret<xffi::AnyBuffer>()   // scale_inv float32 [B]
+                                  .Ret<xffi::AnyBuffer>()   // data_untransposed [B, R, C] or [0]
+                                  .Ret<xffi::AnyBuffer>()); // scratch uint32 [2, B] (unused)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeBlocksTransposedCpu,
                               jaxfuse::QuantizeBlocksTransposedCpuImpl,

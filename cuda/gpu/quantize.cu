@@ -19,12 +19,16 @@
 // Transposed quantization (the grouped GEMM's FP8 weights, [B, R, C] -> [B, C, R] and
 // optionally [B, R, C] too): per-batch scales from given amaxes (quantize_transposed) or
 // one scale per 128 x 128 tile (quantize_blocks_transposed), both from one read of x.
+#include <cuda/atomic>
+#include <cuda_pipeline_primitives.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 
 #include "jaxfuse/ffi_common.h"
 #include "jaxfuse/fp8.h"
@@ -526,6 +530,74 @@ __device__ __forceinline__ float TileAmax(const uint4 (&raw)[kLoads]) {
 // scale comes from its own amax, reduced from the raw registers before the conversion
 // (TileAmax), and goes to scale_inv[b, rt, ct]; amax is not read. Otherwise the scale is
 // batch b's, from amax[b], and scale_inv is [B].
+// The 16-bit tiled kernels hold a tile raw: thread t has 16-byte unit t % 16 (8 elements) of
+// the tile's rows t / 16 + 16 j, j < kByteTileLoads.
+constexpr int kByteTileUnitsPerRow = kByteTile / 8;                                 // 16
+constexpr int kByteTileLoads = kByteTile * kByteTileUnitsPerRow / kByteTileThreads;  // 8
+constexpr int kByteTileRowStep = kByteTileThreads / kByteTileUnitsPerRow;           // 16
+
+// Writes tile (r0, c0) of batch b, held raw by the block as above (zeros outside x),
+// quantized with `scale`: the untransposed copy directly (when asked for; 8-byte stores,
+// 128 contiguous bytes per row) and the transposed data through the shared byte tile (whole
+// 8-byte halves of swizzled chunks in, 128-byte runs per output row out). Returns with the
+// block synchronized and the byte tile free. Needs C % 8 == 0, R % 16 == 0.
+template <typename T>
+__device__ __forceinline__ void StoreQuantizedByteTile(const uint4 (&raw)[kByteTileLoads],
+                                                       float scale, Fp8Format format,
+                                                       uint8_t* tile, uint8_t* data,
+                                                       uint8_t* data_untransposed, int64_t b,
+                                                       int64_t rows, int64_t cols, int64_t r0,
+                                                       int64_t c0) {
+  const int u = threadIdx.x % kByteTileUnitsPerRow, r_first = threadIdx.x / kByteTileUnitsPerRow;
+  const int64_t col = c0 + u * 8;
+  const bool col_in = col < cols;  // C % 8 == 0: a unit is whole or absent
+#pragma unroll
+  for (int j = 0; j < kByteTileLoads; ++j) {
+    const int r = r_first + j * kByteTileRowStep;
+    const T* e = reinterpret_cast<const T*>(&raw[j]);
+    uint16_t pairs[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      pairs[k] = gpu::Fp8x2(gpu::LoadOne(e + 2 * k) * scale, gpu::LoadOne(e + 2 * k + 1) * scale,
+                            format);
+    }
+    const uint2 packed = make_uint2(pairs[0] | (static_cast<uint32_t>(pairs[1]) << 16),
+                                    pairs[2] | (static_cast<uint32_t>(pairs[3]) << 16));
+    // Rows and columns outside x stage zeros, never stored.
+    *reinterpret_cast<uint2*>(tile + r * kByteTile + SwizzledChunk(r, u / 2) * 16 +
+                              (u % 2) * 8) = packed;
+    if (data_untransposed != nullptr && col_in && r0 + r < rows) {
+      *reinterpret_cast<uint2*>(data_untransposed + (b * rows + r0 + r) * cols + col) = packed;
+    }
+  }
+  __syncthreads();
+  const int part = ByteTilePart(), i0 = ByteTileFirstOutputRow();
+  if (r0 + part * 16 < rows) {  // R % 16 == 0: a part is whole or absent
+    uint32_t source[16];
+    LoadTransposeSources(tile, part, i0, source);
+    uint8_t* out = data + (b * cols + c0) * rows + r0 + part * 16;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      if (c0 + i0 + r < cols) {
+        *reinterpret_cast<uint4*>(out + (i0 + r) * rows) = TransposedRow(source, r);
+      }
+    }
+  }
+  __syncthreads();  // the byte tile is rewritten by the next tile
+}
+
+// The tiled kernel (16-bit x): one tile of 128 rows x 128 columns of one batch entry per
+// step of a grid-stride loop (needs C % 8 == 0, R % 16 == 0, x, data 16-byte and the
+// untransposed copy 8-byte aligned). Loads: 16 threads cover 256 contiguous bytes of a row,
+// 8 raw 16-byte loads in flight per thread (raw registers, converted one unit at a time:
+// at most 64 registers, so four blocks fit on an SM); then StoreQuantizedByteTile.
+// Nsight Compute on 128 x [2048, 4096] bf16 (s23): this kernel 0.737 ms, 90.3% of DRAM
+// bandwidth; the general kernel below 1.22 ms, 54.5% (63 registers, 50% occupancy); this
+// one holding float instead of raw registers 1.33 ms, 50.2% (123 registers, 25%).
+// kTileScales (quantize_blocks_transposed): the tile is also the scaling block, so its
+// scale comes from its own amax, reduced from the raw registers before the conversion
+// (TileAmax), and goes to scale_inv[b, rt, ct]; amax is not read. Otherwise the scale is
+// batch b's, from amax[b], and scale_inv is [B].
 template <typename T, bool kTileScales>
 __global__ void __launch_bounds__(kByteTileThreads, 4)
 QuantizeTransposedTiledKernel(const T* __restrict__ x, const float* __restrict__ amax,
@@ -535,24 +607,21 @@ QuantizeTransposedTiledKernel(const T* __restrict__ x, const float* __restrict__
                               Fp8Format format) {
   static_assert(sizeof(T) == 2, "16-bit inputs: one 16-byte load per 8 elements");
   __shared__ __align__(16) uint8_t tile[kByteTile * kByteTile];
-  constexpr int kUnitsPerRow = kByteTile / 8;                             // 16
-  constexpr int kLoads = kByteTile * kUnitsPerRow / kByteTileThreads;    // 8
-  constexpr int kRowStep = kByteTileThreads / kUnitsPerRow;              // 16
   const int64_t tiles = batch * row_tiles * col_tiles;
   const float fp8_max = Fp8Max(format);
-  const int u = threadIdx.x % kUnitsPerRow, r_first = threadIdx.x / kUnitsPerRow;
+  const int u = threadIdx.x % kByteTileUnitsPerRow, r_first = threadIdx.x / kByteTileUnitsPerRow;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t b = t / (row_tiles * col_tiles);
     const int64_t rt = (t / col_tiles) % row_tiles;
     const int64_t ct = t % col_tiles;
     const int64_t r0 = rt * kByteTile, c0 = ct * kByteTile;
     const int64_t col = c0 + u * 8;
-    const bool col_in = col < cols;  // C % 8 == 0: a unit is whole or absent
+    const bool col_in = col < cols;
     const T* in = x + (b * rows + r0) * cols + col;
-    uint4 raw[kLoads];
+    uint4 raw[kByteTileLoads];
 #pragma unroll
-    for (int j = 0; j < kLoads; ++j) {  // all loads first
-      const int r = r_first + j * kRowStep;
+    for (int j = 0; j < kByteTileLoads; ++j) {  // all loads first
+      const int r = r_first + j * kByteTileRowStep;
       raw[j] = col_in && r0 + r < rows ? __ldg(reinterpret_cast<const uint4*>(in + r * cols))
                                        : make_uint4(0, 0, 0, 0);
     }
@@ -564,39 +633,99 @@ QuantizeTransposedTiledKernel(const T* __restrict__ x, const float* __restrict__
       scale = ScaleFromAmax(amax[b], fp8_max);
       if (rt == 0 && ct == 0 && threadIdx.x == 0) scale_inv[b] = 1.0f / scale;
     }
+    StoreQuantizedByteTile<T>(raw, scale, format, tile, data, data_untransposed, b, rows, cols,
+                              r0, c0);
+  }
+}
+
+// --- per-batch current scaling from one read of x (quantize_batches_transposed) ---------
+//
+// Current scaling needs a batch's amax before its first FP8 byte, so BatchAmaxKernel and
+// then QuantizeTransposedTiledKernel read x twice. Where a batch's 128 x 128 tiles fit in
+// the shared memory of a team of blocks, QuantizeBatchesOnePassKernel reads them once. The
+// grid is resident as a whole (a cooperative launch, which the counter wait below needs)
+// and split into teams; team i takes batches i, i + teams, ... For each batch every block
+// of the team copies its tiles into shared memory, folds their amax into amax[b] with one
+// atomic and counts itself in at arrivals[b]; once the whole team has arrived it quantizes
+// its tiles from shared memory with StoreQuantizedByteTile. The values are the two
+// kernels': the same packed max over the same bits, the same stores.
+constexpr int kOnePassMaxTiles = 6;  // raw 16-bit tiles a block holds: 6 x 32 KB
+constexpr int kRawTileUnits = kByteTileLoads * kByteTileThreads;  // 16-byte units per tile
+
+constexpr int OnePassSharedBytes(int tiles_per_block) {
+  return kByteTile * kByteTile + tiles_per_block * kRawTileUnits * 16;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kByteTileThreads, 1)
+QuantizeBatchesOnePassKernel(const T* __restrict__ x, uint8_t* __restrict__ data,
+                             float* __restrict__ scale_inv,
+                             uint8_t* __restrict__ data_untransposed, float* __restrict__ amax,
+                             unsigned* __restrict__ arrivals, int64_t batch, int64_t rows,
+                             int64_t cols, int64_t col_tiles, int64_t tiles, int teams,
+                             int team_blocks, int tiles_per_block, Fp8Format format) {
+  static_assert(sizeof(T) == 2, "16-bit inputs: one 16-byte unit per 8 elements");
+  extern __shared__ __align__(16) uint8_t shared[];
+  uint8_t* tile = shared;
+  uint4* held_tiles = reinterpret_cast<uint4*>(shared + kByteTile * kByteTile);
+  __shared__ float batch_amax;
+  const int team = blockIdx.x / team_blocks, rank = blockIdx.x % team_blocks;
+  const float fp8_max = Fp8Max(format);
+  const int u = threadIdx.x % kByteTileUnitsPerRow, r_first = threadIdx.x / kByteTileUnitsPerRow;
+  // This thread's unit j of the block's held tile i.
+  const auto unit = [&](int i, int j) -> uint4& {
+    return held_tiles[i * kRawTileUnits + j * kByteTileThreads + threadIdx.x];
+  };
+  for (int64_t b = team; b < batch; b += teams) {
+    // The block's tiles of batch b: rank, rank + team_blocks, ... (at most tiles_per_block).
+    int held = 0;
+    for (int64_t t = rank; t < tiles && held < tiles_per_block; t += team_blocks, ++held) {
+      const int64_t r0 = t / col_tiles * kByteTile, col = t % col_tiles * kByteTile + u * 8;
+      const T* in = x + (b * rows + r0) * cols + col;
 #pragma unroll
-    for (int j = 0; j < kLoads; ++j) {
-      const int r = r_first + j * kRowStep;
-      const T* e = reinterpret_cast<const T*>(&raw[j]);
-      uint16_t pairs[4];
+      for (int j = 0; j < kByteTileLoads; ++j) {
+        const int r = r_first + j * kByteTileRowStep;
+        const bool inside = col < cols && r0 + r < rows;  // else 16 zero bytes, x not read
+        __pipeline_memcpy_async(&unit(held, j), inside ? in + r * cols : x, 16, inside ? 0 : 16);
+      }
+    }
+    __pipeline_commit();
+    __pipeline_wait_prior(0);
+    // A thread reads back only the units it copied: no barrier before the max.
+    AbsMaxLane<T> lanes[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        pairs[k] = gpu::Fp8x2(gpu::LoadOne(e + 2 * k) * scale, gpu::LoadOne(e + 2 * k + 1) * scale,
-                              format);
+    for (int i = 0; i < 4; ++i) Zero(lanes[i]);
+    for (int i = 0; i < held; ++i) {
+#pragma unroll
+      for (int j = 0; j < kByteTileLoads; ++j) AccumulateAbsMax(unit(i, j), lanes);
+    }
+    float local = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) local = fmaxf(local, Widen(lanes[i]));
+    const float reduced = gpu::BlockReduceMaxSum(local, 0.0f).x;
+    if (threadIdx.x == 0) {
+      if (reduced > 0.0f) gpu::AtomicMaxNonNegative(amax + b, reduced);
+      cuda::atomic_ref<unsigned, cuda::thread_scope_device> arrived(arrivals[b]);
+      arrived.fetch_add(1u, cuda::memory_order_release);  // after this block's amax
+      while (arrived.load(cuda::memory_order_acquire) < static_cast<unsigned>(team_blocks)) {
+        __nanosleep(64);
       }
-      const uint2 packed = make_uint2(pairs[0] | (static_cast<uint32_t>(pairs[1]) << 16),
-                                      pairs[2] | (static_cast<uint32_t>(pairs[3]) << 16));
-      // Rows and columns outside x stage zeros, never stored.
-      *reinterpret_cast<uint2*>(tile + r * kByteTile + SwizzledChunk(r, u / 2) * 16 +
-                                (u % 2) * 8) = packed;
-      if (data_untransposed != nullptr && col_in && r0 + r < rows) {
-        *reinterpret_cast<uint2*>(data_untransposed + (b * rows + r0 + r) * cols + col) = packed;
-      }
+      batch_amax = cuda::atomic_ref<float, cuda::thread_scope_device>(amax[b]).load(
+          cuda::memory_order_relaxed);
     }
     __syncthreads();
-    const int part = ByteTilePart(), i0 = ByteTileFirstOutputRow();
-    if (r0 + part * 16 < rows) {  // R % 16 == 0: a part is whole or absent
-      uint32_t source[16];
-      LoadTransposeSources(tile, part, i0, source);
-      uint8_t* out = data + (b * cols + c0) * rows + r0 + part * 16;
+    const float scale = ScaleFromAmax(batch_amax, fp8_max);
+    if (rank == 0 && threadIdx.x == 0) scale_inv[b] = 1.0f / scale;
+    int i = 0;
+    for (int64_t t = rank; i < held; t += team_blocks, ++i) {
+      uint4 raw[kByteTileLoads];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        if (c0 + i0 + r < cols) {
-          *reinterpret_cast<uint4*>(out + (i0 + r) * rows) = TransposedRow(source, r);
-        }
-      }
+      for (int j = 0; j < kByteTileLoads; ++j) raw[j] = unit(i, j);
+      StoreQuantizedByteTile<T>(raw, scale, format, tile, data, data_untransposed, b, rows,
+                                cols, t / col_tiles * kByteTile, t % col_tiles * kByteTile);
     }
-    __syncthreads();  // the tile is rewritten by the next iteration
+    // StoreQuantizedByteTile returns synchronized: the held tiles are free for batch b +
+    // teams, and batch_amax is rewritten only after BlockReduceMaxSum's barriers.
   }
 }
 
@@ -934,6 +1063,28 @@ ffi::Error QuantizeGatheredCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyB
   });
 }
 
+// amax[b] (zeroed before) = max |x[b]| over each batch's `elements` elements.
+template <typename T>
+ffi::Error LaunchBatchAmax(const T* px, int64_t batch, int64_t elements, float* amax,
+                           cudaStream_t stream) {
+  constexpr int64_t kPerUnit = 16 / sizeof(T);
+  const bool vector = PointerAligned16(px) && (batch == 1 || elements % kPerUnit == 0);
+  // Two rounds of loads (64 KB of 16-bit input) per block, like GroupAmaxKernel. A
+  // persistent grid (the resident blocks spread over the batches) measured the same:
+  // 263 against 262 us for the three amaxes of the FP8 linear_scale_add step at 65536 x
+  // 4096 (profile_kernels_s24{persistent,amax2}_*.json under benchmarks/results/).
+  constexpr int64_t kRoundsPerBlock = 2;
+  const int64_t rounds =
+      CeilDiv(CeilDiv(elements, kPerUnit), int64_t{kBatchAmaxThreads} * kBatchAmaxLoads);
+  const int64_t batch_rows = std::min<int64_t>(batch, 65535);
+  // Past 2^20 blocks per batch the blocks stride.
+  const int64_t per_batch =
+      std::clamp<int64_t>(CeilDiv(rounds, kRoundsPerBlock), 1, int64_t{1} << 20);
+  const dim3 grid(static_cast<unsigned>(per_batch), static_cast<unsigned>(batch_rows));
+  BatchAmaxKernel<T><<<grid, kBatchAmaxThreads, 0, stream>>>(px, batch, elements, vector, amax);
+  return gpu::LaunchError("batch amax kernel");
+}
+
 ffi::Error BatchAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> amax) {
   BatchAmaxProblem problem;
   if (auto error = ParseBatchAmax(x, *amax, &problem); error.failure()) return error;
@@ -945,25 +1096,8 @@ ffi::Error BatchAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi:
   if (problem.elements == 0) return ffi::Error::Success();
   return gpu::DispatchFloat(x.element_type(), [&](auto zero) -> ffi::Error {
     using T = decltype(zero);
-    const T* px = static_cast<const T*>(x.untyped_data());
-    constexpr int64_t kPerUnit = 16 / sizeof(T);
-    const bool vector =
-        PointerAligned16(px) && (problem.batch == 1 || problem.elements % kPerUnit == 0);
-    // Two rounds of loads (64 KB of 16-bit input) per block, like GroupAmaxKernel. A
-    // persistent grid (the resident blocks spread over the batches) measured the same:
-    // 263 against 262 us for the three amaxes of the FP8 linear_scale_add step at 65536 x
-    // 4096 (profile_kernels_s24{persistent,amax2}_*.json under benchmarks/results/).
-    constexpr int64_t kRoundsPerBlock = 2;
-    const int64_t rounds =
-        CeilDiv(CeilDiv(problem.elements, kPerUnit), int64_t{kBatchAmaxThreads} * kBatchAmaxLoads);
-    const int64_t batch_rows = std::min<int64_t>(problem.batch, 65535);
-    // Past 2^20 blocks per batch the blocks stride.
-    const int64_t per_batch =
-        std::clamp<int64_t>(CeilDiv(rounds, kRoundsPerBlock), 1, int64_t{1} << 20);
-    const dim3 grid(static_cast<unsigned>(per_batch), static_cast<unsigned>(batch_rows));
-    BatchAmaxKernel<T><<<grid, kBatchAmaxThreads, 0, stream>>>(px, problem.batch,
-                                                                problem.elements, vector, pamax);
-    return gpu::LaunchError("batch amax kernel");
+    return LaunchBatchAmax(static_cast<const T*>(x.untyped_data()), problem.batch,
+                           problem.elements, pamax, stream);
   });
 }
 
@@ -991,6 +1125,45 @@ TransposedOutputs TransposedOutputsOf(const TransposedProblem& problem, const T*
   return out;
 }
 
+// Whether the tiled kernels take this problem: 16-bit x, C % 8 == 0, R % 16 == 0, x and
+// data 16-byte and the untransposed copy 8-byte aligned (else the general kernels).
+template <typename T>
+bool TiledKernelsFit(const TransposedOutputs& out) {
+  return sizeof(T) == 2 && out.vector_in && out.vector_out && out.vector_straight &&
+         !TransposedGeneralForced();
+}
+
+// Every tile in its own block (up to 2^20; then each walks tiles with a stride).
+unsigned TileGrid(int64_t tiles) {
+  return static_cast<unsigned>(std::min<int64_t>(tiles, int64_t{1} << 20));
+}
+
+// The transposed quantization of x (rows, cols > 0) with the given amax [B].
+template <typename T>
+ffi::Error LaunchQuantizeTransposed(const TransposedProblem& problem, const T* px,
+                                    const float* amax, float* scale_inv,
+                                    const TransposedOutputs& out, cudaStream_t stream) {
+  if constexpr (sizeof(T) == 2) {
+    if (TiledKernelsFit<T>(out)) {
+      const int64_t row_tiles = CeilDiv(problem.rows, kByteTile);
+      const int64_t col_tiles = CeilDiv(problem.cols, kByteTile);
+      QuantizeTransposedTiledKernel<T, false>
+          <<<TileGrid(problem.batch * row_tiles * col_tiles), kByteTileThreads, 0, stream>>>(
+              px, amax, out.data, scale_inv, out.straight, problem.batch, problem.rows,
+              problem.cols, row_tiles, col_tiles, problem.format);
+      return gpu::LaunchError("transposed quantization kernel");
+    }
+  }
+  const int64_t row_tiles = CeilDiv(problem.rows, kTransposeTileRows);
+  const int64_t col_tiles = CeilDiv(problem.cols, kTransposeTileCols);
+  QuantizeTransposedGeneralKernel<T>
+      <<<TileGrid(problem.batch * row_tiles * col_tiles), kTransposeThreads, 0, stream>>>(
+          px, amax, out.data, scale_inv, out.straight, problem.batch, problem.rows,
+          problem.cols, row_tiles, col_tiles, problem.format,
+          out.vector_in && out.vector_straight, out.vector_out);
+  return gpu::LaunchError("transposed quantization kernel");
+}
+
 ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax,
                                   ffi::Result<ffi::AnyBuffer> data,
                                   ffi::Result<ffi::AnyBuffer> scale_inv,
@@ -1002,44 +1175,153 @@ ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
     return error;
   }
   if (problem.batch == 0) return ffi::Error::Success();
+  const float* pamax = static_cast<const float*>(amax.untyped_data());
+  float* pscale_inv = static_cast<float*>(scale_inv->untyped_data());
   if (problem.rows == 0 || problem.cols == 0) {  // no elements: only the scales
-    CurrentScaleInvKernel<<<1, 256, 0, stream>>>(static_cast<const float*>(amax.untyped_data()),
-                                                 static_cast<float*>(scale_inv->untyped_data()),
-                                                 problem.batch, problem.format);
+    CurrentScaleInvKernel<<<1, 256, 0, stream>>>(pamax, pscale_inv, problem.batch,
+                                                 problem.format);
     return gpu::LaunchError("scale_inv kernel");
   }
   return gpu::DispatchFloat(x.element_type(), [&](auto zero) -> ffi::Error {
     using T = decltype(zero);
     const T* px = static_cast<const T*>(x.untyped_data());
-    const float* pamax = static_cast<const float*>(amax.untyped_data());
-    float* pscale_inv = static_cast<float*>(scale_inv->untyped_data());
+    return LaunchQuantizeTransposed(problem, px, pamax, pscale_inv,
+                                    TransposedOutputsOf(problem, px, *data, *data_untransposed),
+                                    stream);
+  });
+}
+
+// How QuantizeBatchesOnePassKernel splits its resident grid into teams; teams == 0: it does
+// not run (a batch's tiles need more blocks than are resident, the device has no
+// cooperative launch, or JAXFUSE_QUANTIZE_ONE_PASS=0).
+struct OnePassPlan {
+  int teams = 0, team_blocks = 0, tiles_per_block = 0;
+};
+
+// JAXFUSE_QUANTIZE_ONE_PASS=0 runs the two kernels (A/B); JAXFUSE_QUANTIZE_ONE_PASS_TILES
+// caps the tiles a block holds (1 .. kOnePassMaxTiles; tests use it to give small shapes
+// many blocks and teams). Read once.
+int OnePassMaxTiles() {
+  static const int tiles = [] {
+    const char* value = std::getenv("JAXFUSE_QUANTIZE_ONE_PASS");
+    if (value != nullptr && std::string(value) == "0") return 0;
+    return std::clamp(gpu::EnvInt("JAXFUSE_QUANTIZE_ONE_PASS_TILES", kOnePassMaxTiles), 1,
+                      kOnePassMaxTiles);
+  }();
+  return tiles;
+}
+
+// Blocks of QuantizeBatchesOnePassKernel<T> resident at once with the most shared memory
+// (one per SM), or 0 without cooperative launches. Per device, queried once.
+template <typename T>
+int64_t OnePassResidentBlocks() {
+  static std::mutex mutex;
+  static std::unordered_map<int, int64_t> blocks_of_device;
+  int device = 0;
+  cudaGetDevice(&device);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = blocks_of_device.find(device); it != blocks_of_device.end()) return it->second;
+  int cooperative = 0, sms = 0, per_sm = 0;
+  cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const void* kernel = reinterpret_cast<const void*>(QuantizeBatchesOnePassKernel<T>);
+  constexpr int kMostShared = OnePassSharedBytes(kOnePassMaxTiles);
+  if (cooperative != 0 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMostShared) ==
+          cudaSuccess) {
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kByteTileThreads,
+                                                  kMostShared);
+  }
+  cudaGetLastError();  // a failed query means "two kernels", not a later launch error
+  const int64_t blocks = static_cast<int64_t>(std::max(per_sm, 0)) * std::max(sms, 0);
+  blocks_of_device.emplace(device, blocks);
+  return blocks;
+}
+
+// The most teams whose blocks hold a batch's `tiles` tiles each, at most one per batch;
+// then every resident block in some team and the tiles spread evenly over a team.
+OnePassPlan PlanOnePass(int64_t resident_blocks, int max_tiles, int64_t batch, int64_t tiles) {
+  OnePassPlan plan;
+  if (resident_blocks <= 0 || max_tiles <= 0) return plan;
+  const int64_t least_blocks = CeilDiv(tiles, int64_t{max_tiles});
+  if (least_blocks > resident_blocks) return plan;
+  plan.teams = static_cast<int>(std::min(batch, resident_blocks / least_blocks));
+  plan.team_blocks = static_cast<int>(resident_blocks / plan.teams);
+  plan.tiles_per_block = static_cast<int>(CeilDiv(tiles, int64_t{plan.team_blocks}));
+  return plan;
+}
+
+template <typename T>
+ffi::Error LaunchQuantizeBatchesOnePass(const TransposedProblem& problem, const OnePassPlan& plan,
+                                        const T* px, float* scale_inv,
+                                        const TransposedOutputs& out, float* amax,
+                                        unsigned* arrivals, cudaStream_t stream) {
+  const int64_t col_tiles = CeilDiv(problem.cols, kByteTile);
+  const int64_t tiles = CeilDiv(problem.rows, kByteTile) * col_tiles;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(plan.teams * plan.team_blocks));
+  config.blockDim = dim3(kByteTileThreads);
+  config.dynamicSmemBytes = OnePassSharedBytes(plan.tiles_per_block);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeCooperative;  // every block resident: the team waits
+  attribute[0].val.cooperative = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, QuantizeBatchesOnePassKernel<T>, px, out.data, scale_inv,
+                     out.straight, amax, arrivals, problem.batch, problem.rows, problem.cols,
+                     col_tiles, tiles, plan.teams, plan.team_blocks, plan.tiles_per_block,
+                     problem.format);
+  return gpu::LaunchError("one-pass batch quantization kernel");
+}
+
+// Per-batch current scaling, written transposed, amax included (quantize_batches_transposed):
+// QuantizeBatchesOnePassKernel where it runs, else BatchAmaxKernel and the transposed
+// quantization. scratch [2, B] holds the amaxes and the one-pass kernel's arrival counters.
+ffi::Error QuantizeBatchesTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x,
+                                         ffi::Result<ffi::AnyBuffer> data,
+                                         ffi::Result<ffi::AnyBuffer> scale_inv,
+                                         ffi::Result<ffi::AnyBuffer> data_untransposed,
+                                         ffi::Result<ffi::AnyBuffer> scratch) {
+  TransposedProblem problem;
+  if (auto error = ParseQuantizeBatchesTransposed(x, *data, *scale_inv, *data_untransposed,
+                                                  *scratch, &problem);
+      error.failure()) {
+    return error;
+  }
+  if (problem.batch == 0) return ffi::Error::Success();
+  float* amax = static_cast<float*>(scratch->untyped_data());
+  unsigned* arrivals = reinterpret_cast<unsigned*>(amax + problem.batch);
+  if (cudaMemsetAsync(amax, 0, 2 * problem.batch * sizeof(float), stream) != cudaSuccess) {
+    return Internal("zeroing the amax failed");
+  }
+  float* pscale_inv = static_cast<float*>(scale_inv->untyped_data());
+  if (problem.rows == 0 || problem.cols == 0) {  // no elements: amax 0, scale 1
+    CurrentScaleInvKernel<<<1, 256, 0, stream>>>(amax, pscale_inv, problem.batch,
+                                                 problem.format);
+    return gpu::LaunchError("scale_inv kernel");
+  }
+  return gpu::DispatchFloat(x.element_type(), [&](auto zero) -> ffi::Error {
+    using T = decltype(zero);
+    const T* px = static_cast<const T*>(x.untyped_data());
     const TransposedOutputs out = TransposedOutputsOf(problem, px, *data, *data_untransposed);
-    uint8_t* pd = out.data;
-    uint8_t* straight = out.straight;
-    const bool vector_in = out.vector_in, vector_out = out.vector_out;
-    const bool vector_straight = out.vector_straight;
-    // Every tile in its own block (up to 2^20; then each walks tiles with a stride).
-    const auto grid_for = [](int64_t tiles) {
-      return static_cast<unsigned>(std::min<int64_t>(tiles, int64_t{1} << 20));
-    };
     if constexpr (sizeof(T) == 2) {
-      if (vector_in && vector_out && vector_straight && !TransposedGeneralForced()) {
-        const int64_t row_tiles = CeilDiv(problem.rows, kByteTile);
-        const int64_t col_tiles = CeilDiv(problem.cols, kByteTile);
-        const int64_t tiles = problem.batch * row_tiles * col_tiles;
-        QuantizeTransposedTiledKernel<T, false><<<grid_for(tiles), kByteTileThreads, 0, stream>>>(
-            px, pamax, pd, pscale_inv, straight, problem.batch, problem.rows, problem.cols,
-            row_tiles, col_tiles, problem.format);
-        return gpu::LaunchError("transposed quantization kernel");
+      if (TiledKernelsFit<T>(out)) {
+        const int64_t tiles = CeilDiv(problem.rows, kByteTile) * CeilDiv(problem.cols, kByteTile);
+        const OnePassPlan plan =
+            PlanOnePass(OnePassResidentBlocks<T>(), OnePassMaxTiles(), problem.batch, tiles);
+        if (plan.teams > 0) {
+          return LaunchQuantizeBatchesOnePass(problem, plan, px, pscale_inv, out, amax,
+                                              arrivals, stream);
+        }
       }
     }
-    const int64_t row_tiles = CeilDiv(problem.rows, kTransposeTileRows);
-    const int64_t col_tiles = CeilDiv(problem.cols, kTransposeTileCols);
-    QuantizeTransposedGeneralKernel<T><<<grid_for(problem.batch * row_tiles * col_tiles),
-                                         kTransposeThreads, 0, stream>>>(
-        px, pamax, pd, pscale_inv, straight, problem.batch, problem.rows, problem.cols,
-        row_tiles, col_tiles, problem.format, vector_in && vector_straight, vector_out);
-    return gpu::LaunchError("transposed quantization kernel");
+    if (auto error = LaunchBatchAmax(px, problem.batch, problem.rows * problem.cols, amax,
+                                     stream);
+        error.failure()) {
+      return error;
+    }
+    return LaunchQuantizeTransposed(problem, px, amax, pscale_inv, out, stream);
   });
 }
 
@@ -1069,8 +1351,7 @@ ffi::Error QuantizeBlocksTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x,
     uint8_t* straight = out.straight;
     const bool vector_in = out.vector_in, vector_out = out.vector_out;
     const bool vector_straight = out.vector_straight;
-    // Every tile in its own block up to 2^20, as quantize_transposed.
-    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, int64_t{1} << 20));
+    const unsigned grid = TileGrid(tiles);
     if constexpr (sizeof(T) == 2) {
       if (vector_in && vector_out && vector_straight && !TransposedGeneralForced()) {
         QuantizeTransposedTiledKernel<T, true><<<grid, kByteTileThreads, 0, stream>>>(
@@ -1906,6 +2187,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeTransposedCuda, jaxfuse::QuantizeTr
                                   .Ret<xffi::AnyBuffer>()  // data fp8 [B, C, R]
                                   .Ret<xffi::AnyBuffer>()  // scale_inv float32 [B]
                                   .Ret<xffi::AnyBuffer>(), // data_untransposed [B, R, C] or [0]
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeBatchesTransposedCuda,
+                              jaxfuse::QuantizeBatchesTransposedCuda,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::AnyBuffer>()   // x [B, R, C]
+                                  .Ret<xffi::AnyBuffer>()   // data fp8 [B, C, R]
+                                  .Ret<xffi::AnyBuffer>()   // scale_inv float32 [B]
+                                  .Ret<xffi::AnyBuffer>()   // data_untransposed [B, R, C] or [0]
+                                  .Ret<xffi::AnyBuffer>(),  // scratch uint32 [2, B]
                               {xffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseQuantizeBlocksTransposedCuda,

@@ -339,7 +339,8 @@ def test_a_quantized_kernel_gives_the_16_bit_kernels_results(backend, trainable)
     assert q_d_kernel.master is None
   loss = lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32))
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, quantized)
-  for target in ("jaxfuse_quantize_blocks_transposed", "jaxfuse_batch_amax"):
+  for target in ("jaxfuse_quantize_blocks_transposed", "jaxfuse_batch_amax",
+                 "jaxfuse_quantize_batches_transposed"):
     assert helpers.count_primitives(jaxpr, helpers.ffi_target(target)) == 0, target
   # x and dy only, in 1 x 128 blocks.
   assert helpers.count_primitives(jaxpr, helpers.ffi_target("jaxfuse_quantize")) == 2

@@ -437,7 +437,8 @@ def test_fp8_operands_are_never_transposed_by_xla():
   assert transposes(compiled(forward)) == []
   backward = compiled(jax.grad(loss, argnums=(0, 1)))
   assert transposes(backward) == []
-  two_layout_passes = re.findall(r'custom_call_target="jaxfuse_quantize_transposed"', backward)
+  two_layout_passes = re.findall(r'custom_call_target="jaxfuse_quantize_batches_transposed"',
+                                 backward)
   assert len(two_layout_passes) == 3, backward
 
 
@@ -558,29 +559,29 @@ def _ffi_calls(fn, *args):
   """How many custom calls of each quantizing / backward-GEMM target the compiled fn runs."""
   text = jax.jit(fn).lower(*args).compile().as_text()
   return {target: len(re.findall(f'custom_call_target="{target}"', text))
-          for target in ("jaxfuse_batch_amax", "jaxfuse_quantize_transposed",
+          for target in ("jaxfuse_batch_amax", "jaxfuse_quantize_batches_transposed",
                          "jaxfuse_quantize", "jaxfuse_scaled_matmul_fp8")}
 
 
 def test_quantized_kernel_skips_the_weight_passes():
-  """With the 16-bit kernel a training step quantizes x, the kernel and dy (three amaxes,
-  three two-layout passes) and runs two backward GEMMs; with a trainable copy the kernel's
-  passes are gone; with a frozen one there is no wgrad GEMM, and x and dy are quantized in
-  one layout each (the row-wise quantize)."""
+  """With the 16-bit kernel a training step quantizes x, the kernel and dy (three
+  two-layout current-scaling calls, amax included) and runs two backward GEMMs; with a
+  trainable copy the kernel's call is gone; with a frozen one there is no wgrad GEMM, and x
+  and dy are quantized in one layout each (the row-wise quantize)."""
   x, kernel, residual = make_inputs(34, (32,), 32, 48, jnp.bfloat16)
   d_out = jnp.ones((32, 48), jnp.float32)
   # value_and_grad: the forward GEMM and x's quantization stay in the program.
   grad = jax.value_and_grad(_fp8_loss("ffi"), argnums=(0, 1, 2))
   assert _ffi_calls(grad, x, kernel, residual, d_out) == {
-      "jaxfuse_batch_amax": 3, "jaxfuse_quantize_transposed": 3, "jaxfuse_quantize": 0,
+      "jaxfuse_batch_amax": 0, "jaxfuse_quantize_batches_transposed": 3, "jaxfuse_quantize": 0,
       "jaxfuse_scaled_matmul_fp8": 2}
   trainable = jaxfuse.quantize_kernel(kernel, FP8_RECIPE, trainable=True, implementation="ffi")
   assert _ffi_calls(grad, x, trainable, residual, d_out) == {
-      "jaxfuse_batch_amax": 2, "jaxfuse_quantize_transposed": 2, "jaxfuse_quantize": 0,
+      "jaxfuse_batch_amax": 0, "jaxfuse_quantize_batches_transposed": 2, "jaxfuse_quantize": 0,
       "jaxfuse_scaled_matmul_fp8": 2}
   frozen = jaxfuse.quantize_kernel(kernel, FP8_RECIPE, implementation="ffi")
   assert _ffi_calls(grad, x, frozen, residual, d_out) == {
-      "jaxfuse_batch_amax": 0, "jaxfuse_quantize_transposed": 0, "jaxfuse_quantize": 2,
+      "jaxfuse_batch_amax": 0, "jaxfuse_quantize_batches_transposed": 0, "jaxfuse_quantize": 2,
       "jaxfuse_scaled_matmul_fp8": 1}
 
 

@@ -435,6 +435,105 @@ def test_experts_transposed_kernel_matches_the_reference_bit_for_bit(backend, dt
   assert np.isnan(np.asarray(data, np.float32)[~finite & np.isnan(transposed)]).all()
 
 
+# --- quantize_batches_transposed: the amax and the transposed pass in one call -------------
+
+# (B, R, C) and dtype, each with the team layout QuantizeBatchesOnePassKernel gets on a
+# 132-SM GPU (6 tiles a block by default / 1 under JAXFUSE_QUANTIZE_ONE_PASS_TILES=1):
+# (300, 128, 64): one partial tile a batch, 132 teams of one block, batches 132+ in a
+# second and third round; (6, 272, 200): partial tiles in R and C, 6 teams; (5, 512, 768):
+# 24 tiles, 5 teams of 26 blocks (most hold one tile, two none); (2, 2048, 2048): 256
+# tiles, 2 teams of 66 blocks holding 4 each, and past what 132 blocks of one tile hold (the
+# amax kernel and the transposed pass then). Batches 1 and 2 hold zeros / NaN, inf, a huge
+# value (experts_with_special_values).
+ONE_PASS_CASES = [((300, 128, 64), "bfloat16"), ((6, 272, 200), "float16"),
+                  ((5, 512, 768), "bfloat16"), ((2, 2048, 2048), "bfloat16")]
+
+_ONE_PASS_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jaxfuse._src.ops.quantize import ffi as quantize_ffi
+inputs = np.load(sys.argv[1].rsplit("/", 1)[0] + "/in.npz")
+run = jax.jit(lambda x: quantize_ffi.quantize_batches_transposed(x, fmt="e4m3",
+                                                                 untransposed=True))
+pieces = []
+for name in sorted(inputs.files, key=int):
+  x = jnp.asarray(inputs[name]).view(jnp.bfloat16 if name.endswith("0") else jnp.float16)
+  for _ in range(2):  # the second call replays the first's graph, if any
+    outputs = run(x)
+  pieces += [np.asarray(o).reshape(-1).view(np.uint8) for o in outputs]
+np.save(sys.argv[1], np.concatenate(pieces))
+"""
+
+
+def _one_pass_inputs():
+  """ONE_PASS_CASES' arrays, keyed "<index>0" (bf16) / "<index>1" (f16) as raw uint16."""
+  arrays = {}
+  for index, (shape, dtype) in enumerate(ONE_PASS_CASES):
+    x = experts_with_special_values(np.random.default_rng(index), shape, getattr(jnp, dtype))
+    arrays[f"{index}{int(dtype == 'float16')}"] = np.asarray(x).view(np.uint16)
+  return arrays
+
+
+def test_batches_transposed_matches_the_amax_and_transposed_calls_on_cpu():
+  from jaxfuse._src.ops.quantize import ffi as quantize_ffi  # pylint: disable=g-import-not-at-top
+  for shape, dtype in ONE_PASS_CASES[:3]:
+    x = experts_with_special_values(np.random.default_rng(7), shape, getattr(jnp, dtype))
+    one_call = quantize_ffi.quantize_batches_transposed(x, fmt="e5m2", untransposed=True)
+    two_calls = quantize_ffi.quantize_transposed(x, quantize_ffi.batch_amax(x), fmt="e5m2",
+                                                 untransposed=True)
+    for got, want in zip(one_call, two_calls):
+      same_bits(got, want)
+    assert np.asarray(one_call[1])[1] == 1.0  # batch 1 holds zeros: scale 1
+
+
+@pytest.mark.gpu
+def test_one_pass_batch_quantization_matches_the_cpu_bit_for_bit(tmp_path):
+  """The GPU's one-pass kernel (default tiles a block, and one tile a block: many teams and
+  idle blocks; inside XLA's CUDA graphs and without) and its two-kernel fallback
+  (JAXFUSE_QUANTIZE_ONE_PASS=0) give the CPU handler's bytes on every case."""
+  from jaxfuse._src.ops.quantize import ffi as quantize_ffi  # pylint: disable=g-import-not-at-top
+  inputs = _one_pass_inputs()
+  np.savez(tmp_path / "in.npz", **inputs)
+  cpu = jax.devices("cpu")[0]
+  pieces = []
+  for name in sorted(inputs, key=int):
+    x = jax.device_put(jnp.asarray(inputs[name]).view(
+        jnp.bfloat16 if name.endswith("0") else jnp.float16), cpu)
+    outputs = quantize_ffi.quantize_batches_transposed(x, fmt="e4m3", untransposed=True)
+    pieces += [np.asarray(o).reshape(-1).view(np.uint8) for o in outputs]
+  expected = np.concatenate(pieces)
+  graphs = dict(helpers._COMMAND_BUFFER_FLAGS)["graphs"]  # pylint: disable=protected-access
+  outputs = helpers.outputs_under_environments(_ONE_PASS_SCRIPT, tmp_path, {
+      "two_kernels": {"JAXFUSE_QUANTIZE_ONE_PASS": "0"},
+      "one_pass": {"JAXFUSE_QUANTIZE_ONE_PASS": None},
+      "one_pass_graphs": {"JAXFUSE_QUANTIZE_ONE_PASS": None, "XLA_FLAGS": graphs},
+      "one_tile_graphs": {"JAXFUSE_QUANTIZE_ONE_PASS_TILES": "1", "XLA_FLAGS": graphs},
+  })
+  for name, got in outputs.items():
+    assert got.shape == expected.shape, name
+    mismatches = np.flatnonzero(got != expected)
+    assert mismatches.size == 0, (name, mismatches[:10])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batches_transposed_of_empty_batches_and_bad_inputs(backend):
+  from jaxfuse._src.ops.quantize import ffi as quantize_ffi  # pylint: disable=g-import-not-at-top
+  empty_rows, no_batches, integers, matrix = on(
+      backend, jnp.zeros((3, 0, 16), jnp.bfloat16), jnp.zeros((0, 16, 16), jnp.bfloat16),
+      jnp.ones((2, 16, 16), jnp.int32), jnp.ones((16, 16), jnp.bfloat16))
+  data, scale_inv, straight = quantize_ffi.quantize_batches_transposed(
+      empty_rows, fmt="e4m3", untransposed=True)
+  assert data.shape == (3, 16, 0) and straight.shape == (3, 0, 16)
+  np.testing.assert_array_equal(np.asarray(scale_inv), [1.0, 1.0, 1.0])
+  data, scale_inv, _ = quantize_ffi.quantize_batches_transposed(no_batches, fmt="e4m3")
+  assert data.shape == (0, 16, 16) and scale_inv.shape == (0,)
+  with pytest.raises(Exception, match=r"quantize_batches_transposed: x must be a "
+                                      r"float32/bfloat16/float16 array \[B, R, C\], got int32"):
+    jax.block_until_ready(quantize_ffi.quantize_batches_transposed(integers, fmt="e4m3"))
+  with pytest.raises(ValueError, match=r"x must have rank 3 \(\[B, R, C\]\), got shape \(16, 16\)"):
+    quantize_ffi.quantize_batches_transposed(matrix, fmt="e4m3")
+
+
 # --- batch_amax (pass 1 of per-tensor current scaling) --------------------------------------
 
 # (B, R, C): one aligned batch; unaligned single batch (vector body + scalar tail); several

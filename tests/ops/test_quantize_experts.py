@@ -262,7 +262,7 @@ def test_gradient_accumulation_quantizes_the_weights_once(implementation):
   assert np.abs(np.asarray(run(kernel, True))).max() > 0
   if implementation == "ffi":
     weight_passes = lambda trainable: [  # noqa: E731
-        helpers.count_primitives(body, helpers.ffi_target("jaxfuse_quantize_transposed"))
+        helpers.count_primitives(body, helpers.ffi_target("jaxfuse_quantize_batches_transposed"))
         for body in _scan_bodies(jax.make_jaxpr(accumulated_gradient, static_argnums=1)(
             kernel, trainable))]
     assert weight_passes(True) == [0]

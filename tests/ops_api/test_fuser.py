@@ -609,7 +609,7 @@ def test_fp8_fusion_feeds_the_fp8_activation_to_the_fp8_gemm():
   # kernel's (per expert, transposed in the same pass).
   assert helpers.count_primitives(forward, fp8_to_wide) == 0
   assert count(forward, "jaxfuse_quantize") == 0
-  assert count(forward, "jaxfuse_quantize_transposed") == 1
+  assert count(forward, "jaxfuse_quantize_batches_transposed") == 1
   # The kernel's untransposed FP8 copy is for dgrad: written only when a backward follows.
   assert helpers.untransposed_copy_sizes(forward) == [0]
   assert helpers.untransposed_copy_sizes(grad) == [G * FFN8 * H]
@@ -628,7 +628,7 @@ def test_fp8_fusion_feeds_the_fp8_activation_to_the_fp8_gemm():
   assert count(forward, "jaxfuse_scaled_activation_quantize") == 0
   assert count(forward, "jaxfuse_grouped_gemm_fp8") == 2
   assert count(forward, "jaxfuse_quantize") == 1
-  assert count(forward, "jaxfuse_quantize_transposed") == 1
+  assert count(forward, "jaxfuse_quantize_batches_transposed") == 1
   assert helpers.count_primitives(forward, fp8_to_wide) >= 1
 
 
@@ -727,7 +727,7 @@ def test_grouped_linear_activation_fp8_backward_quantizes_in_the_dact_kernel():
     # by a separate quantize.
     assert count(grad, "jaxfuse_scaled_dactivation_quantize") == (1 if fuse else 0)
     assert count(grad, "jaxfuse_quantize") == (1 if fuse else 2)
-    assert count(grad, "jaxfuse_quantize_transposed") == 1
+    assert count(grad, "jaxfuse_quantize_batches_transposed") == 1
     assert count(grad, "jaxfuse_group_offsets") == (1 if fuse else 0)
 
 

@@ -6,6 +6,8 @@ the FP8 linear_scale_add / grouped_linear / grouped_mlp, grouped GEMMs with shar
 all-gather, and results (and gradients) equal the unsharded op's.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,6 +105,19 @@ def test_batch_amax(mesh, sharding):
   x = x.at[1, 13, 29].set(-50.0)  # batch 1's amax lives on one shard: a missing pmax fails
   _assert_bitwise(quantize_sharding.batch_amax, (x,), mesh, (BATCH_AMAX_SPECS[sharding],))
   assert float(quantize_sharding.batch_amax(x)[1]) == 50.0
+
+
+@pytest.mark.parametrize("sharding", list(BATCH_AMAX_SPECS))
+def test_quantize_batches_transposed(mesh, sharding):
+  """B sharded: each device's batches alone; R or C sharded: amax by pmax, then the
+  given-amax kernel on each block (all bit for bit the unsharded op's)."""
+  from jaxfuse._src.ops.quantize import sharding as quantize_sharding  # pylint: disable=g-import-not-at-top
+  x = helpers.random_array(np.random.default_rng(37), (4, 16, 32), jnp.bfloat16)
+  x = x.at[1, 13, 29].set(-50.0)  # batch 1's amax on one shard: a missing pmax changes scales
+  quantize = functools.partial(quantize_sharding.quantize_batches_transposed, fmt="e4m3",
+                               untransposed=True)
+  _assert_bitwise(quantize, (x,), mesh, (BATCH_AMAX_SPECS[sharding],))
+  np.testing.assert_allclose(float(quantize(x)[1][1]), 50.0 / 448.0, rtol=1e-6)
 
 
 # --- scaled_activation_quantize / scaled_dactivation_quantize --------------------------------

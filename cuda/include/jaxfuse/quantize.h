@@ -190,6 +190,37 @@ inline ffi::Error ParseQuantizeTransposed(const ffi::AnyBuffer& x, const ffi::An
   return ffi::Error::Success();
 }
 
+// Per-batch current scaling written transposed, amax included (quantize_batches_transposed):
+// quantize_transposed's outputs with amax[b] = max |x[b]| (NaN counted as 0) found by the op
+// itself, plus scratch uint32 [2, B] (the CUDA handler's amaxes and arrival counters; the
+// host handler leaves it alone).
+inline ffi::Error ParseQuantizeBatchesTransposed(const ffi::AnyBuffer& x,
+                                                 const ffi::AnyBuffer& data,
+                                                 const ffi::AnyBuffer& scale_inv,
+                                                 const ffi::AnyBuffer& data_untransposed,
+                                                 const ffi::AnyBuffer& scratch,
+                                                 TransposedProblem* problem) {
+  if (auto error = ParseTransposedLayout("quantize_batches_transposed", x, data,
+                                         data_untransposed, problem);
+      error.failure()) {
+    return error;
+  }
+  if (scale_inv.element_type() != ffi::DataType::F32 ||
+      scale_inv.element_count() != static_cast<size_t>(problem->batch)) {
+    return InvalidArgument("quantize_batches_transposed: scale_inv must be float32 [B = ",
+                           problem->batch, "], got ", DataTypeName(scale_inv.element_type()),
+                           " ", ShapeString(scale_inv.dimensions()));
+  }
+  const auto scratch_dims = scratch.dimensions();
+  if (scratch.element_type() != ffi::DataType::U32 || scratch_dims.size() != 2 ||
+      scratch_dims[0] != 2 || scratch_dims[1] != problem->batch) {
+    return InvalidArgument("quantize_batches_transposed: scratch must be uint32 [2, B = ",
+                           problem->batch, "], got ", DataTypeName(scratch.element_type()),
+                           " ", ShapeString(scratch_dims));
+  }
+  return ffi::Error::Success();
+}
+
 // The weight tiles of the blockwise FP8 grouped GEMM (Float8BlockScaling's 2-D blocks).
 inline constexpr int64_t kWeightBlock = 128;
 

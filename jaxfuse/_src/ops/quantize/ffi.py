@@ -166,6 +166,34 @@ def quantize_transposed(x, amax, *, fmt, untransposed=False):
   return tuple(compat.vary_like(out, x, amax) for out in (data, scale_inv, straight))
 
 
+def quantize_batches_transposed(x, *, fmt, untransposed=False):
+  """x [B, R, C] (float32/bfloat16/float16) -> (data [B, C, R] FP8, scale_inv float32 [B],
+  data_untransposed: [B, R, C] FP8 with ``untransposed``, else an empty [0] array).
+
+  ``quantize_transposed(x, batch_amax(x))`` in one call: the same bytes. On the GPU a
+  batch whose 128 x 128 tiles fit in the shared memory of a team of resident blocks (16-bit
+  x, C % 8 == 0, R % 16 == 0; up to ~25 M elements a batch on an H100/H200) is read from
+  DRAM once: a cooperative kernel holds the tiles while the team agrees on the amax, then
+  quantizes them (``cuda/gpu/quantize.cu``, QuantizeBatchesOnePassKernel). Otherwise the
+  amax kernel and the transposed quantization run one after the other. The op's fourth
+  result, uint32 [2, B], is the kernels' scratch (amaxes, arrival counters).
+
+  Raises:
+    ValueError: x is not [B, R, C]. The handler rejects other dtypes, naming x.
+  """
+  checks.check_rank("x", x, 3, "[B, R, C]")
+  ffi_registry.ensure_registered()
+  batch, rows, cols = x.shape
+  fp8 = recipes.FP8_DTYPES[fmt]
+  out_types = (jax.ShapeDtypeStruct((batch, cols, rows), fp8),
+               jax.ShapeDtypeStruct((batch,), jnp.float32),
+               jax.ShapeDtypeStruct(x.shape if untransposed else (0,), fp8),
+               jax.ShapeDtypeStruct((2, batch), jnp.uint32))
+  data, scale_inv, straight, _ = jax.ffi.ffi_call(
+      "jaxfuse_quantize_batches_transposed", out_types, vmap_method="sequential")(x)
+  return tuple(compat.vary_like(out, x) for out in (data, scale_inv, straight))
+
+
 # Mirrors kWeightBlock (jaxfuse/quantize.h): the blockwise grouped GEMM's weight tiles.
 WEIGHT_BLOCK = 128
 

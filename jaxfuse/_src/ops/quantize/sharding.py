@@ -25,6 +25,9 @@ a sharded R or C gives each device its block's amax, combined with ``pmax``.
 ``quantize_transposed`` (x [B, R, C] -> data [B, C, R] with a given amax [B]): every
 dimension may be sharded; each device quantizes its block with the given (global) amax,
 so nothing is communicated.
+``quantize_batches_transposed`` (the same with the amax found by the op): B may be sharded
+with no communication; a sharded R or C runs ``batch_amax``, ``pmax`` and
+``quantize_transposed`` on each device's block (bit-identical).
 ``quantize_blocks_transposed`` (x [B, R, C] -> data [B, C, R], one scale per 128 x 128
 tile): B may be sharded with no communication; R and C are kept replicated (a shard
 boundary inside a tile would split its amax, and uneven shards would shift the tiles).
@@ -290,6 +293,34 @@ def quantize_transposed(x, amax, *, fmt, untransposed=False):
   is None unless asked for."""
   data, scale_inv, straight = _transposed(x, amax.astype(jnp.float32), fmt=fmt,
                                           untransposed=bool(untransposed))
+  return data, scale_inv, straight if untransposed else None
+
+
+# --- quantize_batches_transposed -------------------------------------------------------
+
+
+def _batches_rule(attrs, in_ranks, out_ranks):
+  del in_ranks, out_ranks
+  straight = ["b", "r", "c"] if attrs["untransposed"] else ["z"]
+  return [["b", "r", "c"]], [["b", "c", "r"], ["b"], straight]
+
+
+def _batches_local(reduce_axes, x, *, fmt, untransposed):
+  amax = jax.lax.pmax(ffi.batch_amax(x), reduce_axes)
+  return ffi.quantize_transposed(x, amax, fmt=fmt, untransposed=untransposed)
+
+
+# R and C are in every result but scale_inv, which reduces over them: "summed" factors.
+_batches_transposed = sharding.partitioned(ffi.quantize_batches_transposed, _batches_rule,
+                                           replicated=("z",), summed=("r", "c"),
+                                           local=_batches_local)
+
+
+def quantize_batches_transposed(x, *, fmt, untransposed=False):
+  """ffi.quantize_batches_transposed with its sharding rule (B local; a sharded R or C
+  combines the devices' amaxes with ``pmax``); the untransposed copy is None unless asked
+  for."""
+  data, scale_inv, straight = _batches_transposed(x, fmt=fmt, untransposed=bool(untransposed))
   return data, scale_inv, straight if untransposed else None
 
 

@@ -18,7 +18,10 @@
 // (the second from L1/L2).
 // Transposed quantization (the grouped GEMM's FP8 weights, [B, R, C] -> [B, C, R] and
 // optionally [B, R, C] too): per-batch scales from given amaxes (quantize_transposed) or
-// one scale per 128 x 128 tile (quantize_blocks_transposed), both from one read of x.
+// one scale per 128 x 128 tile (quantize_blocks_transposed), both from one read of x; and
+// per-batch current scaling amax included (quantize_batches_transposed), from one read of x
+// where a batch's tiles fit in a team of blocks' shared memory (QuantizeBatchesOnePassKernel,
+// a cooperative launch), else the amax kernel and quantize_transposed's.
 #include <cuda/atomic>
 #include <cuda_pipeline_primitives.h>
 #include <cuda_runtime.h>

@@ -648,10 +648,12 @@ QuantizeTransposedTiledKernel(const T* __restrict__ x, const float* __restrict__
 // the shared memory of a team of blocks, QuantizeBatchesOnePassKernel reads them once. The
 // grid is resident as a whole (a cooperative launch, which the counter wait below needs)
 // and split into teams; team i takes batches i, i + teams, ... For each batch every block
-// of the team copies its tiles into shared memory, folds their amax into amax[b] with one
+// of the team holds its tiles in shared memory, folds their amax into amax[b] with one
 // atomic and counts itself in at arrivals[b]; once the whole team has arrived it quantizes
-// its tiles from shared memory with StoreQuantizedByteTile. The values are the two
-// kernels': the same packed max over the same bits, the same stores.
+// its tiles from shared memory with StoreQuantizedByteTile. Each slot is refilled with the
+// block's tile of the team's next batch as soon as its tile is stored, so the next batch's
+// reads overlap this batch's writes. The values are the two kernels': the same packed max
+// over the same bits, the same stores.
 constexpr int kOnePassMaxTiles = 6;  // raw 16-bit tiles a block holds: 6 x 32 KB
 constexpr int kRawTileUnits = kByteTileLoads * kByteTileThreads;  // 16-byte units per tile
 
@@ -675,24 +677,37 @@ QuantizeBatchesOnePassKernel(const T* __restrict__ x, uint8_t* __restrict__ data
   const int team = blockIdx.x / team_blocks, rank = blockIdx.x % team_blocks;
   const float fp8_max = Fp8Max(format);
   const int u = threadIdx.x % kByteTileUnitsPerRow, r_first = threadIdx.x / kByteTileUnitsPerRow;
-  // This thread's unit j of the block's held tile i.
+  // The block's tiles of every batch: rank + i * team_blocks, i < held (the same indices in
+  // each batch). Slot i holds tile i; a thread only ever touches its own units of a slot.
+  const int held =
+      rank < tiles ? static_cast<int>(min(int64_t{tiles_per_block},
+                                          (tiles - rank + team_blocks - 1) / team_blocks))
+                   : 0;
   const auto unit = [&](int i, int j) -> uint4& {
     return held_tiles[i * kRawTileUnits + j * kByteTileThreads + threadIdx.x];
   };
-  for (int64_t b = team; b < batch; b += teams) {
-    // The block's tiles of batch b: rank, rank + team_blocks, ... (at most tiles_per_block).
-    int held = 0;
-    for (int64_t t = rank; t < tiles && held < tiles_per_block; t += team_blocks, ++held) {
-      const int64_t r0 = t / col_tiles * kByteTile, col = t % col_tiles * kByteTile + u * 8;
-      const T* in = x + (b * rows + r0) * cols + col;
+  const auto tile_row = [&](int i) {
+    return (rank + int64_t{i} * team_blocks) / col_tiles * kByteTile;
+  };
+  const auto tile_col = [&](int i) {
+    return (rank + int64_t{i} * team_blocks) % col_tiles * kByteTile;
+  };
+  // Tile i of batch b into slot i (16 zero bytes for units outside x, which is not read).
+  const auto fetch = [&](int64_t b, int i) {
+    const int64_t r0 = tile_row(i), col = tile_col(i) + u * 8;
+    const T* in = x + (b * rows + r0) * cols + col;
 #pragma unroll
-      for (int j = 0; j < kByteTileLoads; ++j) {
-        const int r = r_first + j * kByteTileRowStep;
-        const bool inside = col < cols && r0 + r < rows;  // else 16 zero bytes, x not read
-        __pipeline_memcpy_async(&unit(held, j), inside ? in + r * cols : x, 16, inside ? 0 : 16);
-      }
+    for (int j = 0; j < kByteTileLoads; ++j) {
+      const int r = r_first + j * kByteTileRowStep;
+      const bool inside = col < cols && r0 + r < rows;
+      __pipeline_memcpy_async(&unit(i, j), inside ? in + r * cols : x, 16, inside ? 0 : 16);
     }
-    __pipeline_commit();
+  };
+  if (team < batch) {
+    for (int i = 0; i < held; ++i) fetch(team, i);
+  }
+  __pipeline_commit();
+  for (int64_t b = team; b < batch; b += teams) {
     __pipeline_wait_prior(0);
     // A thread reads back only the units it copied: no barrier before the max.
     AbsMaxLane<T> lanes[4];
@@ -719,16 +734,18 @@ QuantizeBatchesOnePassKernel(const T* __restrict__ x, uint8_t* __restrict__ data
     __syncthreads();
     const float scale = ScaleFromAmax(batch_amax, fp8_max);
     if (rank == 0 && threadIdx.x == 0) scale_inv[b] = 1.0f / scale;
-    int i = 0;
-    for (int64_t t = rank; i < held; t += team_blocks, ++i) {
+    const int64_t next = b + teams;
+    for (int i = 0; i < held; ++i) {
       uint4 raw[kByteTileLoads];
 #pragma unroll
       for (int j = 0; j < kByteTileLoads; ++j) raw[j] = unit(i, j);
       StoreQuantizedByteTile<T>(raw, scale, format, tile, data, data_untransposed, b, rows,
-                                cols, t / col_tiles * kByteTile, t % col_tiles * kByteTile);
+                                cols, tile_row(i), tile_col(i));
+      // The values are stored (so read from the slot): the slot takes the next batch's tile.
+      if (next < batch) fetch(next, i);
     }
-    // StoreQuantizedByteTile returns synchronized: the held tiles are free for batch b +
-    // teams, and batch_amax is rewritten only after BlockReduceMaxSum's barriers.
+    __pipeline_commit();
+    // batch_amax is rewritten only after BlockReduceMaxSum's barriers.
   }
 }
 

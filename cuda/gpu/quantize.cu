@@ -654,11 +654,7 @@ QuantizeTransposedTiledKernel(const T* __restrict__ x, const float* __restrict__
 // block's tile of the team's next batch as soon as its tile is stored, so the next batch's
 // reads overlap this batch's writes. The values are the two kernels': the same packed max
 // over the same bits, the same stores.
-// Raw 16-bit tiles a block holds: 3 x 32 KB, so that two blocks (16 warps) fit on an SM
-// (session 44, H100: one block of 6 tiles, 8 warps per SM, moved 81-84% of the copy
-// bandwidth).
-constexpr int kOnePassMaxTiles = 3;
-constexpr int kOnePassBlocksPerSm = 2;
+constexpr int kOnePassMaxTiles = 6;  // raw 16-bit tiles a block holds: 6 x 32 KB
 constexpr int kRawTileUnits = kByteTileLoads * kByteTileThreads;  // 16-byte units per tile
 
 constexpr int OnePassSharedBytes(int tiles_per_block) {
@@ -666,7 +662,7 @@ constexpr int OnePassSharedBytes(int tiles_per_block) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kByteTileThreads, kOnePassBlocksPerSm)
+__global__ void __launch_bounds__(kByteTileThreads, 1)
 QuantizeBatchesOnePassKernel(const T* __restrict__ x, uint8_t* __restrict__ data,
                              float* __restrict__ scale_inv,
                              uint8_t* __restrict__ data_untransposed, float* __restrict__ amax,
@@ -1236,7 +1232,7 @@ int OnePassMaxTiles() {
 }
 
 // Blocks of QuantizeBatchesOnePassKernel<T> resident at once with the most shared memory
-// (kOnePassBlocksPerSm per SM), or 0 without cooperative launches. Per device, queried once.
+// (one per SM), or 0 without cooperative launches. Per device, queried once.
 template <typename T>
 int64_t OnePassResidentBlocks() {
   static std::mutex mutex;

@@ -438,15 +438,15 @@ def test_experts_transposed_kernel_matches_the_reference_bit_for_bit(backend, dt
 # --- quantize_batches_transposed: the amax and the transposed pass in one call -------------
 
 # (B, R, C) and dtype, each with the team layout QuantizeBatchesOnePassKernel gets on a
-# 132-SM GPU (264 resident blocks of up to 3 tiles; 1 under JAXFUSE_QUANTIZE_ONE_PASS_TILES=1):
-# (300, 128, 64): one partial tile a batch, 264 teams of one block, batches 264+ in a second
-# round; (6, 272, 200): partial tiles in R and C, 6 teams of 44 blocks; (5, 512, 768): 24
-# tiles, 5 teams of 52 blocks (most hold one tile, 28 none); (2, 2048, 2560): 320 tiles, 2
-# teams of 132 blocks holding 2-3 each, and past what 264 blocks of one tile hold (the amax
-# kernel and the transposed pass then). Batches 1 and 2 hold zeros / NaN, inf, a huge value
-# (experts_with_special_values).
+# 132-SM GPU (6 tiles a block by default / 1 under JAXFUSE_QUANTIZE_ONE_PASS_TILES=1):
+# (300, 128, 64): one partial tile a batch, 132 teams of one block, batches 132+ in a
+# second and third round; (6, 272, 200): partial tiles in R and C, 6 teams; (5, 512, 768):
+# 24 tiles, 5 teams of 26 blocks (most hold one tile, two none); (2, 2048, 2048): 256
+# tiles, 2 teams of 66 blocks holding 4 each, and past what 132 blocks of one tile hold (the
+# amax kernel and the transposed pass then). Batches 1 and 2 hold zeros / NaN, inf, a huge
+# value (experts_with_special_values).
 ONE_PASS_CASES = [((300, 128, 64), "bfloat16"), ((6, 272, 200), "float16"),
-                  ((5, 512, 768), "bfloat16"), ((2, 2048, 2560), "bfloat16")]
+                  ((5, 512, 768), "bfloat16"), ((2, 2048, 2048), "bfloat16")]
 
 _ONE_PASS_SCRIPT = """
 import sys

@@ -117,9 +117,9 @@ def quantize_batches_transposed(x: jax.Array, fmt: str, *, untransposed: bool = 
   gets one scale from its own amax (NaN counts as 0, as in every quantize kernel), and one
   pass quantizes and transposes with it. The values equal quantizing each transposed batch
   with per-tensor current scaling, without XLA's transpose of x. On the GPU a batch of up to
-  ~25 M 16-bit elements is read from DRAM once (a team of blocks holds its tiles while it
-  agrees on the amax); larger batches take an amax pass first. The FP8 weights of the
-  GEMMs come from here: [N, K] (K-major) for the forward, [K, N] for the dgrad.
+  ~13 M 16-bit elements (26 MB) is read from DRAM once (a team of blocks holds its tiles
+  while it agrees on the amax); larger batches take an amax pass first. The FP8 weights of
+  the GEMMs come from here: [N, K] (K-major) for the forward, [K, N] for the dgrad.
   """
   data, scale_inv, straight = sharding.quantize_batches_transposed(x, fmt=fmt,
                                                                    untransposed=untransposed)

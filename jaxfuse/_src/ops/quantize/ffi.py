@@ -172,7 +172,7 @@ def quantize_batches_transposed(x, *, fmt, untransposed=False):
 
   ``quantize_transposed(x, batch_amax(x))`` in one call: the same bytes. On the GPU a
   batch whose 128 x 128 tiles fit in the shared memory of a team of resident blocks (16-bit
-  x, C % 8 == 0, R % 16 == 0; up to ~25 M elements a batch on an H100/H200) is read from
+  x, C % 8 == 0, R % 16 == 0; up to ~13 M elements a batch on an H100/H200) is read from
   DRAM once: a cooperative kernel holds the tiles while the team agrees on the amax, then
   quantizes them (``cuda/gpu/quantize.cu``, QuantizeBatchesOnePassKernel). Otherwise the
   amax kernel and the transposed quantization run one after the other. The op's fourth

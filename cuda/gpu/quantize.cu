@@ -35,6 +35,7 @@
 
 #include "jaxfuse/ffi_common.h"
 #include "jaxfuse/fp8.h"
+#include "jaxfuse/one_pass_plan.h"
 #include "jaxfuse/quantize.h"
 #include "jaxfuse/scaled_activation.h"
 #include "rowwise.cuh"
@@ -679,10 +680,7 @@ QuantizeBatchesOnePassKernel(const T* __restrict__ x, uint8_t* __restrict__ data
   const int u = threadIdx.x % kByteTileUnitsPerRow, r_first = threadIdx.x / kByteTileUnitsPerRow;
   // The block's tiles of every batch: rank + i * team_blocks, i < held (the same indices in
   // each batch). Slot i holds tile i; a thread only ever touches its own units of a slot.
-  const int held =
-      rank < tiles ? static_cast<int>(min(int64_t{tiles_per_block},
-                                          (tiles - rank + team_blocks - 1) / team_blocks))
-                   : 0;
+  const int held = OnePassTilesHeld(rank, tiles, team_blocks, tiles_per_block);
   const auto unit = [&](int i, int j) -> uint4& {
     return held_tiles[i * kRawTileUnits + j * kByteTileThreads + threadIdx.x];
   };
@@ -1211,13 +1209,6 @@ ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
   });
 }
 
-// How QuantizeBatchesOnePassKernel splits its resident grid into teams; teams == 0: it does
-// not run (a batch's tiles need more blocks than are resident, the device has no
-// cooperative launch, or JAXFUSE_QUANTIZE_ONE_PASS=0).
-struct OnePassPlan {
-  int teams = 0, team_blocks = 0, tiles_per_block = 0;
-};
-
 // JAXFUSE_QUANTIZE_ONE_PASS=0 runs the two kernels (A/B); JAXFUSE_QUANTIZE_ONE_PASS_TILES
 // caps the tiles a block holds (1 .. kOnePassMaxTiles; tests use it to give small shapes
 // many blocks and teams). Read once.
@@ -1232,7 +1223,8 @@ int OnePassMaxTiles() {
 }
 
 // Blocks of QuantizeBatchesOnePassKernel<T> resident at once with the most shared memory
-// (one per SM), or 0 without cooperative launches. Per device, queried once.
+// (one per SM), or 0 without cooperative launches (PlanOnePass, jaxfuse/one_pass_plan.h,
+// then plans no teams). Per device, queried once.
 template <typename T>
 int64_t OnePassResidentBlocks() {
   static std::mutex mutex;
@@ -1256,19 +1248,6 @@ int64_t OnePassResidentBlocks() {
   const int64_t blocks = static_cast<int64_t>(std::max(per_sm, 0)) * std::max(sms, 0);
   blocks_of_device.emplace(device, blocks);
   return blocks;
-}
-
-// The most teams whose blocks hold a batch's `tiles` tiles each, at most one per batch;
-// then every resident block in some team and the tiles spread evenly over a team.
-OnePassPlan PlanOnePass(int64_t resident_blocks, int max_tiles, int64_t batch, int64_t tiles) {
-  OnePassPlan plan;
-  if (resident_blocks <= 0 || max_tiles <= 0) return plan;
-  const int64_t least_blocks = CeilDiv(tiles, int64_t{max_tiles});
-  if (least_blocks > resident_blocks) return plan;
-  plan.teams = static_cast<int>(std::min(batch, resident_blocks / least_blocks));
-  plan.team_blocks = static_cast<int>(resident_blocks / plan.teams);
-  plan.tiles_per_block = static_cast<int>(CeilDiv(tiles, int64_t{plan.team_blocks}));
-  return plan;
 }
 
 template <typename T>

@@ -1,0 +1,99 @@
+"""The one-pass per-batch quantization's plan (cuda/include/jaxfuse/one_pass_plan.h, used by
+QuantizeBatchesOnePassKernel in cuda/gpu/quantize.cu), compiled for the host with the
+system's C++ compiler and checked on a grid of resident-block, tile-cap, batch and tile
+counts. A tile no block holds would never be quantized, a tile held twice would be written
+twice with one block's view of the amax, and a block holding more than tiles_per_block
+would overrun its shared memory; a grid larger than what is resident would deadlock at the
+team's counter. The GPU test test_one_pass_batch_quantization_matches_the_cpu_bit_for_bit
+checks the kernel."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+_DRIVER = r"""
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+#include "jaxfuse/one_pass_plan.h"
+
+int Fail(const char* what, long long resident, int max_tiles, long long batch, long long tiles) {
+  std::printf("%s: resident=%lld max_tiles=%d batch=%lld tiles=%lld\n", what, resident,
+              max_tiles, batch, tiles);
+  return 1;
+}
+
+int main() {
+  const long long residents[] = {0, 1, 2, 3, 7, 64, 132, 264};
+  const int caps[] = {0, 1, 2, 3, 6};
+  const long long batches[] = {0, 1, 2, 5, 64, 300};
+  const long long tile_counts[] = {0, 1, 2, 5, 6, 24, 131, 132, 133, 256, 320, 791, 792, 793, 2000};
+  for (long long resident : residents)
+    for (int cap : caps)
+      for (long long batch : batches)
+        for (long long tiles : tile_counts) {
+          const jaxfuse::OnePassPlan plan = jaxfuse::PlanOnePass(resident, cap, batch, tiles);
+          const bool fits = resident > 0 && cap > 0 && batch > 0 && tiles > 0 &&
+                            tiles <= resident * cap;
+          if (!fits) {
+            if (plan.teams != 0) return Fail("a plan where none fits", resident, cap, batch, tiles);
+            continue;
+          }
+          if (plan.teams < 1) return Fail("no plan where one fits", resident, cap, batch, tiles);
+          if (plan.teams > batch) return Fail("more teams than batches", resident, cap, batch, tiles);
+          if ((long long)plan.teams * plan.team_blocks > resident)
+            return Fail("more blocks than resident", resident, cap, batch, tiles);
+          if (plan.tiles_per_block < 1 || plan.tiles_per_block > cap)
+            return Fail("tiles_per_block outside 1 .. cap", resident, cap, batch, tiles);
+          // At most one idle team's worth of blocks left out: every resident block is used
+          // unless the teams do not divide them.
+          if (resident - (long long)plan.teams * plan.team_blocks >= plan.teams)
+            return Fail("blocks left idle", resident, cap, batch, tiles);
+          std::vector<int> held_by(tiles, 0);
+          for (int rank = 0; rank < plan.team_blocks; ++rank) {
+            const int held = jaxfuse::OnePassTilesHeld(rank, tiles, plan.team_blocks,
+                                                       plan.tiles_per_block);
+            if (held < 0 || held > plan.tiles_per_block)
+              return Fail("a block holds too many tiles", resident, cap, batch, tiles);
+            for (int i = 0; i < held; ++i) {
+              const long long t = rank + (long long)i * plan.team_blocks;
+              if (t >= tiles) return Fail("a held tile past the last", resident, cap, batch, tiles);
+              ++held_by[t];
+            }
+          }
+          for (long long t = 0; t < tiles; ++t)
+            if (held_by[t] != 1) return Fail("a tile not held exactly once", resident, cap, batch, tiles);
+        }
+  // The issue's shapes on 132 blocks of 6 tiles: DeepSeek FC1 (16 x 22 tiles) in 2 teams of
+  // 66 blocks; a grouped-MLP FC1 expert (16 x 32) in one team of all 132.
+  const jaxfuse::OnePassPlan deepseek = jaxfuse::PlanOnePass(132, 6, 64, 352);
+  const jaxfuse::OnePassPlan mlp = jaxfuse::PlanOnePass(132, 6, 8, 512);
+  if (deepseek.teams != 2 || deepseek.team_blocks != 66 || deepseek.tiles_per_block != 6 ||
+      mlp.teams != 1 || mlp.team_blocks != 132 || mlp.tiles_per_block != 4) {
+    std::printf("unexpected plans: %d %d %d / %d %d %d\n", deepseek.teams, deepseek.team_blocks,
+                deepseek.tiles_per_block, mlp.teams, mlp.team_blocks, mlp.tiles_per_block);
+    return 1;
+  }
+  std::printf("ok\n");
+  return 0;
+}
+"""
+
+
+def test_every_tile_is_held_once_by_a_resident_team(tmp_path):
+  compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+  if compiler is None:
+    pytest.skip("no C++ compiler on this machine")
+  source = tmp_path / "one_pass_plan_driver.cc"
+  source.write_text(_DRIVER)
+  binary = tmp_path / "one_pass_plan_driver"
+  subprocess.run([compiler, "-std=c++17", "-O2", f"-I{ROOT / 'cuda' / 'include'}",
+                  str(source), "-o", str(binary)], check=True, capture_output=True, text=True)
+  result = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout

@@ -654,7 +654,9 @@ QuantizeTransposedTiledKernel(const T* __restrict__ x, const float* __restrict__
 // its tiles from shared memory with StoreQuantizedByteTile. Each slot is refilled with the
 // block's tile of the team's next batch as soon as its tile is stored, so the next batch's
 // reads overlap this batch's writes. The values are the two kernels': the same packed max
-// over the same bits, the same stores.
+// over the same bits, the same stores. Measured (s44, H100, bench_quantize_weights): 1.20-
+// 1.24x the two kernels on 8-64 experts of 6-16 MB, 80-84% of the copy bandwidth (the
+// ideal, one read instead of two, is 1.5x; the refill above gained < 1%).
 constexpr int kOnePassMaxTiles = 6;  // raw 16-bit tiles a block holds: 6 x 32 KB
 constexpr int kRawTileUnits = kByteTileLoads * kByteTileThreads;  // 16-byte units per tile
 

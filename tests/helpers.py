@@ -130,3 +130,23 @@ def plain_and_graph_runs(script: str, tmp_path) -> np.ndarray:
       script, tmp_path, {name: {"XLA_FLAGS": flags} for name, flags in _COMMAND_BUFFER_FLAGS})
   np.testing.assert_array_equal(outputs["plain"], outputs["graphs"])
   return outputs["graphs"]
+
+
+def run_host_driver(source: str, tmp_path, name: str):
+  """Compiles the C++ `source` (which may include cuda/include headers) with the system's
+  C++ compiler, runs it and returns the finished process (returncode, stdout); skips the
+  test without a compiler."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import pytest  # pylint: disable=g-import-not-at-top
+  compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+  if compiler is None:
+    pytest.skip("no C++ compiler on this machine")
+  include = pathlib.Path(__file__).resolve().parents[1] / "cuda" / "include"
+  driver = tmp_path / f"{name}.cc"
+  driver.write_text(source)
+  binary = tmp_path / name
+  subprocess.run([compiler, "-std=c++17", "-O2", f"-I{include}", str(driver), "-o", str(binary)],
+                 check=True, capture_output=True, text=True)
+  return subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)

@@ -9,13 +9,7 @@ checks the kernel."""
 
 from __future__ import annotations
 
-import pathlib
-import shutil
-import subprocess
-
-import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests import helpers
 
 _DRIVER = r"""
 #include <cstdint>
@@ -87,13 +81,5 @@ int main() {
 
 
 def test_every_tile_is_held_once_by_a_resident_team(tmp_path):
-  compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-  if compiler is None:
-    pytest.skip("no C++ compiler on this machine")
-  source = tmp_path / "one_pass_plan_driver.cc"
-  source.write_text(_DRIVER)
-  binary = tmp_path / "one_pass_plan_driver"
-  subprocess.run([compiler, "-std=c++17", "-O2", f"-I{ROOT / 'cuda' / 'include'}",
-                  str(source), "-o", str(binary)], check=True, capture_output=True, text=True)
-  result = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
+  result = helpers.run_host_driver(_DRIVER, tmp_path, "one_pass_plan_driver")
   assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout

@@ -8,13 +8,7 @@ test_team_tile_scheduler_matches_float64_numpy_and_cutlass_order checks the kern
 
 from __future__ import annotations
 
-import pathlib
-import shutil
-import subprocess
-
-import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests import helpers
 
 # Walks every (clusters, teams, units) of a grid and prints the first violation, or "ok".
 _DRIVER = r"""
@@ -78,13 +72,5 @@ int main() {
 
 
 def test_every_unit_is_walked_exactly_once_by_balanced_shares(tmp_path):
-  compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-  if compiler is None:
-    pytest.skip("no C++ compiler on this machine")
-  source = tmp_path / "team_share_driver.cc"
-  source.write_text(_DRIVER)
-  binary = tmp_path / "team_share_driver"
-  subprocess.run([compiler, "-std=c++17", "-O2", f"-I{ROOT / 'cuda' / 'include'}",
-                  str(source), "-o", str(binary)], check=True, capture_output=True, text=True)
-  result = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
+  result = helpers.run_host_driver(_DRIVER, tmp_path, "team_share_driver")
   assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout

@@ -28,10 +28,8 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <mutex>
 #include <string>
 #include <type_traits>
-#include <unordered_map>
 
 #include "jaxfuse/ffi_common.h"
 #include "jaxfuse/fp8.h"
@@ -1225,31 +1223,18 @@ int OnePassMaxTiles() {
 }
 
 // Blocks of QuantizeBatchesOnePassKernel<T> resident at once with the most shared memory
-// (one per SM), or 0 without cooperative launches (PlanOnePass, jaxfuse/one_pass_plan.h,
-// then plans no teams). Per device, queried once.
+// (one per SM), or 0 where the device has no cooperative launch or too little shared memory
+// (PlanOnePass, jaxfuse/one_pass_plan.h, then plans no teams).
 template <typename T>
 int64_t OnePassResidentBlocks() {
-  static std::mutex mutex;
-  static std::unordered_map<int, int64_t> blocks_of_device;
-  int device = 0;
+  int device = 0, cooperative = 0;
   cudaGetDevice(&device);
-  std::lock_guard<std::mutex> lock(mutex);
-  if (auto it = blocks_of_device.find(device); it != blocks_of_device.end()) return it->second;
-  int cooperative = 0, sms = 0, per_sm = 0;
   cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const void* kernel = reinterpret_cast<const void*>(QuantizeBatchesOnePassKernel<T>);
   constexpr int kMostShared = OnePassSharedBytes(kOnePassMaxTiles);
-  if (cooperative != 0 &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMostShared) ==
-          cudaSuccess) {
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kByteTileThreads,
-                                                  kMostShared);
-  }
-  cudaGetLastError();  // a failed query means "two kernels", not a later launch error
-  const int64_t blocks = static_cast<int64_t>(std::max(per_sm, 0)) * std::max(sms, 0);
-  blocks_of_device.emplace(device, blocks);
-  return blocks;
+  if (cooperative == 0 || gpu::MaxOptInSharedBytes() < kMostShared) return 0;
+  const void* kernel = reinterpret_cast<const void*>(QuantizeBatchesOnePassKernel<T>);
+  gpu::AllowStagedSharedMemory(kernel, kMostShared);
+  return gpu::ResidentBlocks(kernel, kByteTileThreads, kMostShared);
 }
 
 template <typename T>
@@ -1348,22 +1333,19 @@ ffi::Error QuantizeBlocksTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x,
     const T* px = static_cast<const T*>(x.untyped_data());
     float* pscale_inv = static_cast<float*>(scale_inv->untyped_data());
     const TransposedOutputs out = TransposedOutputsOf(problem, px, *data, *data_untransposed);
-    uint8_t* pd = out.data;
-    uint8_t* straight = out.straight;
-    const bool vector_in = out.vector_in, vector_out = out.vector_out;
-    const bool vector_straight = out.vector_straight;
     const unsigned grid = TileGrid(tiles);
     if constexpr (sizeof(T) == 2) {
-      if (vector_in && vector_out && vector_straight && !TransposedGeneralForced()) {
+      if (TiledKernelsFit<T>(out)) {
         QuantizeTransposedTiledKernel<T, true><<<grid, kByteTileThreads, 0, stream>>>(
-            px, nullptr, pd, pscale_inv, straight, problem.batch, problem.rows, problem.cols,
-            row_tiles, col_tiles, problem.format);
+            px, nullptr, out.data, pscale_inv, out.straight, problem.batch, problem.rows,
+            problem.cols, row_tiles, col_tiles, problem.format);
         return gpu::LaunchError("tile-scaled transposed quantization kernel");
       }
     }
     QuantizeBlocksTransposedGeneralKernel<T><<<grid, kBlocksThreads, 0, stream>>>(
-        px, pd, pscale_inv, straight, problem.batch, problem.rows, problem.cols, row_tiles,
-        col_tiles, problem.format, vector_in, vector_straight, vector_out);
+        px, out.data, pscale_inv, out.straight, problem.batch, problem.rows, problem.cols,
+        row_tiles, col_tiles, problem.format, out.vector_in, out.vector_straight,
+        out.vector_out);
     return gpu::LaunchError("tile-scaled transposed quantization kernel");
   });
 }

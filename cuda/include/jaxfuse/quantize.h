@@ -164,6 +164,18 @@ inline ffi::Error ParseTransposedLayout(const char* op, const ffi::AnyBuffer& x,
   return ffi::Error::Success();
 }
 
+// scale_inv of the per-batch transposed quantizations: float32, B values.
+inline ffi::Error CheckBatchScaleInv(const char* op, const ffi::AnyBuffer& scale_inv,
+                                     int64_t batch) {
+  if (scale_inv.element_type() != ffi::DataType::F32 ||
+      scale_inv.element_count() != static_cast<size_t>(batch)) {
+    return InvalidArgument(op, ": scale_inv must be float32 [B = ", batch, "], got ",
+                           DataTypeName(scale_inv.element_type()), " ",
+                           ShapeString(scale_inv.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
 inline ffi::Error ParseQuantizeTransposed(const ffi::AnyBuffer& x, const ffi::AnyBuffer& amax,
                                           const ffi::AnyBuffer& data,
                                           const ffi::AnyBuffer& scale_inv,
@@ -181,13 +193,7 @@ inline ffi::Error ParseQuantizeTransposed(const ffi::AnyBuffer& x, const ffi::An
                            "], got ", DataTypeName(amax.element_type()), " ",
                            ShapeString(amax_dims));
   }
-  if (scale_inv.element_type() != ffi::DataType::F32 ||
-      scale_inv.element_count() != static_cast<size_t>(problem->batch)) {
-    return InvalidArgument("quantize_transposed: scale_inv must be float32 [B = ",
-                           problem->batch, "], got ", DataTypeName(scale_inv.element_type()),
-                           " ", ShapeString(scale_inv.dimensions()));
-  }
-  return ffi::Error::Success();
+  return CheckBatchScaleInv("quantize_transposed", scale_inv, problem->batch);
 }
 
 // Per-batch current scaling written transposed, amax included (quantize_batches_transposed):
@@ -205,11 +211,9 @@ inline ffi::Error ParseQuantizeBatchesTransposed(const ffi::AnyBuffer& x,
       error.failure()) {
     return error;
   }
-  if (scale_inv.element_type() != ffi::DataType::F32 ||
-      scale_inv.element_count() != static_cast<size_t>(problem->batch)) {
-    return InvalidArgument("quantize_batches_transposed: scale_inv must be float32 [B = ",
-                           problem->batch, "], got ", DataTypeName(scale_inv.element_type()),
-                           " ", ShapeString(scale_inv.dimensions()));
+  if (auto error = CheckBatchScaleInv("quantize_batches_transposed", scale_inv, problem->batch);
+      error.failure()) {
+    return error;
   }
   const auto scratch_dims = scratch.dimensions();
   if (scratch.element_type() != ffi::DataType::U32 || scratch_dims.size() != 2 ||

@@ -655,15 +655,19 @@ QuantizeTransposedTiledKernel(const T* __restrict__ x, const float* __restrict__
 // over the same bits, the same stores. Measured (s44, H100, bench_quantize_weights): 1.20-
 // 1.24x the two kernels on 8-64 experts of 6-16 MB, 80-84% of the copy bandwidth (the
 // ideal, one read instead of two, is 1.5x; the refill above gained < 1%).
-constexpr int kOnePassMaxTiles = 6;  // raw 16-bit tiles a block holds: 6 x 32 KB
+// Raw 16-bit tiles (32 KB each) an SM holds: one block of 6 (8 warps per SM), or, under
+// JAXFUSE_QUANTIZE_ONE_PASS_BLOCKS=2, two blocks of 3 (16 warps per SM for the store phase;
+// 2 x 112 KB of shared memory).
+constexpr int kOnePassSmTiles = 6;
+constexpr int OnePassMaxTiles(int blocks_per_sm) { return kOnePassSmTiles / blocks_per_sm; }
 constexpr int kRawTileUnits = kByteTileLoads * kByteTileThreads;  // 16-byte units per tile
 
 constexpr int OnePassSharedBytes(int tiles_per_block) {
   return kByteTile * kByteTile + tiles_per_block * kRawTileUnits * 16;
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kByteTileThreads, 1)
+template <typename T, int kBlocksPerSm>
+__global__ void __launch_bounds__(kByteTileThreads, kBlocksPerSm)
 QuantizeBatchesOnePassKernel(const T* __restrict__ x, uint8_t* __restrict__ data,
                              float* __restrict__ scale_inv,
                              uint8_t* __restrict__ data_untransposed, float* __restrict__ amax,
@@ -1209,35 +1213,46 @@ ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
   });
 }
 
-// JAXFUSE_QUANTIZE_ONE_PASS=0 runs the two kernels (A/B); JAXFUSE_QUANTIZE_ONE_PASS_TILES
-// caps the tiles a block holds (1 .. kOnePassMaxTiles; tests use it to give small shapes
-// many blocks and teams). Read once.
-int OnePassMaxTiles() {
-  static const int tiles = [] {
+// JAXFUSE_QUANTIZE_ONE_PASS=0 runs the two kernels (A/B); JAXFUSE_QUANTIZE_ONE_PASS_BLOCKS
+// (1 or 2) picks the kernel's blocks per SM; JAXFUSE_QUANTIZE_ONE_PASS_TILES caps the tiles a
+// block holds (1 .. OnePassMaxTiles(blocks); tests use it to give small shapes many blocks
+// and teams). Read once.
+struct OnePassSettings {
+  int blocks_per_sm = 1;
+  int max_tiles = 0;  // 0: the one-pass kernel is off
+};
+
+const OnePassSettings& OnePassSettingsFromEnvironment() {
+  static const OnePassSettings settings = [] {
+    OnePassSettings chosen;
+    chosen.blocks_per_sm = gpu::EnvInt("JAXFUSE_QUANTIZE_ONE_PASS_BLOCKS", 1) == 2 ? 2 : 1;
     const char* value = std::getenv("JAXFUSE_QUANTIZE_ONE_PASS");
-    if (value != nullptr && std::string(value) == "0") return 0;
-    return std::clamp(gpu::EnvInt("JAXFUSE_QUANTIZE_ONE_PASS_TILES", kOnePassMaxTiles), 1,
-                      kOnePassMaxTiles);
+    if (value != nullptr && std::string(value) == "0") return chosen;
+    const int most = OnePassMaxTiles(chosen.blocks_per_sm);
+    chosen.max_tiles =
+        std::clamp(gpu::EnvInt("JAXFUSE_QUANTIZE_ONE_PASS_TILES", most), 1, most);
+    return chosen;
   }();
-  return tiles;
+  return settings;
 }
 
-// Blocks of QuantizeBatchesOnePassKernel<T> resident at once with the most shared memory
-// (one per SM), or 0 where the device has no cooperative launch or too little shared memory
-// (PlanOnePass, jaxfuse/one_pass_plan.h, then plans no teams).
-template <typename T>
+// Blocks of QuantizeBatchesOnePassKernel<T, kBlocksPerSm> resident at once with the most
+// shared memory (kBlocksPerSm per SM), or 0 where the device has no cooperative launch or
+// too little shared memory (PlanOnePass, jaxfuse/one_pass_plan.h, then plans no teams).
+template <typename T, int kBlocksPerSm>
 int64_t OnePassResidentBlocks() {
   int device = 0, cooperative = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device);
-  constexpr int kMostShared = OnePassSharedBytes(kOnePassMaxTiles);
+  constexpr int kMostShared = OnePassSharedBytes(OnePassMaxTiles(kBlocksPerSm));
   if (cooperative == 0 || gpu::MaxOptInSharedBytes() < kMostShared) return 0;
-  const void* kernel = reinterpret_cast<const void*>(QuantizeBatchesOnePassKernel<T>);
+  const void* kernel =
+      reinterpret_cast<const void*>(QuantizeBatchesOnePassKernel<T, kBlocksPerSm>);
   gpu::AllowStagedSharedMemory(kernel, kMostShared);
   return gpu::ResidentBlocks(kernel, kByteTileThreads, kMostShared);
 }
 
-template <typename T>
+template <typename T, int kBlocksPerSm>
 ffi::Error LaunchQuantizeBatchesOnePass(const TransposedProblem& problem, const OnePassPlan& plan,
                                         const T* px, float* scale_inv,
                                         const TransposedOutputs& out, float* amax,
@@ -1254,7 +1269,7 @@ ffi::Error LaunchQuantizeBatchesOnePass(const TransposedProblem& problem, const 
   attribute[0].val.cooperative = 1;
   config.attrs = attribute;
   config.numAttrs = 1;
-  cudaLaunchKernelEx(&config, QuantizeBatchesOnePassKernel<T>, px, out.data, scale_inv,
+  cudaLaunchKernelEx(&config, QuantizeBatchesOnePassKernel<T, kBlocksPerSm>, px, out.data, scale_inv,
                      out.straight, amax, arrivals, problem.batch, problem.rows, problem.cols,
                      col_tiles, tiles, plan.teams, plan.team_blocks, plan.tiles_per_block,
                      problem.format);
@@ -1294,11 +1309,16 @@ ffi::Error QuantizeBatchesTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x,
     if constexpr (sizeof(T) == 2) {
       if (TiledKernelsFit<T>(out)) {
         const int64_t tiles = CeilDiv(problem.rows, kByteTile) * CeilDiv(problem.cols, kByteTile);
-        const OnePassPlan plan =
-            PlanOnePass(OnePassResidentBlocks<T>(), OnePassMaxTiles(), problem.batch, tiles);
+        const OnePassSettings& settings = OnePassSettingsFromEnvironment();
+        const bool two = settings.blocks_per_sm == 2;
+        const int64_t resident =
+            two ? OnePassResidentBlocks<T, 2>() : OnePassResidentBlocks<T, 1>();
+        const OnePassPlan plan = PlanOnePass(resident, settings.max_tiles, problem.batch, tiles);
         if (plan.teams > 0) {
-          return LaunchQuantizeBatchesOnePass(problem, plan, px, pscale_inv, out, amax,
-                                              arrivals, stream);
+          return two ? LaunchQuantizeBatchesOnePass<T, 2>(problem, plan, px, pscale_inv, out,
+                                                         amax, arrivals, stream)
+                     : LaunchQuantizeBatchesOnePass<T, 1>(problem, plan, px, pscale_inv, out,
+                                                         amax, arrivals, stream);
         }
       }
     }

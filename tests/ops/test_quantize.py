@@ -438,15 +438,16 @@ def test_experts_transposed_kernel_matches_the_reference_bit_for_bit(backend, dt
 # --- quantize_batches_transposed: the amax and the transposed pass in one call -------------
 
 # (B, R, C) and dtype, each with the team layout QuantizeBatchesOnePassKernel gets on a
-# 132-SM GPU (6 tiles a block by default / 1 under JAXFUSE_QUANTIZE_ONE_PASS_TILES=1):
-# (300, 128, 64): one partial tile a batch, 132 teams of one block, batches 132+ in a
-# second and third round; (6, 272, 200): partial tiles in R and C, 6 teams; (5, 512, 768):
-# 24 tiles, 5 teams of 26 blocks (most hold one tile, two none); (2, 2048, 2048): 256
-# tiles, 2 teams of 66 blocks holding 4 each, and past what 132 blocks of one tile hold (the
-# amax kernel and the transposed pass then). Batches 1 and 2 hold zeros / NaN, inf, a huge
-# value (experts_with_special_values).
+# 132-SM GPU: 132 resident blocks of up to 6 tiles by default, 264 of up to 3 under
+# JAXFUSE_QUANTIZE_ONE_PASS_BLOCKS=2, one tile a block under JAXFUSE_QUANTIZE_ONE_PASS_TILES=1.
+# (300, 128, 64): one partial tile a batch, 132 (264) teams of one block, the later batches
+# in further rounds; (6, 272, 200): partial tiles in R and C, 6 teams; (5, 512, 768): 24
+# tiles, 5 teams of 26 (52) blocks, most holding one tile, some none; (2, 2048, 2560): 320
+# tiles, 2 teams of 66 (132) blocks holding 5 (3) each, and past what 132 or 264 blocks of
+# one tile hold (the amax kernel and the transposed pass then). Batches 1 and 2 hold zeros /
+# NaN, inf, a huge value (experts_with_special_values).
 ONE_PASS_CASES = [((300, 128, 64), "bfloat16"), ((6, 272, 200), "float16"),
-                  ((5, 512, 768), "bfloat16"), ((2, 2048, 2048), "bfloat16")]
+                  ((5, 512, 768), "bfloat16"), ((2, 2048, 2560), "bfloat16")]
 
 _ONE_PASS_SCRIPT = """
 import sys
@@ -488,9 +489,10 @@ def test_batches_transposed_matches_the_amax_and_transposed_calls_on_cpu():
 
 @pytest.mark.gpu
 def test_one_pass_batch_quantization_matches_the_cpu_bit_for_bit(tmp_path):
-  """The GPU's one-pass kernel (default tiles a block, and one tile a block: many teams and
-  idle blocks; inside XLA's CUDA graphs and without) and its two-kernel fallback
-  (JAXFUSE_QUANTIZE_ONE_PASS=0) give the CPU handler's bytes on every case."""
+  """The GPU's one-pass kernel (one or two blocks an SM; default tiles a block, and one tile
+  a block: many teams and idle blocks; inside XLA's CUDA graphs and without) and its
+  two-kernel fallback (JAXFUSE_QUANTIZE_ONE_PASS=0) give the CPU handler's bytes on every
+  case."""
   from jaxfuse._src.ops.quantize import ffi as quantize_ffi  # pylint: disable=g-import-not-at-top
   inputs = _one_pass_inputs()
   np.savez(tmp_path / "in.npz", **inputs)
@@ -508,6 +510,10 @@ def test_one_pass_batch_quantization_matches_the_cpu_bit_for_bit(tmp_path):
       "one_pass": {"JAXFUSE_QUANTIZE_ONE_PASS": None},
       "one_pass_graphs": {"JAXFUSE_QUANTIZE_ONE_PASS": None, "XLA_FLAGS": graphs},
       "one_tile_graphs": {"JAXFUSE_QUANTIZE_ONE_PASS_TILES": "1", "XLA_FLAGS": graphs},
+      "two_blocks": {"JAXFUSE_QUANTIZE_ONE_PASS_BLOCKS": "2"},
+      "two_blocks_one_tile_graphs": {"JAXFUSE_QUANTIZE_ONE_PASS_BLOCKS": "2",
+                                     "JAXFUSE_QUANTIZE_ONE_PASS_TILES": "1",
+                                     "XLA_FLAGS": graphs},
   })
   for name, got in outputs.items():
     assert got.shape == expected.shape, name

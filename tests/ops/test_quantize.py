@@ -505,14 +505,16 @@ def test_one_pass_batch_quantization_matches_the_cpu_bit_for_bit(tmp_path):
     pieces += [np.asarray(o).reshape(-1).view(np.uint8) for o in outputs]
   expected = np.concatenate(pieces)
   graphs = dict(helpers._COMMAND_BUFFER_FLAGS)["graphs"]  # pylint: disable=protected-access
+  one_block = {"JAXFUSE_QUANTIZE_ONE_PASS": None, "JAXFUSE_QUANTIZE_ONE_PASS_BLOCKS": "1"}
+  two_blocks = {"JAXFUSE_QUANTIZE_ONE_PASS": None, "JAXFUSE_QUANTIZE_ONE_PASS_BLOCKS": "2"}
   outputs = helpers.outputs_under_environments(_ONE_PASS_SCRIPT, tmp_path, {
       "two_kernels": {"JAXFUSE_QUANTIZE_ONE_PASS": "0"},
-      "one_pass": {"JAXFUSE_QUANTIZE_ONE_PASS": None},
-      "one_pass_graphs": {"JAXFUSE_QUANTIZE_ONE_PASS": None, "XLA_FLAGS": graphs},
-      "one_tile_graphs": {"JAXFUSE_QUANTIZE_ONE_PASS_TILES": "1", "XLA_FLAGS": graphs},
-      "two_blocks": {"JAXFUSE_QUANTIZE_ONE_PASS_BLOCKS": "2"},
-      "two_blocks_one_tile_graphs": {"JAXFUSE_QUANTIZE_ONE_PASS_BLOCKS": "2",
-                                     "JAXFUSE_QUANTIZE_ONE_PASS_TILES": "1",
+      "one_pass": {**one_block},
+      "one_pass_graphs": {**one_block, "XLA_FLAGS": graphs},
+      "one_tile_graphs": {**one_block, "JAXFUSE_QUANTIZE_ONE_PASS_TILES": "1",
+                          "XLA_FLAGS": graphs},
+      "two_blocks": {**two_blocks},
+      "two_blocks_one_tile_graphs": {**two_blocks, "JAXFUSE_QUANTIZE_ONE_PASS_TILES": "1",
                                      "XLA_FLAGS": graphs},
   })
   for name, got in outputs.items():

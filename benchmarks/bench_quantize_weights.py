@@ -8,9 +8,10 @@ from DRAM once where its tiles fit in the shared memory of a team of resident bl
 (QuantizeBatchesOnePassKernel in cuda/gpu/quantize.cu); the baseline, measured in the
 same run in alternating chunks, is the pair of calls it replaces: ``batch_amax`` and
 ``quantize_transposed`` (two reads of the weights). Shapes: the weights of the issue's
-grouped MLP (8 experts, H = F = 2048), of the DeepSeek-like and Mixtral-like MoE layers
-(bench_moe; Mixtral's experts are too large for one pass: both variants run the same
-kernels there), and a dense 4096 x 4096 kernel (linear_scale_add's, one batch).
+grouped MLP (8 experts, H = F = 2048, and the small case's FC1, H = F = 1024), of the
+DeepSeek-like and Mixtral-like MoE layers (bench_moe; Mixtral's experts are too large for
+one pass: both variants run the same kernels there), and a dense 4096 x 4096 kernel
+(linear_scale_add's, one batch).
 
 Reported: ms per call (host clock over chunks of ~10 ms of calls), kernel ms (CUPTI), and
 TB/s of the bytes one pass must move (read 2 bytes, write 2 FP8 bytes per element) as a
@@ -34,6 +35,8 @@ from jaxfuse._src.ops.quantize import ffi as quantize_ffi
 SHAPES = {
     "grouped MLP FC1 (8 x 2048 x 4096)": (8, 2048, 4096),
     "grouped MLP FC2 (8 x 2048 x 2048)": (8, 2048, 2048),
+    # The T=2048 grouped MLP's FC1: 8 experts of 128 tiles, more experts than teams.
+    "small grouped MLP FC1 (8 x 1024 x 2048)": (8, 1024, 2048),
     "DeepSeek-like FC1 (64 x 2048 x 2816)": (64, 2048, 2816),
     "DeepSeek-like FC2 (64 x 1408 x 2048)": (64, 1408, 2048),
     "Mixtral-like FC1 (8 x 4096 x 28672)": (8, 4096, 28672),

@@ -4,8 +4,9 @@ system's C++ compiler and checked on a grid of resident-block, tile-cap, batch a
 counts. A tile no block holds would never be quantized, a tile held twice would be written
 twice with one block's view of the amax, and a block holding more than tiles_per_block
 would overrun its shared memory; a grid larger than what is resident would deadlock at the
-team's counter. The GPU test test_one_pass_batch_quantization_matches_the_cpu_bit_for_bit
-checks the kernel."""
+team's counter. The plan must also give a block the least work (rounds of batches x tiles
+held) of any team count that fits. The GPU test
+test_one_pass_batch_quantization_matches_the_cpu_bit_for_bit checks the kernel."""
 
 from __future__ import annotations
 
@@ -49,6 +50,15 @@ int main() {
           // unless the teams do not divide them.
           if (resident - (long long)plan.teams * plan.team_blocks >= plan.teams)
             return Fail("blocks left idle", resident, cap, batch, tiles);
+          // No feasible team count (each team's blocks can hold the tiles) walks fewer
+          // rounds x tiles a block than the plan.
+          const auto cost = [&](long long teams) {
+            const long long blocks = resident / teams;
+            return ((batch + teams - 1) / teams) * ((tiles + blocks - 1) / blocks);
+          };
+          for (long long teams = 1; teams <= batch && teams <= resident; ++teams)
+            if ((resident / teams) * cap >= tiles && cost(teams) < cost(plan.teams))
+              return Fail("a team count with less work a block", resident, cap, batch, tiles);
           std::vector<int> held_by(tiles, 0);
           for (int rank = 0; rank < plan.team_blocks; ++rank) {
             const int held = jaxfuse::OnePassTilesHeld(rank, tiles, plan.team_blocks,
@@ -65,13 +75,18 @@ int main() {
             if (held_by[t] != 1) return Fail("a tile not held exactly once", resident, cap, batch, tiles);
         }
   // The issue's shapes on 132 blocks of 6 tiles: DeepSeek FC1 (16 x 22 tiles) in 2 teams of
-  // 66 blocks; a grouped-MLP FC1 expert (16 x 32) in one team of all 132.
+  // 66 blocks; a grouped-MLP FC1 expert (16 x 32) in one team of all 132; the T=2048 grouped
+  // MLP's FC1 (8 experts of 8 x 16 tiles) in 4 teams of 33 blocks holding 4 tiles, 2 rounds
+  // (not 6 teams of 22 holding 6: 6 experts, then 2 with 4 teams idle).
   const jaxfuse::OnePassPlan deepseek = jaxfuse::PlanOnePass(132, 6, 64, 352);
   const jaxfuse::OnePassPlan mlp = jaxfuse::PlanOnePass(132, 6, 8, 512);
+  const jaxfuse::OnePassPlan small = jaxfuse::PlanOnePass(132, 6, 8, 128);
   if (deepseek.teams != 2 || deepseek.team_blocks != 66 || deepseek.tiles_per_block != 6 ||
-      mlp.teams != 1 || mlp.team_blocks != 132 || mlp.tiles_per_block != 4) {
-    std::printf("unexpected plans: %d %d %d / %d %d %d\n", deepseek.teams, deepseek.team_blocks,
-                deepseek.tiles_per_block, mlp.teams, mlp.team_blocks, mlp.tiles_per_block);
+      mlp.teams != 1 || mlp.team_blocks != 132 || mlp.tiles_per_block != 4 ||
+      small.teams != 4 || small.team_blocks != 33 || small.tiles_per_block != 4) {
+    std::printf("unexpected plans: %d %d %d / %d %d %d / %d %d %d\n", deepseek.teams,
+                deepseek.team_blocks, deepseek.tiles_per_block, mlp.teams, mlp.team_blocks,
+                mlp.tiles_per_block, small.teams, small.team_blocks, small.tiles_per_block);
     return 1;
   }
   std::printf("ok\n");

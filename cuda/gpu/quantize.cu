@@ -60,7 +60,8 @@ bool ValidLaneBlock(int64_t block) {
 
 // --- the per-group amax of a plain tensor (pass 1 of current scaling for quantize) ------
 
-// A block's share of rows for GroupAmaxKernel: about 64 KB of input.
+// A block's share of rows for GroupAmaxKernel: about 64 KB of input (less for small inputs:
+// LaunchAmaxPass).
 constexpr int kGroupAmaxThreads = 256;
 constexpr int64_t kGroupAmaxBlockBytes = 64 * 1024;
 constexpr int kGroupAmaxLoads = 4;  // 8-element units in flight per thread
@@ -346,8 +347,14 @@ template <class P, typename T>
 void LaunchAmaxPass(const P& p, const SinkArgs<T>& s, int64_t units, cudaStream_t stream) {
   if constexpr (std::is_same_v<P, gpu::LoadProducer<T>>) {
     if (p.vector && s.out == nullptr && s.side == nullptr && s.cols > 0) {
+      // ~64 KB a block, but no fewer blocks than are resident where the rows allow (a
+      // 4 MB x of the T=2048 grouped MLP made 64 blocks of 64 KB: 11.5 us a call, 0.35 TB/s,
+      // H100, profile_kernels_s45small_*).
       const int64_t row_bytes = s.cols * static_cast<int64_t>(sizeof(T));
-      const int64_t rows_per_block = std::max<int64_t>(1, kGroupAmaxBlockBytes / row_bytes);
+      const int64_t resident = gpu::ResidentBlocks(
+          reinterpret_cast<const void*>(&GroupAmaxKernel<T>), kGroupAmaxThreads);
+      const int64_t rows_per_block = std::max<int64_t>(
+          1, std::min(kGroupAmaxBlockBytes / row_bytes, s.rows / resident));
       const int64_t blocks = CeilDiv(s.rows, rows_per_block);
       if (blocks <= (int64_t{1} << 31) - 1) {
         GroupAmaxKernel<T><<<static_cast<unsigned>(blocks), kGroupAmaxThreads, 0, stream>>>(

@@ -18,17 +18,35 @@ struct OnePassPlan {
   int teams = 0, team_blocks = 0, tiles_per_block = 0;
 };
 
-// The most teams whose blocks hold a batch's `tiles` tiles with at most `max_tiles` each,
-// at most one team per batch; then every one of the `resident_blocks` blocks in some team,
-// and the tiles spread evenly over a team's blocks.
+// How many teams: each team's blocks hold a batch's `tiles` tiles with at most `max_tiles`
+// each, so at most resident_blocks / ceil(tiles / max_tiles) teams, and at most one per
+// batch. A block's time goes as the rounds of batches it walks (ceil(batch / teams)) times
+// the tiles it holds in each (ceil(tiles / team_blocks)); the plan takes the team count with
+// the least of that product, the most teams among equals. The most teams alone can leave a
+// last round with few of them busy: 8 batches of 128 tiles on 132 blocks of 6 make 6 teams of
+// 22 blocks, 2 rounds x 6 tiles, where 4 teams of 33 blocks hold 4 each (2 x 4). Every one of
+// the `resident_blocks` blocks is in some team (team_blocks = resident_blocks / teams).
+inline int64_t OnePassCost(int64_t resident_blocks, int64_t batch, int64_t tiles, int64_t teams) {
+  const int64_t team_blocks = resident_blocks / teams;
+  return ((batch + teams - 1) / teams) * ((tiles + team_blocks - 1) / team_blocks);
+}
+
 inline OnePassPlan PlanOnePass(int64_t resident_blocks, int max_tiles, int64_t batch,
                                int64_t tiles) {
   OnePassPlan plan;
   if (resident_blocks <= 0 || max_tiles <= 0 || batch <= 0 || tiles <= 0) return plan;
   const int64_t least_blocks = (tiles + max_tiles - 1) / max_tiles;
   if (least_blocks > resident_blocks) return plan;
-  plan.teams = static_cast<int>(std::min(batch, resident_blocks / least_blocks));
-  plan.team_blocks = static_cast<int>(resident_blocks / plan.teams);
+  const int64_t most_teams = std::min(batch, resident_blocks / least_blocks);
+  int64_t teams = most_teams;
+  for (int64_t t = most_teams - 1; t >= 1; --t) {
+    if (OnePassCost(resident_blocks, batch, tiles, t) <
+        OnePassCost(resident_blocks, batch, tiles, teams)) {
+      teams = t;
+    }
+  }
+  plan.teams = static_cast<int>(teams);
+  plan.team_blocks = static_cast<int>(resident_blocks / teams);
   plan.tiles_per_block = static_cast<int>((tiles + plan.team_blocks - 1) / plan.team_blocks);
   return plan;
 }

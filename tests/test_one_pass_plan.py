@@ -81,6 +81,12 @@ int main() {
   const jaxfuse::OnePassPlan deepseek = jaxfuse::PlanOnePass(132, 6, 64, 352);
   const jaxfuse::OnePassPlan mlp = jaxfuse::PlanOnePass(132, 6, 8, 512);
   const jaxfuse::OnePassPlan small = jaxfuse::PlanOnePass(132, 6, 8, 128);
+  const jaxfuse::OnePassPlan most = jaxfuse::PlanOnePass(132, 6, 8, 128, true);
+  if (most.teams != 6 || most.team_blocks != 22 || most.tiles_per_block != 6) {
+    std::printf("unexpected most-teams plan: %d %d %d\n", most.teams, most.team_blocks,
+                most.tiles_per_block);
+    return 1;
+  }
   if (deepseek.teams != 2 || deepseek.team_blocks != 66 || deepseek.tiles_per_block != 6 ||
       mlp.teams != 1 || mlp.team_blocks != 132 || mlp.tiles_per_block != 4 ||
       small.teams != 4 || small.team_blocks != 33 || small.tiles_per_block != 4) {

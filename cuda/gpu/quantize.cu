@@ -1221,18 +1221,22 @@ ffi::Error QuantizeTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
 }
 
 // JAXFUSE_QUANTIZE_ONE_PASS=0 runs the two kernels (A/B); JAXFUSE_QUANTIZE_ONE_PASS_BLOCKS
-// (1 or 2) picks the kernel's blocks per SM; JAXFUSE_QUANTIZE_ONE_PASS_TILES caps the tiles a
+// (1 or 2) picks the kernel's blocks per SM; JAXFUSE_QUANTIZE_ONE_PASS_PLAN=most_teams the
+// plan of the most teams (PlanOnePass); JAXFUSE_QUANTIZE_ONE_PASS_TILES caps the tiles a
 // block holds (1 .. OnePassMaxTiles(blocks); tests use it to give small shapes many blocks
 // and teams). Read once.
 struct OnePassSettings {
   int blocks_per_sm = 1;
   int max_tiles = 0;  // 0: the one-pass kernel is off
+  bool most_teams_only = false;  // PlanOnePass's A/B knob
 };
 
 const OnePassSettings& OnePassSettingsFromEnvironment() {
   static const OnePassSettings settings = [] {
     OnePassSettings chosen;
     chosen.blocks_per_sm = gpu::EnvInt("JAXFUSE_QUANTIZE_ONE_PASS_BLOCKS", 1) == 2 ? 2 : 1;
+    const char* plan = std::getenv("JAXFUSE_QUANTIZE_ONE_PASS_PLAN");
+    chosen.most_teams_only = plan != nullptr && std::string(plan) == "most_teams";
     const char* value = std::getenv("JAXFUSE_QUANTIZE_ONE_PASS");
     if (value != nullptr && std::string(value) == "0") return chosen;
     const int most = OnePassMaxTiles(chosen.blocks_per_sm);
@@ -1320,7 +1324,8 @@ ffi::Error QuantizeBatchesTransposedCuda(cudaStream_t stream, ffi::AnyBuffer x,
         const bool two = settings.blocks_per_sm == 2;
         const int64_t resident =
             two ? OnePassResidentBlocks<T, 2>() : OnePassResidentBlocks<T, 1>();
-        const OnePassPlan plan = PlanOnePass(resident, settings.max_tiles, problem.batch, tiles);
+        const OnePassPlan plan = PlanOnePass(resident, settings.max_tiles, problem.batch, tiles,
+                                             settings.most_teams_only);
         if (plan.teams > 0) {
           return two ? LaunchQuantizeBatchesOnePass<T, 2>(problem, plan, px, pscale_inv, out,
                                                          amax, arrivals, stream)

@@ -444,10 +444,13 @@ def test_experts_transposed_kernel_matches_the_reference_bit_for_bit(backend, dt
 # in further rounds; (6, 272, 200): partial tiles in R and C, 6 teams; (5, 512, 768): 24
 # tiles, 5 teams of 26 (52) blocks, most holding one tile, some none; (2, 2048, 2560): 320
 # tiles, 2 teams of 66 (132) blocks holding 5 (3) each, and past what 132 or 264 blocks of
-# one tile hold (the amax kernel and the transposed pass then). Batches 1 and 2 hold zeros /
-# NaN, inf, a huge value (experts_with_special_values).
+# one tile hold (the amax kernel and the transposed pass then); (8, 1024, 2048): 128 tiles,
+# 4 teams of 33 blocks holding 4 in two rounds (6 teams of 22 holding 6 under
+# JAXFUSE_QUANTIZE_ONE_PASS_PLAN=most_teams). Batches 1 and 2 hold zeros / NaN, inf, a huge
+# value (experts_with_special_values).
 ONE_PASS_CASES = [((300, 128, 64), "bfloat16"), ((6, 272, 200), "float16"),
-                  ((5, 512, 768), "bfloat16"), ((2, 2048, 2560), "bfloat16")]
+                  ((5, 512, 768), "bfloat16"), ((2, 2048, 2560), "bfloat16"),
+                  ((8, 1024, 2048), "bfloat16")]
 
 _ONE_PASS_SCRIPT = """
 import sys
@@ -490,9 +493,9 @@ def test_batches_transposed_matches_the_amax_and_transposed_calls_on_cpu():
 @pytest.mark.gpu
 def test_one_pass_batch_quantization_matches_the_cpu_bit_for_bit(tmp_path):
   """The GPU's one-pass kernel (one or two blocks an SM; default tiles a block, and one tile
-  a block: many teams and idle blocks; inside XLA's CUDA graphs and without) and its
-  two-kernel fallback (JAXFUSE_QUANTIZE_ONE_PASS=0) give the CPU handler's bytes on every
-  case."""
+  a block: many teams and idle blocks; the least-work plan and the most teams; inside XLA's
+  CUDA graphs and without) and its two-kernel fallback (JAXFUSE_QUANTIZE_ONE_PASS=0) give
+  the CPU handler's bytes on every case."""
   from jaxfuse._src.ops.quantize import ffi as quantize_ffi  # pylint: disable=g-import-not-at-top
   inputs = _one_pass_inputs()
   np.savez(tmp_path / "in.npz", **inputs)
@@ -505,14 +508,16 @@ def test_one_pass_batch_quantization_matches_the_cpu_bit_for_bit(tmp_path):
     pieces += [np.asarray(o).reshape(-1).view(np.uint8) for o in outputs]
   expected = np.concatenate(pieces)
   graphs = dict(helpers._COMMAND_BUFFER_FLAGS)["graphs"]  # pylint: disable=protected-access
-  one_block = {"JAXFUSE_QUANTIZE_ONE_PASS": None, "JAXFUSE_QUANTIZE_ONE_PASS_BLOCKS": "1"}
-  two_blocks = {"JAXFUSE_QUANTIZE_ONE_PASS": None, "JAXFUSE_QUANTIZE_ONE_PASS_BLOCKS": "2"}
+  one_block = {"JAXFUSE_QUANTIZE_ONE_PASS": None, "JAXFUSE_QUANTIZE_ONE_PASS_BLOCKS": "1",
+               "JAXFUSE_QUANTIZE_ONE_PASS_PLAN": None}
+  two_blocks = {**one_block, "JAXFUSE_QUANTIZE_ONE_PASS_BLOCKS": "2"}
   outputs = helpers.outputs_under_environments(_ONE_PASS_SCRIPT, tmp_path, {
       "two_kernels": {"JAXFUSE_QUANTIZE_ONE_PASS": "0"},
       "one_pass": {**one_block},
       "one_pass_graphs": {**one_block, "XLA_FLAGS": graphs},
       "one_tile_graphs": {**one_block, "JAXFUSE_QUANTIZE_ONE_PASS_TILES": "1",
                           "XLA_FLAGS": graphs},
+      "most_teams": {**one_block, "JAXFUSE_QUANTIZE_ONE_PASS_PLAN": "most_teams"},
       "two_blocks": {**two_blocks},
       "two_blocks_one_tile_graphs": {**two_blocks, "JAXFUSE_QUANTIZE_ONE_PASS_TILES": "1",
                                      "XLA_FLAGS": graphs},

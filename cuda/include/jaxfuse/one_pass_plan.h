@@ -31,15 +31,17 @@ inline int64_t OnePassCost(int64_t resident_blocks, int64_t batch, int64_t tiles
   return ((batch + teams - 1) / teams) * ((tiles + team_blocks - 1) / team_blocks);
 }
 
+// most_teams_only: the most teams that fit, as before session 45 (the handler's A/B knob
+// JAXFUSE_QUANTIZE_ONE_PASS_PLAN=most_teams).
 inline OnePassPlan PlanOnePass(int64_t resident_blocks, int max_tiles, int64_t batch,
-                               int64_t tiles) {
+                               int64_t tiles, bool most_teams_only = false) {
   OnePassPlan plan;
   if (resident_blocks <= 0 || max_tiles <= 0 || batch <= 0 || tiles <= 0) return plan;
   const int64_t least_blocks = (tiles + max_tiles - 1) / max_tiles;
   if (least_blocks > resident_blocks) return plan;
   const int64_t most_teams = std::min(batch, resident_blocks / least_blocks);
   int64_t teams = most_teams;
-  for (int64_t t = most_teams - 1; t >= 1; --t) {
+  for (int64_t t = most_teams - 1; t >= 1 && !most_teams_only; --t) {
     if (OnePassCost(resident_blocks, batch, tiles, t) <
         OnePassCost(resident_blocks, batch, tiles, teams)) {
       teams = t;

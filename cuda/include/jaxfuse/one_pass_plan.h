@@ -20,15 +20,23 @@ struct OnePassPlan {
 
 // How many teams: each team's blocks hold a batch's `tiles` tiles with at most `max_tiles`
 // each, so at most resident_blocks / ceil(tiles / max_tiles) teams, and at most one per
-// batch. A block's time goes as the rounds of batches it walks (ceil(batch / teams)) times
-// the tiles it holds in each (ceil(tiles / team_blocks)); the plan takes the team count with
-// the least of that product, the most teams among equals. The most teams alone can leave a
-// last round with few of them busy: 8 batches of 128 tiles on 132 blocks of 6 make 6 teams of
-// 22 blocks, 2 rounds x 6 tiles, where 4 teams of 33 blocks hold 4 each (2 x 4). Every one of
-// the `resident_blocks` blocks is in some team (team_blocks = resident_blocks / teams).
+// batch. A block walks ceil(batch / teams) rounds, each costing the tiles it holds
+// (ceil(tiles / team_blocks)) plus a fixed part, kOnePassRoundTiles tiles' worth: the team's
+// wait for every block's amax and the refill pipeline's drain. The plan takes the team count
+// with the least rounds x (tiles + kOnePassRoundTiles), the most teams among equals. The most
+// teams alone can leave a last round with few of them busy: 8 batches of 128 tiles on 132
+// blocks of 6 make 6 teams of 22 blocks, 2 rounds of 6 tiles, where 4 teams of 33 blocks
+// hold 4 (H100, session 45: 0.036 -> 0.031 ms). The fixed part comes from the same
+// measurement: DeepSeek-like FC2 weights (64 batches of 176 tiles) ran 0.303 ms in 16 rounds
+// of 6 tiles (4 teams) and 0.321 ms in 22 rounds of 4 (3 teams), which rounds x tiles alone
+// ranks the other way. Every one of the `resident_blocks` blocks is in some team
+// (team_blocks = resident_blocks / teams).
+inline constexpr int64_t kOnePassRoundTiles = 2;
+
 inline int64_t OnePassCost(int64_t resident_blocks, int64_t batch, int64_t tiles, int64_t teams) {
   const int64_t team_blocks = resident_blocks / teams;
-  return ((batch + teams - 1) / teams) * ((tiles + team_blocks - 1) / team_blocks);
+  return ((batch + teams - 1) / teams) *
+         ((tiles + team_blocks - 1) / team_blocks + kOnePassRoundTiles);
 }
 
 // most_teams_only: the most teams that fit, as before session 45 (the handler's A/B knob

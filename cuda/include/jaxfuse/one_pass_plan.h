@@ -1,8 +1,8 @@
 // How the one-pass per-batch quantization (QuantizeBatchesOnePassKernel, cuda/gpu/quantize.cu)
 // splits its resident grid into teams and its batches' tiles over a team's blocks. Shared by
 // the handler, the kernel and a host test (tests/test_one_pass_plan.py), which checks that
-// every tile of a batch is held by exactly one block and that no block holds more than its
-// shared memory has room for.
+// every tile of a batch is held by exactly one block, that no block holds more than its
+// shared memory has room for, and that no other team count costs a block less.
 #pragma once
 
 #include <algorithm>

@@ -77,31 +77,29 @@ int main() {
   // The issue's shapes on 132 blocks of 6 tiles: DeepSeek FC1 (16 x 22 tiles) in 2 teams of
   // 66 blocks; a grouped-MLP FC1 expert (16 x 32) in one team of all 132; the T=2048 grouped
   // MLP's FC1 (8 experts of 8 x 16 tiles) in 4 teams of 33 blocks holding 4 tiles, 2 rounds
-  // (not 6 teams of 22 holding 6: 6 experts, then 2 with 4 teams idle).
-  const jaxfuse::OnePassPlan deepseek = jaxfuse::PlanOnePass(132, 6, 64, 352);
-  const jaxfuse::OnePassPlan mlp = jaxfuse::PlanOnePass(132, 6, 8, 512);
-  const jaxfuse::OnePassPlan small = jaxfuse::PlanOnePass(132, 6, 8, 128);
-  // DeepSeek-like FC2 (64 batches of 11 x 16 tiles): 4 teams of 33 blocks holding 6, 16
-  // rounds (measured faster than 3 teams holding 4 in 22 rounds).
-  const jaxfuse::OnePassPlan fc2 = jaxfuse::PlanOnePass(132, 6, 64, 176);
-  if (fc2.teams != 4 || fc2.team_blocks != 33 || fc2.tiles_per_block != 6) {
-    std::printf("unexpected DeepSeek FC2 plan: %d %d %d\n", fc2.teams, fc2.team_blocks,
-                fc2.tiles_per_block);
-    return 1;
-  }
-  const jaxfuse::OnePassPlan most = jaxfuse::PlanOnePass(132, 6, 8, 128, true);
-  if (most.teams != 6 || most.team_blocks != 22 || most.tiles_per_block != 6) {
-    std::printf("unexpected most-teams plan: %d %d %d\n", most.teams, most.team_blocks,
-                most.tiles_per_block);
-    return 1;
-  }
-  if (deepseek.teams != 2 || deepseek.team_blocks != 66 || deepseek.tiles_per_block != 6 ||
-      mlp.teams != 1 || mlp.team_blocks != 132 || mlp.tiles_per_block != 4 ||
-      small.teams != 4 || small.team_blocks != 33 || small.tiles_per_block != 4) {
-    std::printf("unexpected plans: %d %d %d / %d %d %d / %d %d %d\n", deepseek.teams,
-                deepseek.team_blocks, deepseek.tiles_per_block, mlp.teams, mlp.team_blocks,
-                mlp.tiles_per_block, small.teams, small.team_blocks, small.tiles_per_block);
-    return 1;
+  // (not 6 teams of 22 holding 6: 6 experts, then 2 with 4 teams idle; what the most-teams
+  // plan gives); DeepSeek-like FC2 (64 batches of 11 x 16 tiles) in 4 teams of 33 blocks
+  // holding 6, 16 rounds (measured faster than 3 teams holding 4 in 22 rounds).
+  struct Expected {
+    const char* name;
+    long long batch, tiles;
+    bool most_teams_only;
+    int teams, team_blocks, tiles_per_block;
+  };
+  const Expected expected[] = {{"DeepSeek FC1", 64, 352, false, 2, 66, 6},
+                               {"grouped MLP FC1", 8, 512, false, 1, 132, 4},
+                               {"small grouped MLP FC1", 8, 128, false, 4, 33, 4},
+                               {"DeepSeek FC2", 64, 176, false, 4, 33, 6},
+                               {"small FC1, most teams", 8, 128, true, 6, 22, 6}};
+  for (const Expected& e : expected) {
+    const jaxfuse::OnePassPlan plan =
+        jaxfuse::PlanOnePass(132, 6, e.batch, e.tiles, e.most_teams_only);
+    if (plan.teams != e.teams || plan.team_blocks != e.team_blocks ||
+        plan.tiles_per_block != e.tiles_per_block) {
+      std::printf("unexpected %s plan: %d %d %d\n", e.name, plan.teams, plan.team_blocks,
+                  plan.tiles_per_block);
+      return 1;
+    }
   }
   std::printf("ok\n");
   return 0;

@@ -248,12 +248,15 @@ Shape MakeShape(const PermuteProblem& p, std::initializer_list<const void*> poin
 }
 
 // Benchmark knobs, read once: JAXFUSE_MOE_PERMUTE_TOKENS (1, 2, 4 or 8 tokens per block
-// iteration) and JAXFUSE_MOE_PERMUTE_STREAMING (1: streaming stores). Four tokens: the
-// DeepSeek-like layer's two permutes took 373 us per step against 500 with one token per
-// iteration (H100, benchmarks/results/profile_kernels_s35perm_t{1,4}_*).
+// iteration) and JAXFUSE_MOE_PERMUTE_STREAMING (0: plain stores; default 1, streaming).
+// Four tokens: the DeepSeek-like layer's two permutes took 373 us per step against 500 with
+// one token per iteration (H100, benchmarks/results/profile_kernels_s35perm_t{1,4}_*).
+// Streaming stores: 331 against 374 us, as fast as the unpermute per byte; the grouped GEMMs
+// after them took the same time as in the 8-token process (H100,
+// profile_kernels_s46perm{stream,4,8}_*).
 struct PermuteKnobs {
   int tokens = 4;
-  bool streaming = false;
+  bool streaming = true;
 };
 
 const PermuteKnobs& PermuteKnobsFromEnv() {
@@ -264,7 +267,7 @@ const PermuteKnobs& PermuteKnobsFromEnv() {
       if (parsed == 1 || parsed == 2 || parsed == 4 || parsed == 8) k.tokens = parsed;
     }
     if (const char* value = std::getenv("JAXFUSE_MOE_PERMUTE_STREAMING")) {
-      k.streaming = value[0] == '1';
+      k.streaming = value[0] != '0';
     }
     return k;
   }();

@@ -317,6 +317,24 @@ inline bool RunAmaxEnabled() {
   return enabled;
 }
 
+// JAXFUSE_GROUP_AMAX_ROWS=N gives every GroupAmaxKernel block N rows instead of
+// GroupAmaxRowsPerBlock's share (a benchmark knob: the same amaxes). Read once; 0 when unset.
+inline int64_t GroupAmaxRowsOverride() {
+  static const int64_t rows = [] {
+    const char* value = std::getenv("JAXFUSE_GROUP_AMAX_ROWS");
+    return value == nullptr ? int64_t{0} : std::max<int64_t>(0, std::atoll(value));
+  }();
+  return rows;
+}
+
+// Rows a GroupAmaxKernel block takes: ~64 KB of input, but no fewer blocks than are
+// resident where the rows allow (a 4 MB x of the T=2048 grouped MLP made 64 blocks of 64
+// KB: 11.5 us a call, 0.35 TB/s, H100, profile_kernels_s45small_*).
+inline int64_t GroupAmaxRowsPerBlock(int64_t rows, int64_t row_bytes, int64_t resident) {
+  if (const int64_t forced = GroupAmaxRowsOverride(); forced > 0) return forced;
+  return std::max<int64_t>(1, std::min(kGroupAmaxBlockBytes / row_bytes, rows / resident));
+}
+
 // Launches RunAmaxKernel as one wave of resident blocks (every warp's run the same length,
 // so none idles at the end), or fewer blocks when rows run out. False when the problem is
 // not its kind (then the caller runs RowKernel<kAmax>): fewer than 32 units per row would
@@ -347,14 +365,10 @@ template <class P, typename T>
 void LaunchAmaxPass(const P& p, const SinkArgs<T>& s, int64_t units, cudaStream_t stream) {
   if constexpr (std::is_same_v<P, gpu::LoadProducer<T>>) {
     if (p.vector && s.out == nullptr && s.side == nullptr && s.cols > 0) {
-      // ~64 KB a block, but no fewer blocks than are resident where the rows allow (a
-      // 4 MB x of the T=2048 grouped MLP made 64 blocks of 64 KB: 11.5 us a call, 0.35 TB/s,
-      // H100, profile_kernels_s45small_*).
-      const int64_t row_bytes = s.cols * static_cast<int64_t>(sizeof(T));
       const int64_t resident = gpu::ResidentBlocks(
           reinterpret_cast<const void*>(&GroupAmaxKernel<T>), kGroupAmaxThreads);
-      const int64_t rows_per_block = std::max<int64_t>(
-          1, std::min(kGroupAmaxBlockBytes / row_bytes, s.rows / resident));
+      const int64_t rows_per_block = GroupAmaxRowsPerBlock(
+          s.rows, s.cols * static_cast<int64_t>(sizeof(T)), resident);
       const int64_t blocks = CeilDiv(s.rows, rows_per_block);
       if (blocks <= (int64_t{1} << 31) - 1) {
         GroupAmaxKernel<T><<<static_cast<unsigned>(blocks), kGroupAmaxThreads, 0, stream>>>(

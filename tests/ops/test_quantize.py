@@ -300,6 +300,57 @@ def test_current_scaling_with_many_rows(backend, groups, recipe, rows, k):
   np.testing.assert_array_equal(np.asarray(q_ffi.scale_inv), np.asarray(q_ref.scale_inv))
 
 
+# (rows, K, groups): most blocks inside one group and some across boundaries; most across
+# (1500 groups); the T=2048 grouped MLP's x (one row a block by default); sizes summing to
+# less than the rows (the tail in no group).
+GROUP_AMAX_CASES = [(40000, 64, 7), (6000, 2048, 1500), (2048, 1024, 8), (301, 64, 4)]
+
+_GROUP_AMAX_SCRIPT = """
+import sys
+import jax.numpy as jnp, numpy as np
+import jaxfuse
+from jaxfuse.quantization import Float8CurrentScaling
+inputs = np.load(sys.argv[1].rsplit("/", 1)[0] + "/in.npz")
+pieces = []
+for index in range(len(inputs.files) // 2):
+  x = jnp.asarray(inputs[f"x{index}"]).view(jnp.bfloat16)
+  q = jaxfuse.quantize(x, Float8CurrentScaling(), group_sizes=jnp.asarray(inputs[f"s{index}"]),
+                       implementation="ffi")
+  pieces += [np.asarray(q.data).reshape(-1).view(np.uint8),
+             np.asarray(q.scale_inv).reshape(-1).view(np.uint8)]
+np.save(sys.argv[1], np.concatenate(pieces))
+"""
+
+
+@pytest.mark.gpu
+def test_group_amax_rows_per_block_change_no_bit(tmp_path):
+  """GroupAmaxKernel with its own rows per block and with JAXFUSE_GROUP_AMAX_ROWS forcing
+  1, 3 and more rows than the input has (one block) gives XLA's per-group quantization bit
+  for bit: every split of the rows into blocks, within groups and across their boundaries,
+  merges to the same group amaxes."""
+  arrays, pieces = {}, []
+  for index, (rows, k, groups) in enumerate(GROUP_AMAX_CASES):
+    rng = np.random.default_rng(100 + index)
+    x = helpers.random_array(rng, (rows, k), jnp.bfloat16, scale=2.0)
+    x = x.at[rng.integers(0, rows, 20), rng.integers(0, k, 20)].set(40.0)  # lone maxima
+    sizes = (jnp.asarray([40, 0, 200, 50], jnp.int32) if rows == 301
+             else random_sizes(rng, groups, rows))
+    arrays[f"x{index}"] = np.asarray(x).view(np.uint16)
+    arrays[f"s{index}"] = np.asarray(sizes)
+    q = jaxfuse.quantize(x, Float8CurrentScaling(), group_sizes=sizes, implementation="xla")
+    pieces += [np.asarray(q.data).reshape(-1).view(np.uint8),
+               np.asarray(q.scale_inv).reshape(-1).view(np.uint8)]
+  expected = np.concatenate(pieces)
+  np.savez(tmp_path / "in.npz", **arrays)
+  outputs = helpers.outputs_under_environments(_GROUP_AMAX_SCRIPT, tmp_path, {
+      f"rows_{rows}": {"JAXFUSE_GROUP_AMAX_ROWS": rows}
+      for rows in (None, "1", "3", "100000")})
+  for name, got in outputs.items():
+    assert got.shape == expected.shape, name
+    mismatches = np.flatnonzero(got != expected)
+    assert mismatches.size == 0, (name, mismatches[:10])
+
+
 def test_group_offsets_can_be_passed_instead_of_sizes():
   x = jnp.asarray(np.random.default_rng(8).standard_normal((10, 32)), jnp.float32)
   sizes = jnp.asarray([3, 4, 2], jnp.int32)

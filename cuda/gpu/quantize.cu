@@ -60,10 +60,11 @@ bool ValidLaneBlock(int64_t block) {
 
 // --- the per-group amax of a plain tensor (pass 1 of current scaling for quantize) ------
 
-// A block's share of rows for GroupAmaxKernel: about 64 KB of input (less for small inputs:
-// LaunchAmaxPass).
+// A block's share of rows for GroupAmaxKernel: about 64 KB of input, down to 8 KB for small
+// inputs (GroupAmaxRowsPerBlock).
 constexpr int kGroupAmaxThreads = 256;
 constexpr int64_t kGroupAmaxBlockBytes = 64 * 1024;
+constexpr int64_t kGroupAmaxMinBlockBytes = 8 * 1024;
 constexpr int kGroupAmaxLoads = 4;  // 8-element units in flight per thread
 
 // amax[g] = max |x| over the rows of group g (GroupOfRow; rows of no group are skipped),
@@ -327,12 +328,16 @@ inline int64_t GroupAmaxRowsOverride() {
   return rows;
 }
 
-// Rows a GroupAmaxKernel block takes: ~64 KB of input, but no fewer blocks than are
-// resident where the rows allow (a 4 MB x of the T=2048 grouped MLP made 64 blocks of 64
-// KB: 11.5 us a call, 0.35 TB/s, H100, profile_kernels_s45small_*).
+// Rows a GroupAmaxKernel block takes: ~64 KB of input, fewer where that leaves resident
+// blocks idle, but no less than ~8 KB. On the T=2048 grouped MLP's 4 MB x and dy (2 KB
+// rows; H100, one call, profile_kernels_s46amax{32,default,4}_*, us for the two calls): 64
+// KB a block (64 blocks) 22.9, one resident wave's share (one row a block, 2048 blocks,
+// half the threads idle) 19.6, 8 KB a block (512 blocks) 9.0.
 inline int64_t GroupAmaxRowsPerBlock(int64_t rows, int64_t row_bytes, int64_t resident) {
   if (const int64_t forced = GroupAmaxRowsOverride(); forced > 0) return forced;
-  return std::max<int64_t>(1, std::min(kGroupAmaxBlockBytes / row_bytes, rows / resident));
+  const int64_t most = std::max<int64_t>(1, kGroupAmaxBlockBytes / row_bytes);
+  const int64_t least = std::min(most, CeilDiv(kGroupAmaxMinBlockBytes, row_bytes));
+  return std::clamp(rows / resident, least, most);
 }
 
 // Launches RunAmaxKernel as one wave of resident blocks (every warp's run the same length,

@@ -301,8 +301,8 @@ def test_current_scaling_with_many_rows(backend, groups, recipe, rows, k):
 
 
 # (rows, K, groups): most blocks inside one group and some across boundaries; most across
-# (1500 groups); the T=2048 grouped MLP's x (one row a block by default); sizes summing to
-# less than the rows (the tail in no group).
+# (1500 groups); the T=2048 grouped MLP's x (by default four rows, 8 KB, a block); sizes
+# summing to less than the rows (the tail in no group).
 GROUP_AMAX_CASES = [(40000, 64, 7), (6000, 2048, 1500), (2048, 1024, 8), (301, 64, 4)]
 
 _GROUP_AMAX_SCRIPT = """

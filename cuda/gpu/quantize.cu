@@ -33,6 +33,7 @@
 
 #include "jaxfuse/ffi_common.h"
 #include "jaxfuse/fp8.h"
+#include "jaxfuse/group_amax_plan.h"
 #include "jaxfuse/one_pass_plan.h"
 #include "jaxfuse/quantize.h"
 #include "jaxfuse/scaled_activation.h"
@@ -60,11 +61,9 @@ bool ValidLaneBlock(int64_t block) {
 
 // --- the per-group amax of a plain tensor (pass 1 of current scaling for quantize) ------
 
-// A block's share of rows for GroupAmaxKernel: about 64 KB of input, down to 8 KB for small
-// inputs (GroupAmaxRowsPerBlock).
+// A block's share of rows for GroupAmaxKernel: GroupAmaxRowsPerBlock (8-64 KB of input,
+// jaxfuse/group_amax_plan.h).
 constexpr int kGroupAmaxThreads = 256;
-constexpr int64_t kGroupAmaxBlockBytes = 64 * 1024;
-constexpr int64_t kGroupAmaxMinBlockBytes = 8 * 1024;
 constexpr int kGroupAmaxLoads = 4;  // 8-element units in flight per thread
 
 // amax[g] = max |x| over the rows of group g (GroupOfRow; rows of no group are skipped),
@@ -328,18 +327,6 @@ inline int64_t GroupAmaxRowsOverride() {
   return rows;
 }
 
-// Rows a GroupAmaxKernel block takes: ~64 KB of input, fewer where that leaves resident
-// blocks idle, but no less than ~8 KB. On the T=2048 grouped MLP's 4 MB x and dy (2 KB
-// rows; H100, one call, profile_kernels_s46amax{32,default,4}_*, us for the two calls): 64
-// KB a block (64 blocks) 22.9, one resident wave's share (one row a block, 2048 blocks,
-// half the threads idle) 19.6, 8 KB a block (512 blocks) 9.0.
-inline int64_t GroupAmaxRowsPerBlock(int64_t rows, int64_t row_bytes, int64_t resident) {
-  if (const int64_t forced = GroupAmaxRowsOverride(); forced > 0) return forced;
-  const int64_t most = std::max<int64_t>(1, kGroupAmaxBlockBytes / row_bytes);
-  const int64_t least = std::min(most, CeilDiv(kGroupAmaxMinBlockBytes, row_bytes));
-  return std::clamp(rows / resident, least, most);
-}
-
 // Launches RunAmaxKernel as one wave of resident blocks (every warp's run the same length,
 // so none idles at the end), or fewer blocks when rows run out. False when the problem is
 // not its kind (then the caller runs RowKernel<kAmax>): fewer than 32 units per row would
@@ -373,7 +360,7 @@ void LaunchAmaxPass(const P& p, const SinkArgs<T>& s, int64_t units, cudaStream_
       const int64_t resident = gpu::ResidentBlocks(
           reinterpret_cast<const void*>(&GroupAmaxKernel<T>), kGroupAmaxThreads);
       const int64_t rows_per_block = GroupAmaxRowsPerBlock(
-          s.rows, s.cols * static_cast<int64_t>(sizeof(T)), resident);
+          s.rows, s.cols * static_cast<int64_t>(sizeof(T)), resident, GroupAmaxRowsOverride());
       const int64_t blocks = CeilDiv(s.rows, rows_per_block);
       if (blocks <= (int64_t{1} << 31) - 1) {
         GroupAmaxKernel<T><<<static_cast<unsigned>(blocks), kGroupAmaxThreads, 0, stream>>>(

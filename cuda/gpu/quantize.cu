@@ -320,10 +320,7 @@ inline bool RunAmaxEnabled() {
 // JAXFUSE_GROUP_AMAX_ROWS=N gives every GroupAmaxKernel block N rows instead of
 // GroupAmaxRowsPerBlock's share (a benchmark knob: the same amaxes). Read once; 0 when unset.
 inline int64_t GroupAmaxRowsOverride() {
-  static const int64_t rows = [] {
-    const char* value = std::getenv("JAXFUSE_GROUP_AMAX_ROWS");
-    return value == nullptr ? int64_t{0} : std::max<int64_t>(0, std::atoll(value));
-  }();
+  static const int64_t rows = gpu::EnvInt("JAXFUSE_GROUP_AMAX_ROWS", 0);
   return rows;
 }
 
@@ -1287,8 +1284,8 @@ ffi::Error LaunchQuantizeBatchesOnePass(const TransposedProblem& problem, const 
   attribute[0].val.cooperative = 1;
   config.attrs = attribute;
   config.numAttrs = 1;
-  cudaLaunchKernelEx(&config, QuantizeBatchesOnePassKernel<T, kBlocksPerSm>, px, out.data, scale_inv,
-                     out.straight, amax, arrivals, problem.batch, problem.rows, problem.cols,
+  cudaLaunchKernelEx(&config, QuantizeBatchesOnePassKernel<T, kBlocksPerSm>, px, out.data,
+                     scale_inv, out.straight, amax, arrivals, problem.batch, problem.rows, problem.cols,
                      col_tiles, tiles, plan.teams, plan.team_blocks, plan.tiles_per_block,
                      problem.format);
   return gpu::LaunchError("one-pass batch quantization kernel");

@@ -300,10 +300,11 @@ def test_current_scaling_with_many_rows(backend, groups, recipe, rows, k):
   np.testing.assert_array_equal(np.asarray(q_ffi.scale_inv), np.asarray(q_ref.scale_inv))
 
 
-# (rows, K, groups): most blocks inside one group and some across boundaries; most across
-# (1500 groups); the T=2048 grouped MLP's x (by default four rows, 8 KB, a block); sizes
-# summing to less than the rows (the tail in no group).
-GROUP_AMAX_CASES = [(40000, 64, 7), (6000, 2048, 1500), (2048, 1024, 8), (301, 64, 4)]
+# (rows, K, groups or the group sizes): most blocks inside one group and some across
+# boundaries; most across (1500 groups); the T=2048 grouped MLP's x (by default four rows,
+# 8 KB, a block); sizes summing to less than the rows (the tail in no group).
+GROUP_AMAX_CASES = [(40000, 64, 7), (6000, 2048, 1500), (2048, 1024, 8),
+                    (301, 64, [40, 0, 200, 50])]
 
 _GROUP_AMAX_SCRIPT = """
 import sys
@@ -334,7 +335,7 @@ def test_group_amax_rows_per_block_change_no_bit(tmp_path):
     rng = np.random.default_rng(100 + index)
     x = helpers.random_array(rng, (rows, k), jnp.bfloat16, scale=2.0)
     x = x.at[rng.integers(0, rows, 20), rng.integers(0, k, 20)].set(40.0)  # lone maxima
-    sizes = (jnp.asarray([40, 0, 200, 50], jnp.int32) if rows == 301
+    sizes = (jnp.asarray(groups, jnp.int32) if isinstance(groups, list)
              else random_sizes(rng, groups, rows))
     arrays[f"x{index}"] = np.asarray(x).view(np.uint16)
     arrays[f"s{index}"] = np.asarray(sizes)

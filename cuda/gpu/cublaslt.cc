@@ -54,6 +54,7 @@ const Loaded& Load() {
     bind(api.MatmulPreferenceDestroy, "cublasLtMatmulPreferenceDestroy");
     bind(api.MatmulPreferenceSetAttribute, "cublasLtMatmulPreferenceSetAttribute");
     bind(api.MatmulAlgoGetHeuristic, "cublasLtMatmulAlgoGetHeuristic");
+    bind(api.MatmulAlgoConfigGetAttribute, "cublasLtMatmulAlgoConfigGetAttribute");
     bind(api.Matmul, "cublasLtMatmul");
     result.ok = complete;
     if (!complete) result.error = "libcublasLt is incomplete:" + result.error;

@@ -26,6 +26,7 @@ struct Api {
   decltype(&::cublasLtMatmulPreferenceDestroy) MatmulPreferenceDestroy;
   decltype(&::cublasLtMatmulPreferenceSetAttribute) MatmulPreferenceSetAttribute;
   decltype(&::cublasLtMatmulAlgoGetHeuristic) MatmulAlgoGetHeuristic;
+  decltype(&::cublasLtMatmulAlgoConfigGetAttribute) MatmulAlgoConfigGetAttribute;
   decltype(&::cublasLtMatmul) Matmul;
 };
 

@@ -388,6 +388,57 @@ def test_fp8_backward_matches_float64_of_the_fp8_operands(backend):
   np.testing.assert_array_equal(helpers.as_f64(d_residual), helpers.as_f64(d_out))
 
 
+_AUTOTUNE_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxfuse
+    rng = np.random.default_rng(31)
+    x = jnp.asarray(rng.standard_normal((1024, 512)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((512, 768)) / 512 ** 0.5, jnp.bfloat16)
+    r = jnp.asarray(rng.standard_normal((1024, 768)), jnp.bfloat16)
+    recipe = jaxfuse.quantization.Float8CurrentScaling(per_group=False)
+    fp8 = jax.jit(lambda *a: jaxfuse.linear_scale_add(*a, -0.5, recipe=recipe,
+                                                      implementation="ffi"))(x, k, r)
+    bf16 = jax.jit(lambda *a: jaxfuse.linear_scale_add(*a, -0.5, implementation="ffi"))(x, k, r)
+    np.save(sys.argv[1], np.stack([np.asarray(fp8, np.float64), np.asarray(bf16, np.float64)]))
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["0", "1", "sustained"])
+def test_cublaslt_autotune_modes_pick_algorithms_that_compute_the_product(mode, tmp_path):
+  """JAXFUSE_CUBLASLT_AUTOTUNE=0 (heuristic), 1 (burst timing, the default) and
+  sustained (~50 ms per candidate on random bits): whichever candidate wins, the bf16 and
+  FP8 products match float64, and with JAXFUSE_CUBLASLT_LOG=1 the log shows that the mode
+  ran: candidates timed (sustained times > 0 only in the sustained mode) and one chosen."""
+  path = tmp_path / "out.npy"
+  done = subprocess.run(
+      [sys.executable, "-c", _AUTOTUNE_SCRIPT, str(path)],
+      env=dict(os.environ, JAXFUSE_CUBLASLT_AUTOTUNE=mode, JAXFUSE_CUBLASLT_LOG="1"),
+      capture_output=True, text=True, check=True, timeout=300)
+  fp8, bf16 = np.load(path)
+  rng = np.random.default_rng(31)
+  x = helpers.as_f64(jnp.asarray(rng.standard_normal((1024, 512)), jnp.bfloat16))
+  k = helpers.as_f64(jnp.asarray(rng.standard_normal((512, 768)) / 512 ** 0.5, jnp.bfloat16))
+  r = helpers.as_f64(jnp.asarray(rng.standard_normal((1024, 768)), jnp.bfloat16))
+  helpers.assert_close(bf16, r - 0.5 * x @ k, jnp.bfloat16, msg="bf16")
+  x_q, x_si = numpy_fp8_per_tensor(x, jnp.float8_e4m3fn)
+  k_q, k_si = numpy_fp8_per_tensor(k.T, jnp.float8_e4m3fn)
+  helpers.assert_close(fp8, r - 0.5 * (x_q * x_si) @ (k_q * k_si).T, jnp.bfloat16, msg="fp8")
+  timed = re.findall(r"autotune \[(\d+), (\d+), (\d+)\]( fp8)? candidate \d+ .*burst "
+                     r"([-\d.]+) ms, sustained ([-\d.]+) ms", done.stderr)
+  chosen = re.findall(r"autotune: candidate (\d+) of (\d+) chosen", done.stderr)
+  if mode == "0":
+    assert not timed and not chosen, done.stderr
+    return
+  # Both products went through the autotuner (unless cuBLASLt offered one candidate).
+  assert {entry[3] for entry in timed} <= {"", " fp8"}, done.stderr
+  assert chosen and all(int(index) < int(count) for index, count in chosen), done.stderr
+  for *_, burst, sustained in timed:
+    assert float(burst) > 0, done.stderr
+    assert (float(sustained) > 0) == (mode == "sustained"), done.stderr
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp8_accuracy_against_the_bf16_op(backend):
   """E4M3 keeps 3 mantissa bits (relative rounding <= 2^-4 per element); over a K-term

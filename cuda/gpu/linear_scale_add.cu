@@ -302,16 +302,32 @@ struct MatmulState {
     cudaStream_t stream = nullptr;
     cudaEvent_t start = nullptr, stop = nullptr;
     int best = -1;
-    if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess &&
-        a_bytes + b_bytes + out_bytes + workspace_bytes < free_bytes / 2 &&
-        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
-        cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess) {
+    // Why the candidates could not be timed (the heuristic's order is kept), for the log.
+    std::string skipped;
+    const size_t scratch_bytes = a_bytes + b_bytes + out_bytes + workspace_bytes;
+    if (cudaError_t status = cudaMemGetInfo(&free_bytes, &total_bytes); status != cudaSuccess) {
+      skipped = std::string("cudaMemGetInfo: ") + cudaGetErrorString(status);
+    } else if (scratch_bytes >= free_bytes / 2) {
+      skipped = "scratch of " + std::to_string(scratch_bytes) + " bytes, " +
+                std::to_string(free_bytes) + " free";
+    } else if (status = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+               status != cudaSuccess) {
+      skipped = std::string("cudaStreamCreate: ") + cudaGetErrorString(status);
+    } else if (status = cudaEventCreate(&start); status == cudaSuccess) {
+      status = cudaEventCreate(&stop);
+      if (status != cudaSuccess) skipped = std::string("cudaEventCreate: ") +
+                                           cudaGetErrorString(status);
+    } else {
+      skipped = std::string("cudaEventCreate: ") + cudaGetErrorString(status);
+    }
+    if (skipped.empty()) {
       ScratchBuffer a(a_bytes, stream), b(b_bytes, stream), out(out_bytes, stream),
           workspace(workspace_bytes, stream), scales(2 * sizeof(float), stream);
       const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
       // FP8: the scale pointers on the descriptor point at scratch (finite 0x3C3C3C3C
       // floats) while timing; Execute sets the real ones before every product.
       bool ready = a.data && b.data && out.data && workspace.data && scales.data;
+      if (!ready) skipped = std::string("cudaMallocAsync: ") + cudaGetErrorString(cudaGetLastError());
       if (ready && sustained) {
         a.Randomize(problem.input_type, 1);
         b.Randomize(problem.b_type, 2);
@@ -325,6 +341,7 @@ struct MatmulState {
                                             &a_scale, sizeof(a_scale)) == CUBLAS_STATUS_SUCCESS &&
                 api->MatmulDescSetAttribute(algorithm.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
                                             &b_scale, sizeof(b_scale)) == CUBLAS_STATUS_SUCCESS;
+        if (!ready) skipped = "setting the FP8 scale pointers failed";
       }
       float best_ms = 0.0f;
       for (int i = 0; ready && i < count; ++i) {
@@ -333,7 +350,16 @@ struct MatmulState {
                              layout_b, &beta, out.data, layout_c, out.data, layout_c,
                              &results[i].algo, workspace.data, workspace_bytes, stream);
         };
-        if (run() != CUBLAS_STATUS_SUCCESS) continue;  // warm-up
+        if (cublasStatus_t status = run(); status != CUBLAS_STATUS_SUCCESS) {  // warm-up
+          if (log) {
+            std::fprintf(stderr, "jaxfuse cuBLASLt autotune [%lld, %lld, %lld]%s candidate %d "
+                         "(%s) failed: %s\n", static_cast<long long>(problem.p),
+                         static_cast<long long>(problem.q), static_cast<long long>(problem.r),
+                         fp8 ? " fp8" : "", i, Describe(results[i].algo).c_str(),
+                         cublaslt::StatusString(status).c_str());
+          }
+          continue;
+        }
         float fastest = -1.0f;
         for (int repeat = 0; repeat < 3; ++repeat) {
           float ms = 0.0f;
@@ -384,8 +410,13 @@ struct MatmulState {
     if (stream) cudaStreamDestroy(stream);
     cudaGetLastError();  // a failed scratch allocation is not the caller's error
     if (previous_device != device) cudaSetDevice(previous_device);
-    if (log) std::fprintf(stderr, "jaxfuse cuBLASLt autotune: candidate %d of %d chosen\n",
-                          best < 0 ? 0 : best, count);
+    if (log) {
+      std::fprintf(stderr, "jaxfuse cuBLASLt autotune [%lld, %lld, %lld]%s: candidate %d of %d "
+                   "chosen%s%s\n", static_cast<long long>(problem.p),
+                   static_cast<long long>(problem.q), static_cast<long long>(problem.r),
+                   fp8 ? " fp8" : "", best < 0 ? 0 : best, count,
+                   skipped.empty() ? "" : ", untimed: ", skipped.c_str());
+    }
     return best < 0 ? 0 : best;
   }
 };

@@ -104,23 +104,32 @@ __global__ void RandomFillKernel(uint32_t* words, size_t count, RandomFill fill,
   }
 }
 
-// Stream-ordered device memory for the autotuning scratch (no device-wide sync), freed
-// on scope exit on the same stream.
+// Device memory for the autotuning scratch: stream-ordered (no device-wide sync) where the
+// device's memory pool allows, else cudaMalloc (initialize runs outside graph capture);
+// freed on scope exit.
 struct ScratchBuffer {
   void* data = nullptr;
+  size_t size_bytes = 0;
   cudaStream_t stream;
+  bool stream_ordered = true;
+  std::string async_error;  // why cudaMallocAsync failed, when it did (for the log)
+
   ScratchBuffer(size_t bytes, cudaStream_t stream_) : stream(stream_) {
     bytes = (std::max<size_t>(bytes, 256) + 3) / 4 * 4;  // whole words for RandomFillKernel
-    if (cudaMallocAsync(&data, bytes, stream) != cudaSuccess) {
-      data = nullptr;
-      return;
+    if (cudaError_t status = cudaMallocAsync(&data, bytes, stream); status != cudaSuccess) {
+      async_error = cudaGetErrorString(status);
+      cudaGetLastError();
+      stream_ordered = false;
+      if (cudaMalloc(&data, bytes) != cudaSuccess) {
+        data = nullptr;
+        return;
+      }
     }
-    // Small finite values (0x3C3C: bf16 ~0.0115, f16 ~1.06, fp32 ~0.0115): a realistic
-    // power draw, no NaN or Inf paths.
+    // Small finite values (0x3C3C: bf16 ~0.0115, f16 ~1.06, fp32 ~0.0115): no NaN or Inf
+    // paths.
     cudaMemsetAsync(data, 0x3C, bytes, stream);
     size_bytes = bytes;
   }
-  size_t size_bytes = 0;
   // Overwrites the buffer with random finite values of `type` (sustained timing).
   void Randomize(ffi::DataType type, uint32_t seed) {
     if (!data) return;
@@ -130,7 +139,13 @@ struct ScratchBuffer {
                                                  RandomFillFor(type), seed);
   }
   ~ScratchBuffer() {
-    if (data) cudaFreeAsync(data, stream);
+    if (!data) return;
+    if (stream_ordered) {
+      cudaFreeAsync(data, stream);
+    } else {
+      cudaStreamSynchronize(stream);
+      cudaFree(data);
+    }
   }
   ScratchBuffer(const ScratchBuffer&) = delete;
   ScratchBuffer& operator=(const ScratchBuffer&) = delete;
@@ -327,7 +342,11 @@ struct MatmulState {
       // FP8: the scale pointers on the descriptor point at scratch (finite 0x3C3C3C3C
       // floats) while timing; Execute sets the real ones before every product.
       bool ready = a.data && b.data && out.data && workspace.data && scales.data;
-      if (!ready) skipped = std::string("cudaMallocAsync: ") + cudaGetErrorString(cudaGetLastError());
+      if (!ready) skipped = "no scratch memory (cudaMallocAsync: " + a.async_error + ")";
+      if (log && !a.async_error.empty()) {
+        std::fprintf(stderr, "jaxfuse cuBLASLt autotune: cudaMallocAsync failed (%s), "
+                     "scratch from cudaMalloc\n", a.async_error.c_str());
+      }
       if (ready && sustained) {
         a.Randomize(problem.input_type, 1);
         b.Randomize(problem.b_type, 2);

@@ -307,6 +307,11 @@ struct MatmulState {
     constexpr float kSustainedMs = 50.0f;
     const bool sustained = mode == Autotune::kSustained;
     const bool log = AutotuneLog();
+    // XLA may initialize custom calls while this thread captures a CUDA graph (command
+    // buffers), where synchronizing or allocating calls fail: relax the thread's capture
+    // mode for the timing (our private stream is never captured) and restore it after.
+    cudaStreamCaptureMode capture_mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&capture_mode);
     int previous_device = 0;
     cudaGetDevice(&previous_device);
     if (previous_device != device) cudaSetDevice(device);
@@ -382,17 +387,28 @@ struct MatmulState {
         float fastest = -1.0f;
         for (int repeat = 0; repeat < 3; ++repeat) {
           float ms = 0.0f;
-          if (cudaEventRecord(start, stream) != cudaSuccess || run() != CUBLAS_STATUS_SUCCESS ||
-              cudaEventRecord(stop, stream) != cudaSuccess ||
-              cudaEventSynchronize(stop) != cudaSuccess ||
-              cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
+          cudaError_t status = cudaEventRecord(start, stream);
+          const bool ran = status == cudaSuccess && run() == CUBLAS_STATUS_SUCCESS;
+          if (ran) status = cudaEventRecord(stop, stream);
+          if (ran && status == cudaSuccess) status = cudaEventSynchronize(stop);
+          if (ran && status == cudaSuccess) status = cudaEventElapsedTime(&ms, start, stop);
+          if (!ran || status != cudaSuccess) {
+            if (log) {
+              std::fprintf(stderr, "jaxfuse cuBLASLt autotune [%lld, %lld, %lld]%s candidate "
+                           "%d (%s) failed: timing: %s\n", static_cast<long long>(problem.p),
+                           static_cast<long long>(problem.q), static_cast<long long>(problem.r),
+                           fp8 ? " fp8" : "", i, Describe(results[i].algo).c_str(),
+                           ran ? cudaGetErrorString(status) : "a timed run failed");
+            }
+            cudaGetLastError();
             fastest = -1.0f;
             break;
           }
           if (fastest < 0.0f || ms < fastest) fastest = ms;
         }
+        if (fastest < 0.0f) continue;  // logged above
         float score = fastest;
-        if (sustained && fastest > 0.0f) {
+        if (sustained) {
           // As many runs as fill kSustainedMs at the burst speed: once to reach the power
           // and clock state of a long step, once timed.
           const int runs = static_cast<int>(std::min(kSustainedMs / fastest + 1.0f, 100000.0f));
@@ -429,6 +445,7 @@ struct MatmulState {
     if (stream) cudaStreamDestroy(stream);
     cudaGetLastError();  // a failed scratch allocation is not the caller's error
     if (previous_device != device) cudaSetDevice(previous_device);
+    cudaThreadExchangeStreamCaptureMode(&capture_mode);
     if (log) {
       std::fprintf(stderr, "jaxfuse cuBLASLt autotune [%lld, %lld, %lld]%s: candidate %d of %d "
                    "chosen%s%s\n", static_cast<long long>(problem.p),

@@ -3,14 +3,17 @@
 // residual buffer, so the product accumulates into the residual in place.
 //
 // Stages: instantiate validates the shapes once and builds the cuBLASLt descriptors;
-// initialize (outside any CUDA graph capture) creates the device's handle and picks the
-// algorithm: it times cuBLASLt's heuristic candidates once on scratch buffers of the
-// problem's shapes, as XLA's autotuner does for its own GEMMs (JAXFUSE_CUBLASLT_AUTOTUNE=0
-// keeps the heuristic's first choice; =sustained times each candidate over ~50 ms of
-// back-to-back runs on random bits after as long a warm-up, the regime of a training step
-// under the GPU's power cap, where a burst's ranking need not hold; JAXFUSE_CUBLASLT_LOG=1
-// prints every candidate's times). Execute only enqueues cublasLtMatmul. Nothing syncs
-// or allocates in execute, so the handlers are command-buffer (CUDA graph) compatible.
+// initialize creates the device's handle and picks the algorithm: by default cuBLASLt's
+// heuristic's first choice. JAXFUSE_CUBLASLT_AUTOTUNE=1 times up to 8 heuristic candidates
+// once on scratch buffers of the problem's shapes, as XLA's autotuner does for its own
+// GEMMs; =sustained times each over ~50 ms of back-to-back runs on random bits after as
+// long a warm-up, the regime of a training step under the GPU's power cap, where a burst's
+// ranking need not hold. JAXFUSE_CUBLASLT_LOG=1 prints every candidate's times, the choice,
+// and why the candidates went untimed when they did. (Timing was the default until session
+// 47, whose log showed it timing nothing on the GPU: results so far most likely used the
+// heuristic's choice, which is therefore the default.) Execute only enqueues
+// cublasLtMatmul. Nothing syncs or allocates in execute, so the handlers are
+// command-buffer (CUDA graph) compatible.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -62,8 +65,7 @@ enum class Autotune { kOff, kBurst, kSustained };
 
 Autotune AutotuneMode() {
   const char* value = std::getenv("JAXFUSE_CUBLASLT_AUTOTUNE");
-  if (value == nullptr) return Autotune::kBurst;
-  if (std::strcmp(value, "0") == 0) return Autotune::kOff;
+  if (value == nullptr || std::strcmp(value, "0") == 0) return Autotune::kOff;
   if (std::strcmp(value, "sustained") == 0) return Autotune::kSustained;
   return Autotune::kBurst;
 }
@@ -239,8 +241,8 @@ struct MatmulState {
   }
 
   // The algorithm for this device and these operand alignments, found once. With
-  // `autotune` (initialize stage only: it synchronizes), the heuristic's candidates are
-  // timed and the fastest kept.
+  // `autotune` (initialize stage only: it synchronizes) and JAXFUSE_CUBLASLT_AUTOTUNE set,
+  // the heuristic's candidates are timed and the fastest kept; otherwise its first.
   ffi::Error FindAlgorithm(int device, const void* a, const void* b, const void* out,
                            const Algorithm** found, bool autotune = false) {
     const AlgorithmKey key{device, Alignment(a), Alignment(b), Alignment(out)};
@@ -263,6 +265,7 @@ struct MatmulState {
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, std::get<3>(key));
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, std::get<3>(key));
     constexpr int kCandidates = 8;
+    const Autotune mode = autotune ? AutotuneMode() : Autotune::kOff;
     cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
     int count = 0;
     const cublasStatus_t status = api->MatmulAlgoGetHeuristic(
@@ -274,7 +277,6 @@ struct MatmulState {
       return Internal("cuBLASLt found no algorithm for a [", problem.p, ", ", problem.q,
                       ", ", problem.r, "] product: ", cublaslt::StatusString(status));
     }
-    const Autotune mode = autotune ? AutotuneMode() : Autotune::kOff;
     const int best = mode != Autotune::kOff && count > 1
                          ? FastestCandidate(device, algorithm, results, count, mode)
                          : 0;

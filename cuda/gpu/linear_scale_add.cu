@@ -285,6 +285,13 @@ struct MatmulState {
     return ffi::Error::Success();
   }
 
+  // "jaxfuse cuBLASLt autotune [P, Q, R] fp8": the start of this problem's log lines.
+  std::string LogPrefix() const {
+    return "jaxfuse cuBLASLt autotune [" + std::to_string(problem.p) + ", " +
+           std::to_string(problem.q) + ", " + std::to_string(problem.r) + "]" +
+           (fp8 ? " fp8" : "");
+  }
+
   // cuBLASLt's configuration of a candidate, for the log: algorithm id, tile, stages.
   std::string Describe(const cublasLtMatmulAlgo_t& algo) const {
     int id = -1, tile = -1, stages = -1;
@@ -351,8 +358,8 @@ struct MatmulState {
       bool ready = a.data && b.data && out.data && workspace.data && scales.data;
       if (!ready) skipped = "no scratch memory (cudaMallocAsync: " + a.async_error + ")";
       if (log && !a.async_error.empty()) {
-        std::fprintf(stderr, "jaxfuse cuBLASLt autotune: cudaMallocAsync failed (%s), "
-                     "scratch from cudaMalloc\n", a.async_error.c_str());
+        std::fprintf(stderr, "%s: cudaMallocAsync failed (%s), scratch from cudaMalloc\n",
+                     LogPrefix().c_str(), a.async_error.c_str());
       }
       if (ready && sustained) {
         a.Randomize(problem.input_type, 1);
@@ -378,11 +385,8 @@ struct MatmulState {
         };
         if (cublasStatus_t status = run(); status != CUBLAS_STATUS_SUCCESS) {  // warm-up
           if (log) {
-            std::fprintf(stderr, "jaxfuse cuBLASLt autotune [%lld, %lld, %lld]%s candidate %d "
-                         "(%s) failed: %s\n", static_cast<long long>(problem.p),
-                         static_cast<long long>(problem.q), static_cast<long long>(problem.r),
-                         fp8 ? " fp8" : "", i, Describe(results[i].algo).c_str(),
-                         cublaslt::StatusString(status).c_str());
+            std::fprintf(stderr, "%s candidate %d (%s) failed: %s\n", LogPrefix().c_str(), i,
+                         Describe(results[i].algo).c_str(), cublaslt::StatusString(status).c_str());
           }
           continue;
         }
@@ -396,10 +400,8 @@ struct MatmulState {
           if (ran && status == cudaSuccess) status = cudaEventElapsedTime(&ms, start, stop);
           if (!ran || status != cudaSuccess) {
             if (log) {
-              std::fprintf(stderr, "jaxfuse cuBLASLt autotune [%lld, %lld, %lld]%s candidate "
-                           "%d (%s) failed: timing: %s\n", static_cast<long long>(problem.p),
-                           static_cast<long long>(problem.q), static_cast<long long>(problem.r),
-                           fp8 ? " fp8" : "", i, Describe(results[i].algo).c_str(),
+              std::fprintf(stderr, "%s candidate %d (%s) failed: timing: %s\n",
+                           LogPrefix().c_str(), i, Describe(results[i].algo).c_str(),
                            ran ? cudaGetErrorString(status) : "a timed run failed");
             }
             cudaGetLastError();
@@ -428,12 +430,9 @@ struct MatmulState {
           score = ok ? ms / runs : -1.0f;
         }
         if (log) {
-          std::fprintf(stderr,
-                       "jaxfuse cuBLASLt autotune [%lld, %lld, %lld]%s candidate %d (%s): "
-                       "burst %.4f ms, sustained %.4f ms\n",
-                       static_cast<long long>(problem.p), static_cast<long long>(problem.q),
-                       static_cast<long long>(problem.r), fp8 ? " fp8" : "", i,
-                       Describe(results[i].algo).c_str(), fastest, sustained ? score : -1.0f);
+          std::fprintf(stderr, "%s candidate %d (%s): burst %.4f ms, sustained %.4f ms\n",
+                       LogPrefix().c_str(), i, Describe(results[i].algo).c_str(), fastest,
+                       sustained ? score : -1.0f);
         }
         if (score >= 0.0f && (best < 0 || score < best_ms)) {
           best = i;
@@ -449,11 +448,9 @@ struct MatmulState {
     if (previous_device != device) cudaSetDevice(previous_device);
     cudaThreadExchangeStreamCaptureMode(&capture_mode);
     if (log) {
-      std::fprintf(stderr, "jaxfuse cuBLASLt autotune [%lld, %lld, %lld]%s: candidate %d of %d "
-                   "chosen%s%s\n", static_cast<long long>(problem.p),
-                   static_cast<long long>(problem.q), static_cast<long long>(problem.r),
-                   fp8 ? " fp8" : "", best < 0 ? 0 : best, count,
-                   skipped.empty() ? "" : ", untimed: ", skipped.c_str());
+      std::fprintf(stderr, "%s: candidate %d of %d chosen%s%s\n", LogPrefix().c_str(),
+                   best < 0 ? 0 : best, count, skipped.empty() ? "" : ", untimed: ",
+                   skipped.c_str());
     }
     return best < 0 ? 0 : best;
   }

@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -107,8 +108,8 @@ __global__ void RandomFillKernel(uint32_t* words, size_t count, RandomFill fill,
 }
 
 // Device memory for the autotuning scratch: stream-ordered (no device-wide sync) where the
-// device's memory pool allows, else cudaMalloc (initialize runs outside graph capture);
-// freed on scope exit.
+// device's memory pool allows, else cudaMalloc (FastestCandidate relaxes the thread's
+// capture mode first); freed on scope exit.
 struct ScratchBuffer {
   void* data = nullptr;
   size_t size_bytes = 0;
@@ -266,6 +267,8 @@ struct MatmulState {
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, std::get<3>(key));
     constexpr int kCandidates = 8;
     const Autotune mode = autotune ? AutotuneMode() : Autotune::kOff;
+    // Initialize asks for kCandidates even untimed: results[0] of that query is what every
+    // measured run used.
     cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
     int count = 0;
     const cublasStatus_t status = api->MatmulAlgoGetHeuristic(
@@ -333,33 +336,34 @@ struct MatmulState {
     int best = -1;
     // Why the candidates could not be timed (the heuristic's order is kept), for the log.
     std::string skipped;
+    auto succeeded = [&](cudaError_t status, const char* what) {
+      if (status != cudaSuccess) skipped = std::string(what) + ": " + cudaGetErrorString(status);
+      return status == cudaSuccess;
+    };
     const size_t scratch_bytes = a_bytes + b_bytes + out_bytes + workspace_bytes;
-    if (cudaError_t status = cudaMemGetInfo(&free_bytes, &total_bytes); status != cudaSuccess) {
-      skipped = std::string("cudaMemGetInfo: ") + cudaGetErrorString(status);
-    } else if (scratch_bytes >= free_bytes / 2) {
+    if (succeeded(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo") &&
+        scratch_bytes >= free_bytes / 2) {
       skipped = "scratch of " + std::to_string(scratch_bytes) + " bytes, " +
                 std::to_string(free_bytes) + " free";
-    } else if (status = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-               status != cudaSuccess) {
-      skipped = std::string("cudaStreamCreate: ") + cudaGetErrorString(status);
-    } else if (status = cudaEventCreate(&start); status == cudaSuccess) {
-      status = cudaEventCreate(&stop);
-      if (status != cudaSuccess) skipped = std::string("cudaEventCreate: ") +
-                                           cudaGetErrorString(status);
-    } else {
-      skipped = std::string("cudaEventCreate: ") + cudaGetErrorString(status);
     }
-    if (skipped.empty()) {
+    if (skipped.empty() &&
+        succeeded(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate") &&
+        succeeded(cudaEventCreate(&start), "cudaEventCreate") &&
+        succeeded(cudaEventCreate(&stop), "cudaEventCreate")) {
       ScratchBuffer a(a_bytes, stream), b(b_bytes, stream), out(out_bytes, stream),
           workspace(workspace_bytes, stream), scales(2 * sizeof(float), stream);
       const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
       // FP8: the scale pointers on the descriptor point at scratch (finite 0x3C3C3C3C
       // floats) while timing; Execute sets the real ones before every product.
       bool ready = a.data && b.data && out.data && workspace.data && scales.data;
-      if (!ready) skipped = "no scratch memory (cudaMallocAsync: " + a.async_error + ")";
-      if (log && !a.async_error.empty()) {
+      std::string async_error;
+      for (const ScratchBuffer* buffer : {&a, &b, &out, &workspace, &scales}) {
+        if (async_error.empty()) async_error = buffer->async_error;
+      }
+      if (!ready) skipped = "no scratch memory (cudaMallocAsync: " + async_error + ")";
+      if (log && ready && !async_error.empty()) {
         std::fprintf(stderr, "%s: cudaMallocAsync failed (%s), scratch from cudaMalloc\n",
-                     LogPrefix().c_str(), a.async_error.c_str());
+                     LogPrefix().c_str(), async_error.c_str());
       }
       if (ready && sustained) {
         a.Randomize(problem.input_type, 1);

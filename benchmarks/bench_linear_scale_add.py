@@ -12,7 +12,14 @@ current scaling, forward and fwd+bwd; fwd+bwd without returning the residual's c
 frozen copy, fwd+bwd on a trainable one; and per layer of a stack of 8 layers in one jit
 (make_stack_step), as a model's training step runs them.
 
+Each FP8 row also gives the device time per call of both variants (``*_device_ms``: the span
+of their kernels over calls dispatched back to back, from CUPTI; common.device_time_per_call)
+and the speedup on that clock. The host clock's chunks of ``--chunk`` calls each hold one
+call's dispatch latency (about 0.1-0.4 ms on the H200), which weighs more on the faster
+variant: a training loop that dispatches steps back to back never pays it.
+
     python benchmarks/bench_linear_scale_add.py [--quick] [--fp8-only] [--tag TAG]
+        [--chunk CALLS] [--device-calls CALLS]
 """
 
 from __future__ import annotations
@@ -104,23 +111,33 @@ def operands(tokens, features, seed):
   return x, kernel, d_out
 
 
-def time_pair(steps: dict, x, kernel, d_out, backward, rounds) -> dict[str, dict]:
+def time_pair(steps: dict, x, kernel, d_out, backward, rounds, chunk=common.CHUNK,
+              device_calls=0) -> dict[str, dict]:
   """common.time_alternating over `steps` (label -> jitted step): each step's residual is
   donated and replaced by its output, as a residual stream is updated in training.
-  `kernel`: one for every step, or {label: kernel}."""
+  `kernel`: one for every step, or {label: kernel}. With `device_calls`, each label's
+  stats also hold ``device_span_ms`` and ``device_kernel_ms`` (common.device_time_per_call
+  over that many calls back to back, on a fresh residual: the timed one was donated)."""
   tokens, features = d_out.shape
-  variants = {}
-  for index, (label, step) in enumerate(steps.items()):
+
+  def variant(index, label, step):
     residual = jax.random.normal(jax.random.key(index), (tokens, features), jnp.bfloat16)
     kernel_ = kernel[label] if isinstance(kernel, dict) else kernel
     args = (x, kernel_, residual, d_out) if backward else (x, kernel_, residual)
     advance = lambda args, outputs: (*args[:2], outputs[0] if backward else outputs,
                                      *args[3:])
-    variants[label] = (step, args, advance)
-  return common.time_alternating(variants, rounds=rounds)
+    return step, args, advance
+
+  timing = common.time_alternating(
+      {label: variant(index, label, step) for index, (label, step) in enumerate(steps.items())},
+      rounds=rounds, chunk=chunk)
+  for index, (label, step) in enumerate(steps.items() if device_calls else ()):
+    device = common.device_time_per_call(variant(index, label, step), device_calls)
+    timing[label].update({f"device_{key}": value for key, value in device.items()})
+  return timing
 
 
-def time_fp8(shapes, rounds) -> list[dict]:
+def time_fp8(shapes, rounds, chunk=common.CHUNK, device_calls=0) -> list[dict]:
   """FP8 linear_scale_add (forward, forward + backward) against bf16 XLA, same run."""
   rows = []
   for tokens, features in shapes:
@@ -144,26 +161,32 @@ def time_fp8(shapes, rounds) -> list[dict]:
                             "jaxfuse_fp8": make_step("ffi", backward, FP8_RECIPE,
                                                      residual_cotangent=returned)},
                            x, {"xla_bf16": kernel, "jaxfuse_fp8": fp8_kernel}, d_out,
-                           backward, rounds)
+                           backward, rounds, chunk, device_calls)
       rows.append(_fp8_row(row, timing, gpu, flops * (3 if backward else 1)))
-    rows.extend(time_stack(tokens, features, rounds))
+    rows.extend(time_stack(tokens, features, rounds, chunk=chunk, device_calls=device_calls))
   return rows
 
 
 def _fp8_row(row, timing, gpu, flops, layers=1) -> dict:
   """`row` completed from a time_pair of "xla_bf16" and "jaxfuse_fp8": ms (per layer of a
-  `layers`-layer step), TFLOP/s of `flops` per layer, the speedups, the GPU's clocks."""
+  `layers`-layer step), TFLOP/s of `flops` per layer, the speedups (host clock, paired, and
+  on the device clock where time_pair measured it), the GPU's clocks."""
   row["gpu"] = gpu.summary
   for label, stats in timing.items():
     row[f"{label}_ms"] = stats["median_ms"] / layers
     row[f"{label}_tflops"] = flops / (row[f"{label}_ms"] * 1e-3) / 1e12
+    if "device_span_ms" in stats:
+      row[f"{label}_device_ms"] = stats["device_span_ms"] / layers
   row["fp8_speedup_vs_xla_bf16"] = row["xla_bf16_ms"] / row["jaxfuse_fp8_ms"]
   row["paired_speedup"] = timing["jaxfuse_fp8"]["paired_speedup_vs_xla_bf16"]
+  if "jaxfuse_fp8_device_ms" in row and "xla_bf16_device_ms" in row:
+    row["device_speedup"] = row["xla_bf16_device_ms"] / row["jaxfuse_fp8_device_ms"]
   print(row, flush=True)
   return row
 
 
-def time_stack(tokens, features, rounds, layers=STACK_LAYERS) -> list[dict]:
+def time_stack(tokens, features, rounds, layers=STACK_LAYERS, chunk=common.CHUNK,
+               device_calls=0) -> list[dict]:
   """The FP8 and bf16 XLA stacks of make_stack_step (fresh x and kernel per layer), forward
   and fwd+bwd; times per layer (the step's median over `layers`)."""
   keys = jax.random.split(jax.random.key(tokens + features), 3)
@@ -179,10 +202,20 @@ def time_stack(tokens, features, rounds, layers=STACK_LAYERS) -> list[dict]:
     with common.GpuMonitor() as gpu:
       timing = time_pair({"xla_bf16": make_stack_step("xla", backward, layers=layers),
                           "jaxfuse_fp8": make_stack_step("ffi", backward, FP8_RECIPE, layers)},
-                         xs, kernels, d_out, backward, rounds)
+                         xs, kernels, d_out, backward, rounds, chunk, device_calls)
     rows.append(_fp8_row(row, timing, gpu, flops * (3 if backward else 1), layers))
   del xs, kernels
   return rows
+
+
+def timing_method(chunk: int, device_calls: int) -> str:
+  """The results file's description of how the rows were timed."""
+  method = (f"wall time of alternating chunks of {chunk} calls dispatched back to back, one "
+            "sync per chunk, median over chunks of chunk time / calls")
+  if device_calls:
+    method += (f"; *_device_ms: span of the variant's kernels over {device_calls} calls "
+               "dispatched back to back (CUPTI through torch.profiler) / calls")
+  return method
 
 
 def main():
@@ -190,9 +223,13 @@ def main():
   parser.add_argument("--quick", action="store_true", help="two small shapes, few calls")
   parser.add_argument("--fp8-only", action="store_true", help="the FP8 rows alone")
   parser.add_argument("--tag", default="", help="suffix of the results file names (a knob sweep)")
+  parser.add_argument("--chunk", type=int, default=common.CHUNK,
+                      help="calls per host-clock chunk (one sync each)")
+  parser.add_argument("--device-calls", type=int, default=10,
+                      help="calls per FP8 variant on the device clock (0: none)")
   args = parser.parse_args()
   shapes = SHAPES[:2] if args.quick else SHAPES
-  rounds = 2 if args.quick else 12  # chunks per variant, alternating (common.CHUNK calls)
+  rounds = 2 if args.quick else 12  # chunks per variant, alternating (--chunk calls each)
   rows = []
   for tokens, features in ([] if args.fp8_only else shapes):
     x, kernel, d_out = operands(tokens, features, tokens + features)
@@ -202,7 +239,7 @@ def main():
       with common.GpuMonitor() as gpu:
         timing = time_pair({"xla": make_step("xla", backward),
                             "jaxfuse": make_step("ffi", backward)},
-                           x, kernel, d_out, backward, rounds)
+                           x, kernel, d_out, backward, rounds, args.chunk)
       row["gpu"] = gpu.summary
       for label, stats in timing.items():
         row[f"{label}_ms"] = stats["median_ms"]
@@ -215,13 +252,17 @@ def main():
     common.print_table(rows, ["tokens", "features", "pass", "jaxfuse_ms", "xla_ms",
                               "jaxfuse_tflops", "xla_tflops", "speedup_vs_xla", "paired_speedup"])
     common.write_results("linear_scale_add", rows, tag=args.tag, alpha=ALPHA, dtype="bfloat16",
+                         method=timing_method(args.chunk, 0),
                          baseline="XLA lowering of residual + alpha * (x @ kernel) in bf16, "
                                   "same run")
-  fp8_rows = time_fp8(FP8_SHAPES[:1] if args.quick else FP8_SHAPES, rounds)
+  fp8_rows = time_fp8(FP8_SHAPES[:1] if args.quick else FP8_SHAPES, rounds, args.chunk,
+                      args.device_calls)
   common.print_table(fp8_rows, ["tokens", "features", "pass", "jaxfuse_fp8_ms", "xla_bf16_ms",
-                                "jaxfuse_fp8_tflops", "fp8_speedup_vs_xla_bf16", "paired_speedup"])
+                                "jaxfuse_fp8_tflops", "fp8_speedup_vs_xla_bf16", "paired_speedup",
+                                "jaxfuse_fp8_device_ms", "xla_bf16_device_ms", "device_speedup"])
   common.write_results("linear_scale_add_fp8", fp8_rows, tag=args.tag, alpha=ALPHA,
-                       recipe=repr(FP8_RECIPE),
+                       recipe=repr(FP8_RECIPE), method=timing_method(args.chunk,
+                                                                     args.device_calls),
                        baseline="XLA lowering of residual + alpha * (x @ kernel) in bf16, "
                                 "same run")
 

@@ -196,3 +196,37 @@ def test_kernel_times_need_torch_and_cuda():
     pass
   assert common.kernel_times_alternating(variants, lambda name: "a", rounds=1, chunk=1) == {}
   assert not ran
+
+
+def test_linear_scale_add_rows_carry_the_device_clock_of_fresh_residuals(monkeypatch):
+  """bench_linear_scale_add times each FP8 variant on the device clock after the host
+  clock, on a residual of its own (the host-timed one was donated), and the row's
+  device_speedup is XLA's device time over jaxfuse's."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from benchmarks import bench_linear_scale_add as bench  # pylint: disable=g-import-not-at-top
+  steps = {"xla_bf16": bench.make_step("xla", backward=True),
+           "jaxfuse_fp8": bench.make_step("ffi", backward=True, recipe=bench.FP8_RECIPE)}
+  device_ms = {steps["xla_bf16"]: 3.0, steps["jaxfuse_fp8"]: 2.0}
+  timed_calls = []
+
+  def device_time(variant, calls):
+    fn, args, advance = variant
+    for _ in range(calls):  # a residual donated by the host timing would raise here
+      outputs = fn(*args)
+      args = advance(args, outputs)
+    jax.block_until_ready(outputs)
+    timed_calls.append(calls)
+    return {"span_ms": device_ms[fn], "kernel_ms": device_ms[fn] * 0.9}
+
+  monkeypatch.setattr(common, "device_time_per_call", device_time)
+  x, kernel, d_out = bench.operands(16, 32, seed=0)
+  timing = bench.time_pair(steps, x, kernel, d_out, backward=True, rounds=1, chunk=2,
+                           device_calls=3)
+  assert timed_calls == [3, 3]
+  assert timing["jaxfuse_fp8"]["calls"] == timing["xla_bf16"]["calls"] == 2
+  row = bench._fp8_row({}, timing, common.GpuMonitor(), flops=1.0)  # pylint: disable=protected-access
+  assert row["xla_bf16_device_ms"] == 3.0 and row["jaxfuse_fp8_device_ms"] == 2.0
+  assert row["device_speedup"] == pytest.approx(1.5)
+  # Without device_calls the rows keep the host clock alone.
+  timing = bench.time_pair(steps, x, kernel, d_out, backward=True, rounds=1, chunk=1)
+  assert timed_calls == [3, 3] and "device_span_ms" not in timing["xla_bf16"]

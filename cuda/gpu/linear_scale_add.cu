@@ -317,6 +317,10 @@ struct MatmulState {
                        const cublasLtMatmulHeuristicResult_t* results, int count,
                        Autotune mode) const {
     constexpr float kSustainedMs = 50.0f;
+    // The FP8 scale scratch: one float per operand, each at its own 256-byte boundary as
+    // XLA places buffers. With b's scale 4 bytes after a's, every FP8 candidate failed with
+    // CUBLAS_STATUS_NOT_SUPPORTED on the H200 (session 48): misaligned scale pointers.
+    constexpr size_t kScaleStride = 256;
     const bool sustained = mode == Autotune::kSustained;
     const bool log = AutotuneLog();
     // XLA may initialize custom calls while this thread captures a CUDA graph (command
@@ -351,7 +355,7 @@ struct MatmulState {
         succeeded(cudaEventCreate(&start), "cudaEventCreate") &&
         succeeded(cudaEventCreate(&stop), "cudaEventCreate")) {
       ScratchBuffer a(a_bytes, stream), b(b_bytes, stream), out(out_bytes, stream),
-          workspace(workspace_bytes, stream), scales(2 * sizeof(float), stream);
+          workspace(workspace_bytes, stream), scales(2 * kScaleStride, stream);
       const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
       // FP8: the scale pointers on the descriptor point at scratch (finite 0x3C3C3C3C
       // floats) while timing; Execute sets the real ones before every product.
@@ -373,7 +377,7 @@ struct MatmulState {
       }
       if (ready && fp8) {
         const void* a_scale = scales.data;
-        const void* b_scale = static_cast<const float*>(scales.data) + 1;
+        const void* b_scale = static_cast<const char*>(scales.data) + kScaleStride;
         ready = api->MatmulDescSetAttribute(algorithm.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
                                             &a_scale, sizeof(a_scale)) == CUBLAS_STATUS_SUCCESS &&
                 api->MatmulDescSetAttribute(algorithm.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
@@ -434,9 +438,11 @@ struct MatmulState {
           score = ok ? ms / runs : -1.0f;
         }
         if (log) {
-          std::fprintf(stderr, "%s candidate %d (%s): burst %.4f ms, sustained %.4f ms\n",
-                       LogPrefix().c_str(), i, Describe(results[i].algo).c_str(), fastest,
-                       sustained ? score : -1.0f);
+          const std::string sustained_ms =
+              !sustained ? "" : score < 0.0f ? ", sustained failed" :
+                                               ", sustained " + std::to_string(score) + " ms";
+          std::fprintf(stderr, "%s candidate %d (%s): burst %.4f ms%s\n", LogPrefix().c_str(),
+                       i, Describe(results[i].algo).c_str(), fastest, sustained_ms.c_str());
         }
         if (score >= 0.0f && (best < 0 || score < best_ms)) {
           best = i;

@@ -449,8 +449,8 @@ def test_cublaslt_autotune_modes_pick_algorithms_that_compute_the_product(mode, 
   for *_, burst, sustained in timed:
     assert float(burst) > 0, done.stderr
     if mode == "sustained":
-      assert re.fullmatch(r", sustained [\d.]+ ms", sustained), done.stderr
-      assert float(sustained.split()[1]) > 0, done.stderr
+      sustained_ms = re.fullmatch(r", sustained ([\d.]+) ms", sustained)
+      assert sustained_ms and float(sustained_ms[1]) > 0, done.stderr
     else:
       assert not sustained, done.stderr
 

@@ -231,6 +231,8 @@ CASES = {
         8192, 8192, xla=True),
     "linear_scale_add fp8 65536x4096 fwd+bwd": lambda: linear_scale_add_fp8_backward_case(
         65536, 4096),
+    "xla bf16 linear_scale_add 65536x4096 fwd+bwd": lambda: linear_scale_add_fp8_backward_case(
+        65536, 4096, xla=True),
     "linear_scale_add fp8 8192^3 fwd, 8-layer stack": lambda: linear_scale_add_stack_case(
         8192, 8192),
     "xla bf16 linear_scale_add 8192^3 fwd, 8-layer stack": lambda: linear_scale_add_stack_case(

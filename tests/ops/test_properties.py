@@ -1,0 +1,289 @@
+"""Property-based tests (hypothesis): the ops against float64 numpy over generated problems,
+on every implementation (the jnp reference, the CPU handlers, the CUDA kernels).
+
+Each property draws a problem (rows, widths, number of groups, group sizes with negatives,
+zeros and sums below, at and past the rows, activation parameters, magnitudes) and a seed
+for fresh normal values. The fixed hard cases live in each op's own test file and so do
+the float64 numpy specifications used here; these tests search the space between those
+cases. On failure hypothesis prints the smallest problem it found and the seed.
+
+Error bounds are per element and follow from the arithmetic, not from a tensor-wide rtol:
+a product of 16-bit inputs is exact in fp32, a K-term fp32 sum errs by at most
+K * 2^-24 * sum|terms|, and the one rounding to the output dtype by half an ulp
+(2^-8 relative for bf16, 2^-11 for f16).
+
+``JAXFUSE_PROPERTY_EXAMPLES`` sets the number of problems per property (default 20).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jaxfuse
+from jaxfuse._src.ops.group_offsets import api as group_offsets_api
+from jaxfuse.quantization import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from tests import helpers
+from tests.ops.test_grouped_linear import numpy_grouped_grads, numpy_grouped_linear
+from tests.ops.test_quantize import check_round_trip
+from tests.ops.test_scaled_activation import np_act
+
+# (implementation, device platform)
+IMPLEMENTATIONS = [
+    pytest.param(("xla", "cpu"), id="xla"),
+    pytest.param(("ffi", "cpu"), id="ffi-cpu"),
+    pytest.param(("ffi", "gpu"), id="ffi-gpu", marks=pytest.mark.gpu),
+]
+# Rounding to the output dtype: half an ulp relative in the normal range, half the
+# subnormal step below it (f16's subnormals start at 2^-14, its step is 2^-24).
+HALF_ULP = {jnp.dtype(jnp.bfloat16): 2.0**-8, jnp.dtype(jnp.float16): 2.0**-11}
+HALF_SUBNORMAL_STEP = {jnp.dtype(jnp.bfloat16): 2.0**-134, jnp.dtype(jnp.float16): 2.0**-25}
+
+PROPERTY = settings(
+    max_examples=int(os.environ.get("JAXFUSE_PROPERTY_EXAMPLES", "20")),
+    deadline=None,  # each new shape compiles
+    database=None,  # no .hypothesis directory in the checkout
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+def on(platform, *arrays):
+  device = jax.devices(platform)[0]
+  return [jax.device_put(a, device) for a in arrays]
+
+
+# --- strategies ------------------------------------------------------------------------
+
+
+@st.composite
+def group_sizes(draw, rows: int, max_groups: int = 12) -> list[int]:
+  """G sizes for `rows` rows: either a partition of the rows (sum == rows, empty groups
+  where cut points coincide) or free sizes (zeros, negatives, sums below or past rows)."""
+  groups = draw(st.integers(1, max_groups))
+  if draw(st.booleans()):
+    cuts = sorted(draw(st.lists(st.integers(0, rows), min_size=groups - 1,
+                                max_size=groups - 1)))
+    return list(np.diff([0, *cuts, rows]).astype(int))
+  size = st.one_of(st.just(0), st.integers(-4, -1), st.integers(1, max(rows, 1)))
+  return draw(st.lists(size, min_size=groups, max_size=groups))
+
+
+def covered_rows(sizes, rows: int) -> int:
+  return min(sum(max(int(s), 0) for s in sizes), rows)
+
+
+# --- group_offsets ---------------------------------------------------------------------
+
+
+@st.composite
+def many_group_sizes(draw, max_groups: int, max_size: int) -> np.ndarray:
+  """Up to `max_groups` int32 sizes (past the GPU scan's 1024-group chunks), drawn by numpy
+  from a hypothesis seed: small or large, a share of them negative."""
+  groups = draw(st.integers(1, max_groups))
+  largest = draw(st.sampled_from([1, 7, 1000, max_size]))
+  negative_share = draw(st.sampled_from([0.0, 0.1, 0.5]))
+  rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+  sizes = rng.integers(0, largest + 1, groups)
+  negative = rng.random(groups) < negative_share
+  sizes[negative] = -rng.integers(1, 6, int(negative.sum()))
+  return sizes.astype(np.int32)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@PROPERTY
+@given(sizes=many_group_sizes(max_groups=2100, max_size=1_000_000))
+def test_group_offsets_is_the_exclusive_prefix_sum_of_clamped_sizes(implementation, sizes):
+  impl, platform = implementation
+  (group_sizes_,) = on(platform, jnp.asarray(sizes))
+  offsets = jaxfuse.group_offsets(group_sizes_, implementation=impl)
+  expected = np.concatenate([[0], np.cumsum(np.maximum(sizes, 0, dtype=np.int64))])
+  assert offsets.dtype == jnp.int32 and offsets.shape == (len(sizes) + 1,)
+  np.testing.assert_array_equal(np.asarray(offsets, np.int64), expected)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@PROPERTY
+@given(sizes=many_group_sizes(max_groups=300, max_size=50_000),
+       row_capacity=st.integers(0, 3_000_000),
+       strides=st.lists(st.sampled_from([1, 3, 8, 4096, 14336, 1 << 20]), min_size=1,
+                        max_size=3))
+def test_offsets_of_every_stride_are_clamped_rows_times_stride(implementation, sizes,
+                                                               row_capacity, strides):
+  """The internal multi-output offsets: 64-bit wherever rows * stride could pass int32.
+  The jnp reference produces int64 only under jax_enable_x64 and says so otherwise."""
+  impl, platform = implementation
+  (group_sizes_,) = on(platform, jnp.asarray(sizes))
+  wide_any = any(row_capacity * stride >= 2**31 for stride in strides)
+  if impl == "xla" and wide_any and not jax.config.jax_enable_x64:
+    with pytest.raises(NotImplementedError, match="jax_enable_x64"):
+      group_offsets_api.group_offsets_multi(group_sizes_, strides, row_capacity=row_capacity,
+                                            implementation=impl)
+    return
+  outputs = group_offsets_api.group_offsets_multi(group_sizes_, strides,
+                                                  row_capacity=row_capacity,
+                                                  implementation=impl)
+  rows = np.minimum(np.concatenate([[0], np.cumsum(np.maximum(sizes, 0, dtype=np.int64))]),
+                    row_capacity)
+  for stride, out in zip(strides, outputs):
+    wide = row_capacity * stride >= 2**31
+    assert out.dtype == (jnp.int64 if wide else jnp.int32), (stride, row_capacity)
+    np.testing.assert_array_equal(np.asarray(out, np.int64), rows * stride)
+
+
+# --- grouped_linear --------------------------------------------------------------------
+
+
+@st.composite
+def grouped_problems(draw):
+  rows = draw(st.integers(1, 80))
+  return dict(rows=rows, k=8 * draw(st.integers(1, 8)), n=8 * draw(st.integers(1, 8)),
+              sizes=draw(group_sizes(rows)),
+              dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16])),
+              seed=draw(st.integers(0, 2**32 - 1)))
+
+
+def assert_within(actual, expected, magnitude, dtype, terms, what):
+  """|actual - expected| <= rounding to `dtype` + terms * 2^-22 * magnitude, elementwise:
+  one rounding to the output dtype and an fp32 sum of `terms` products (4x slack)."""
+  actual = helpers.as_f64(actual)
+  dtype = jnp.dtype(dtype)
+  bound = (HALF_ULP[dtype] * np.abs(expected) + HALF_SUBNORMAL_STEP[dtype]
+           + terms * 2.0**-22 * magnitude)
+  excess = np.abs(actual - expected) - bound
+  assert not np.isnan(actual).any(), f"{what}: NaN"
+  assert (excess <= 0).all(), (f"{what}: {int((excess > 0).sum())} elements past the bound, "
+                               f"worst by {excess.max():.3g}")
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@PROPERTY
+@given(problem=grouped_problems())
+def test_grouped_linear_and_its_gradients_match_float64_numpy(implementation, problem):
+  impl, platform = implementation
+  rows, k, n, sizes, dtype = (problem[key] for key in ("rows", "k", "n", "sizes", "dtype"))
+  rng = np.random.default_rng(problem["seed"])
+  x = helpers.random_array(rng, (rows, k), dtype)
+  kernel = helpers.random_array(rng, (len(sizes), k, n), dtype, scale=1 / np.sqrt(k))
+  d_out = helpers.random_array(rng, (rows, n), dtype)
+  x_, kernel_, d_out_, sizes_ = on(platform, x, kernel, d_out, jnp.asarray(sizes, jnp.int32))
+
+  def forward(x, kernel):
+    return jaxfuse.grouped_linear(x, kernel, sizes_, implementation=impl)
+
+  out, vjp = jax.vjp(jax.jit(forward), x_, kernel_)
+  d_x, d_kernel = vjp(d_out_)
+  assert (out.dtype, d_x.dtype, d_kernel.dtype) == (dtype,) * 3
+  # |x| @ |W| and friends: the sums of |products| each element's fp32 sum runs over.
+  abs_x, abs_k, abs_d = (np.abs(helpers.as_f64(a)) for a in (x, kernel, d_out))
+  assert_within(out, numpy_grouped_linear(x, kernel, sizes),
+                numpy_grouped_linear(abs_x, abs_k, sizes), dtype, k, "out")
+  want_dx, want_dk = numpy_grouped_grads(x, kernel, sizes, d_out)
+  mag_dx, mag_dk = numpy_grouped_grads(abs_x, abs_k, sizes, abs_d)
+  assert_within(d_x, want_dx, mag_dx, dtype, n, "dx")
+  assert_within(d_kernel, want_dk, mag_dk, dtype, rows, "dkernel")
+  # Rows past the groups and the weights of empty groups are exactly zero (fresh GPU
+  # buffers hold garbage until written).
+  covered = covered_rows(sizes, rows)
+  assert not np.asarray(out[covered:], np.float32).any()
+  assert not np.asarray(d_x[covered:], np.float32).any()
+  starts = np.minimum(np.concatenate([[0], np.cumsum(np.maximum(sizes, 0))]), rows)
+  for g in np.flatnonzero(np.diff(starts) == 0):
+    assert not np.asarray(d_kernel[g], np.float32).any(), f"dkernel[{g}] of an empty group"
+
+
+# --- scaled_activation -----------------------------------------------------------------
+
+
+@st.composite
+def activation_problems(draw):
+  activation = draw(st.sampled_from(["swiglu", "srelu", "clamped_swiglu"]))
+  leading = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=2)))
+  features = draw(st.integers(1, 40))
+  return dict(activation=activation, leading=leading, features=features,
+              limit=draw(st.floats(0.25, 8.0)), alpha=draw(st.floats(0.5, 3.0)),
+              linear_offset=draw(st.floats(-1.5, 1.5)),
+              magnitude=draw(st.sampled_from([0.05, 1.0, 4.0, 12.0])),
+              seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@PROPERTY
+@given(problem=activation_problems())
+def test_scaled_activation_and_its_gradients_match_float64_numpy(implementation, problem):
+  """float32 throughout: every difference is a few ulps of fp32 math (the CUDA kernels'
+  ex2/rcp approximations included), so the bound is 1e-5 relative per element plus 1e-6
+  of the largest magnitude involved."""
+  impl, platform = implementation
+  activation, leading, features = problem["activation"], problem["leading"], problem["features"]
+  params = dict(limit=problem["limit"], alpha=problem["alpha"],
+                linear_offset=problem["linear_offset"])
+  rng = np.random.default_rng(problem["seed"])
+  width = features if activation == "srelu" else 2 * features
+  x = helpers.random_array(rng, (*leading, width), jnp.float32, scale=problem["magnitude"])
+  scales = jnp.asarray(rng.uniform(0.1, 1.5, leading), jnp.float32)
+  d_out = helpers.random_array(rng, (*leading, features), jnp.float32)
+  x_, scales_, d_out_ = on(platform, x, scales, d_out)
+
+  def forward(x, scales):
+    return jaxfuse.scaled_activation(x, scales, activation, implementation=impl, **params)
+
+  out, vjp = jax.vjp(jax.jit(forward), x_, scales_)
+  d_x, d_scales = vjp(d_out_)
+
+  value, d_a, d_b = np_act(x, activation, params["limit"], params["alpha"],
+                           params["linear_offset"])
+  s64, g64 = helpers.as_f64(scales)[..., None], helpers.as_f64(d_out)
+  gs = g64 * s64
+  want_dx = gs * d_a if d_b is None else np.concatenate([gs * d_a, gs * d_b], axis=-1)
+  checks = [("out", out, value * s64, np.abs(value * s64)),
+            ("dx", d_x, want_dx, np.abs(want_dx)),
+            # dscales[row] = sum_j dy_j act_j: bounded by the sum of |terms|.
+            ("dscales", d_scales, np.sum(g64 * value, -1), np.sum(np.abs(g64 * value), -1))]
+  for what, actual, expected, magnitude in checks:
+    actual = helpers.as_f64(actual)
+    assert actual.shape == expected.shape, what
+    bound = 1e-5 * magnitude + 1e-6 * (magnitude.max(initial=0.0) + 1e-30)
+    excess = np.abs(actual - expected) - bound
+    assert (excess <= 0).all(), f"{what}: worst excess {excess.max():.3g} ({activation})"
+
+
+# --- quantize / dequantize -------------------------------------------------------------
+
+
+@st.composite
+def quantize_problems(draw):
+  rows = draw(st.integers(1, 48))
+  return dict(rows=rows, cols=draw(st.integers(1, 300)), sizes=draw(group_sizes(rows)),
+              recipe=draw(st.sampled_from([Float8CurrentScaling(),
+                                           Float8CurrentScaling(per_group=False),
+                                           Float8BlockScaling(), Float8BlockScaling(block_size=32),
+                                           MXFP8BlockScaling()])),
+              role=draw(st.sampled_from(["forward", "gradient"])),
+              dtype=draw(st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16])),
+              seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@PROPERTY
+@given(problem=quantize_problems())
+def test_quantize_round_trip_stays_within_the_format_bound(implementation, problem):
+  """Rows of magnitudes 2^-10..2^6 (f16: 2^-6..2^6, inside its normal range): each scale
+  must adapt to its group or block; rows past the groups come back as zeros."""
+  impl, platform = implementation
+  rows, cols, dtype = problem["rows"], problem["cols"], problem["dtype"]
+  rng = np.random.default_rng(problem["seed"])
+  low = -6 if dtype == jnp.float16 else -10
+  values = rng.standard_normal((rows, cols)) * np.exp2(rng.integers(low, 7, (rows, 1)))
+  x = jnp.asarray(values, dtype)
+  x_, sizes_ = on(platform, x, jnp.asarray(problem["sizes"], jnp.int32))
+  q = jaxfuse.quantize(x_, problem["recipe"], group_sizes=sizes_, role=problem["role"],
+                       implementation=impl)
+  check_round_trip(x, q)
+  deq = jaxfuse.dequantize(q)
+  assert deq.dtype == x.dtype and deq.shape == x.shape

@@ -12,6 +12,9 @@ a product of 16-bit inputs is exact in fp32, a K-term fp32 sum errs by at most
 K * 2^-24 * sum|terms|, and the one rounding to the output dtype by half an ulp
 (2^-8 relative for bf16, 2^-11 for f16).
 
+float32 properties bound each element by 1e-5 of its own magnitude plus 1e-6 of the largest
+(a few fp32 ulps of the math, the CUDA kernels' approximate ex2/rcp/rsqrt included).
+
 ``JAXFUSE_PROPERTY_EXAMPLES`` sets the number of problems per property (default 20).
 """
 
@@ -31,7 +34,9 @@ from jaxfuse._src.ops.group_offsets import api as group_offsets_api
 from jaxfuse.quantization import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from tests import helpers
 from tests.ops.test_grouped_linear import numpy_grouped_grads, numpy_grouped_linear
+from tests.ops.test_linear_scale_add import numpy_linear_scale_add
 from tests.ops.test_quantize import check_round_trip
+from tests.ops.test_rms_norm import numpy_rms_norm, numpy_rms_norm_grads
 from tests.ops.test_scaled_activation import np_act
 
 # (implementation, device platform)
@@ -197,6 +202,114 @@ def test_grouped_linear_and_its_gradients_match_float64_numpy(implementation, pr
     assert not np.asarray(d_kernel[g], np.float32).any(), f"dkernel[{g}] of an empty group"
 
 
+# --- linear_scale_add ------------------------------------------------------------------
+
+
+@st.composite
+def linear_problems(draw):
+  """16-bit operands only: an fp32 GEMM may run in TF32 on the GPU, which these bounds
+  would not cover (test_linear_scale_add.py covers float32 against its own tolerance)."""
+  return dict(leading=tuple(draw(st.lists(st.integers(1, 12), min_size=1, max_size=3))),
+              k=draw(st.integers(1, 72)), n=draw(st.integers(1, 72)),
+              alpha=draw(st.sampled_from([1.0, 0.5, -2.0, 0.037])),
+              dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16])),
+              seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@PROPERTY
+@given(problem=linear_problems())
+def test_linear_scale_add_and_its_gradients_match_float64_numpy(implementation, problem):
+  impl, platform = implementation
+  leading, k, n, alpha, dtype = (problem[key] for key in ("leading", "k", "n", "alpha", "dtype"))
+  rng = np.random.default_rng(problem["seed"])
+  x = helpers.random_array(rng, (*leading, k), dtype)
+  kernel = helpers.random_array(rng, (k, n), dtype, scale=1 / np.sqrt(k))
+  residual = helpers.random_array(rng, (*leading, n), dtype)
+  d_out = helpers.random_array(rng, (*leading, n), dtype)
+  args = on(platform, x, kernel, residual, d_out)
+
+  def forward(x, kernel, residual):
+    return jaxfuse.linear_scale_add(x, kernel, residual, alpha, implementation=impl)
+
+  out, vjp = jax.vjp(jax.jit(forward), *args[:3])
+  d_x, d_kernel, d_residual = vjp(args[3])
+  abs_x, abs_k, abs_d = (np.abs(helpers.as_f64(a)) for a in (x, kernel, d_out))
+  flat = lambda a: a.reshape(-1, a.shape[-1])
+  # The residual is added in fp32 (one more rounding, of |residual| + |alpha x W| at most).
+  assert_within(out, numpy_linear_scale_add(x, kernel, residual, alpha),
+                abs(alpha) * abs_x @ abs_k + np.abs(helpers.as_f64(residual)), dtype, k + 1,
+                "out")
+  assert_within(d_x, alpha * helpers.as_f64(d_out) @ helpers.as_f64(kernel).T,
+                abs(alpha) * abs_d @ abs_k.T, dtype, n, "dx")
+  assert_within(d_kernel, alpha * flat(helpers.as_f64(x)).T @ flat(helpers.as_f64(d_out)),
+                abs(alpha) * flat(abs_x).T @ flat(abs_d), dtype, flat(abs_x).shape[0],
+                "dkernel")
+  np.testing.assert_array_equal(np.asarray(d_residual, np.float32),
+                                np.asarray(d_out, np.float32))
+
+
+# --- rms_norm --------------------------------------------------------------------------
+
+
+@st.composite
+def norm_problems(draw):
+  return dict(leading=tuple(draw(st.lists(st.integers(1, 40), min_size=1, max_size=2))),
+              hidden=draw(st.integers(1, 300)), eps=draw(st.sampled_from([1e-6, 1e-5, 0.1])),
+              zero_centered=draw(st.booleans()),
+              magnitude=draw(st.sampled_from([1e-3, 1.0, 30.0])),
+              seed=draw(st.integers(0, 2**32 - 1)))
+
+
+def assert_float32_within(what, actual, expected, magnitude):
+  actual = helpers.as_f64(actual)
+  assert actual.shape == expected.shape, what
+  bound = 1e-5 * magnitude + 1e-6 * (magnitude.max(initial=0.0) + 1e-30)
+  excess = np.abs(actual - expected) - bound
+  assert (excess <= 0).all(), f"{what}: worst excess {excess.max():.3g}"
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@PROPERTY
+@given(problem=norm_problems())
+def test_rms_norm_and_its_gradients_match_float64_numpy(implementation, problem):
+  """float32; add_rms_norm's sum is checked exactly (one fp32 addition) and its norm like
+  rms_norm's."""
+  impl, platform = implementation
+  leading, hidden, eps = problem["leading"], problem["hidden"], problem["eps"]
+  zero_centered = problem["zero_centered"]
+  rng = np.random.default_rng(problem["seed"])
+  x = helpers.random_array(rng, (*leading, hidden), jnp.float32, scale=problem["magnitude"])
+  residual = helpers.random_array(rng, (*leading, hidden), jnp.float32)
+  gamma = helpers.random_array(rng, (hidden,), jnp.float32, scale=0.5)
+  d_out = helpers.random_array(rng, (*leading, hidden), jnp.float32)
+  x_, residual_, gamma_, d_out_ = on(platform, x, residual, gamma, d_out)
+  options = dict(zero_centered_gamma=zero_centered, implementation=impl)
+
+  out, vjp = jax.vjp(jax.jit(lambda x, g: jaxfuse.rms_norm(x, g, eps, **options)), x_, gamma_)
+  d_x, d_gamma = vjp(d_out_)
+
+  x64, g64, dy64 = map(helpers.as_f64, (x, gamma, d_out))
+  rs = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+  xhat, scale = x64 * rs, (1.0 + g64) if zero_centered else g64
+  want = numpy_rms_norm(x, gamma, eps, zero_centered)
+  want_dx, want_dgamma = numpy_rms_norm_grads(x, gamma, d_out, eps, zero_centered)
+  # dx = rs (dxhat - xhat mean(dxhat xhat)): bounded by the same terms in absolute value.
+  dxhat = np.abs(dy64 * scale)
+  mag_dx = rs * (dxhat + np.abs(xhat) * np.mean(dxhat * np.abs(xhat), -1, keepdims=True))
+  assert_float32_within("out", out, want, np.abs(want))
+  assert_float32_within("dx", d_x, want_dx, mag_dx)
+  assert_float32_within("dgamma", d_gamma, want_dgamma,
+                        np.sum(np.abs(dy64 * xhat).reshape(-1, hidden), 0))
+
+  normed, summed = jax.jit(lambda x, r, g: jaxfuse.add_rms_norm(x, r, g, eps, **options))(
+      x_, residual_, gamma_)
+  want_sum = np.asarray(x, np.float32) + np.asarray(residual, np.float32)
+  np.testing.assert_array_equal(np.asarray(summed), want_sum)
+  want_normed = numpy_rms_norm(want_sum, gamma, eps, zero_centered)
+  assert_float32_within("add_rms_norm", normed, want_normed, np.abs(want_normed))
+
+
 # --- scaled_activation -----------------------------------------------------------------
 
 
@@ -216,9 +329,7 @@ def activation_problems(draw):
 @PROPERTY
 @given(problem=activation_problems())
 def test_scaled_activation_and_its_gradients_match_float64_numpy(implementation, problem):
-  """float32 throughout: every difference is a few ulps of fp32 math (the CUDA kernels'
-  ex2/rcp approximations included), so the bound is 1e-5 relative per element plus 1e-6
-  of the largest magnitude involved."""
+  """float32 throughout (the float32 bound of the module docstring)."""
   impl, platform = implementation
   activation, leading, features = problem["activation"], problem["leading"], problem["features"]
   params = dict(limit=problem["limit"], alpha=problem["alpha"],
@@ -246,11 +357,7 @@ def test_scaled_activation_and_its_gradients_match_float64_numpy(implementation,
             # dscales[row] = sum_j dy_j act_j: bounded by the sum of |terms|.
             ("dscales", d_scales, np.sum(g64 * value, -1), np.sum(np.abs(g64 * value), -1))]
   for what, actual, expected, magnitude in checks:
-    actual = helpers.as_f64(actual)
-    assert actual.shape == expected.shape, what
-    bound = 1e-5 * magnitude + 1e-6 * (magnitude.max(initial=0.0) + 1e-30)
-    excess = np.abs(actual - expected) - bound
-    assert (excess <= 0).all(), f"{what}: worst excess {excess.max():.3g} ({activation})"
+    assert_float32_within(f"{what} ({activation})", actual, expected, magnitude)
 
 
 # --- quantize / dequantize -------------------------------------------------------------

@@ -264,6 +264,16 @@ struct MatmulState {
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, std::get<1>(key));  // cuBLAS B = a
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, std::get<3>(key));
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, std::get<3>(key));
+    // A split-K algorithm may keep its partial sums in the output type or add them up in
+    // the output buffer: for a 16-bit output that rounds alpha * a @ b before beta * c is
+    // added, twice the error of the one rounding the op promises (seen on an H100 for
+    // M = 1, K = N = 8: out = round(residual + round(x @ kernel))). fp32 partials only,
+    // as torch's allow_bf16_reduced_precision_reduction = False.
+    const cudaDataType_t output_type = CudaType(problem.output_type);
+    if (output_type == CUDA_R_16BF || output_type == CUDA_R_16F) {
+      set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+          static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE));
+    }
     constexpr int kCandidates = 8;
     const Autotune mode = autotune ? AutotuneMode() : Autotune::kOff;
     // Initialize asks for kCandidates even untimed: results[0] of that query is what every

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import jaxfuse
@@ -219,6 +219,9 @@ def linear_problems(draw):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @PROPERTY
 @given(problem=linear_problems())
+# Found on an H100 (session 49): cuBLASLt's split-K kept alpha * x @ kernel in bf16 before
+# the residual was added (product -1.16 on a residual of 0.93: 1.7% off the result).
+@example(problem=dict(leading=(1,), k=8, n=8, alpha=1.0, dtype=jnp.bfloat16, seed=0))
 def test_linear_scale_add_and_its_gradients_match_float64_numpy(implementation, problem):
   impl, platform = implementation
   leading, k, n, alpha, dtype = (problem[key] for key in ("leading", "k", "n", "alpha", "dtype"))

@@ -229,8 +229,9 @@ def linear_scale_add(x: jax.Array, kernel: jax.Array, residual: jax.Array,
 
   TransformerEngine's ForwardLinearScaleAdd: the product is computed with fp32
   accumulation, scaled by alpha in the GEMM epilogue and added to the residual in the
-  same kernel (cuBLASLt with beta = 1 and C = D = residual on GPU). The result is written
-  into residual's buffer: donate ``residual`` under ``jax.jit`` and no copy is made.
+  same kernel (cuBLASLt with beta = 1 and C = D = residual on GPU), in fp32: the result is
+  rounded to residual's dtype once (split-K algorithms keep fp32 partial sums). It is
+  written into residual's buffer: donate ``residual`` under ``jax.jit`` and no copy is made.
 
   Args:
     x: [..., K], float32, bfloat16 or float16.

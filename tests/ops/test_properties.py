@@ -47,8 +47,10 @@ IMPLEMENTATIONS = [
 ]
 # Rounding to the output dtype: half an ulp relative in the normal range, half the
 # subnormal step below it (f16's subnormals start at 2^-14, its step is 2^-24).
-HALF_ULP = {jnp.dtype(jnp.bfloat16): 2.0**-8, jnp.dtype(jnp.float16): 2.0**-11}
-HALF_SUBNORMAL_STEP = {jnp.dtype(jnp.bfloat16): 2.0**-134, jnp.dtype(jnp.float16): 2.0**-25}
+HALF_ULP = {jnp.dtype(jnp.bfloat16): 2.0**-8, jnp.dtype(jnp.float16): 2.0**-11,
+            jnp.dtype(jnp.float32): 2.0**-24}
+HALF_SUBNORMAL_STEP = {jnp.dtype(jnp.bfloat16): 2.0**-134, jnp.dtype(jnp.float16): 2.0**-25,
+                       jnp.dtype(jnp.float32): 2.0**-150}
 
 PROPERTY = settings(
     max_examples=int(os.environ.get("JAXFUSE_PROPERTY_EXAMPLES", "20")),
@@ -153,13 +155,15 @@ def grouped_problems(draw):
               seed=draw(st.integers(0, 2**32 - 1)))
 
 
-def assert_within(actual, expected, magnitude, dtype, terms, what):
+def assert_within(actual, expected, magnitude, dtype, terms, what, roundings=1):
   """|actual - expected| <= rounding to `dtype` + terms * 2^-22 * magnitude, elementwise:
-  one rounding to the output dtype and an fp32 sum of `terms` products (4x slack)."""
+  one rounding to the output dtype and an fp32 sum of `terms` products (4x slack).
+  `roundings` > 1: a sum whose partial sums are each rounded to `dtype` (each of those
+  roundings errs by at most half an ulp of the sum of |terms|, `magnitude`)."""
   actual = helpers.as_f64(actual)
   dtype = jnp.dtype(dtype)
-  bound = (HALF_ULP[dtype] * np.abs(expected) + HALF_SUBNORMAL_STEP[dtype]
-           + terms * 2.0**-22 * magnitude)
+  bound = (HALF_ULP[dtype] * (np.abs(expected) + (roundings - 1) * magnitude)
+           + roundings * HALF_SUBNORMAL_STEP[dtype] + terms * 2.0**-22 * magnitude)
   excess = np.abs(actual - expected) - bound
   assert not np.isnan(actual).any(), f"{what}: NaN"
   assert (excess <= 0).all(), (f"{what}: {int((excess > 0).sum())} elements past the bound, "
@@ -311,6 +315,79 @@ def test_rms_norm_and_its_gradients_match_float64_numpy(implementation, problem)
   np.testing.assert_array_equal(np.asarray(summed), want_sum)
   want_normed = numpy_rms_norm(want_sum, gamma, eps, zero_centered)
   assert_float32_within("add_rms_norm", normed, want_normed, np.abs(want_normed))
+
+
+# --- MoE permute / unpermute -----------------------------------------------------------
+
+
+@st.composite
+def routing_problems(draw):
+  experts = draw(st.integers(1, 16))
+  return dict(tokens=draw(st.integers(1, 64)), topk=draw(st.integers(1, min(4, experts))),
+              experts=experts, hidden=draw(st.integers(1, 40)),
+              # Ids outside [0, E) (dropped copies) in a share of the problems.
+              invalid_share=draw(st.sampled_from([0.0, 0.0, 0.15])),
+              dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16, jnp.float32])),
+              seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@PROPERTY
+@given(problem=routing_problems())
+def test_moe_permute_and_unpermute_match_a_stable_sort_by_expert(implementation, problem):
+  """moe_permute is a stable sort of the token copies by expert id (ids outside [0, E) last,
+  in no group) and copies rows exactly; moe_unpermute sums each token's k rows with its
+  weights in fp32 (one rounding); both gradients too."""
+  impl, platform = implementation
+  tokens, topk, experts, hidden, dtype = (problem[key] for key in
+                                          ("tokens", "topk", "experts", "hidden", "dtype"))
+  rng = np.random.default_rng(problem["seed"])
+  ids = np.stack([rng.choice(experts, topk, replace=False) for _ in range(tokens)])
+  invalid = rng.random(ids.shape) < problem["invalid_share"]
+  ids[invalid] = rng.choice([-1, experts, experts + 5], int(invalid.sum()))
+  x = helpers.random_array(rng, (tokens, hidden), dtype)
+  y = helpers.random_array(rng, (tokens * topk, hidden), dtype)
+  weights = jnp.asarray(rng.uniform(0.05, 1.0, (tokens, topk)), jnp.float32)
+  d_sorted = helpers.random_array(rng, (tokens * topk, hidden), dtype)
+  d_out = helpers.random_array(rng, (tokens, hidden), dtype)
+  x_, ids_, y_, weights_, d_sorted_, d_out_ = on(platform, x, jnp.asarray(ids, jnp.int32), y,
+                                                 weights, d_sorted, d_out)
+
+  def permute(x):
+    return jaxfuse.moe_permute(x, ids_, experts, implementation=impl)
+
+  x_sorted, row_map, sizes = permute(x_)
+  key = np.where((ids >= 0) & (ids < experts), ids, experts).reshape(-1)
+  order = np.argsort(key, kind="stable")  # order[i]: the flat (t, j) copy at sorted row i
+  want_row_map = np.empty(tokens * topk, np.int64)
+  want_row_map[order] = np.arange(tokens * topk)
+  np.testing.assert_array_equal(np.asarray(row_map).reshape(-1), want_row_map)
+  np.testing.assert_array_equal(np.asarray(sizes),
+                                np.bincount(key, minlength=experts + 1)[:experts])
+  np.testing.assert_array_equal(np.asarray(x_sorted, np.float32),
+                                np.asarray(x, np.float32)[order // topk])
+
+  def unpermute(y, weights):
+    return jaxfuse.moe_unpermute(y, row_map, weights, implementation=impl)
+
+  out, unpermute_vjp = jax.vjp(unpermute, y_, weights_)
+  d_y, d_weights = unpermute_vjp(d_out_)
+  (d_x,) = jax.vjp(lambda x: permute(x)[0], x_)[1](d_sorted_)
+
+  rows = want_row_map.reshape(tokens, topk)
+  y64, w64, dy64, ds64 = (helpers.as_f64(a) for a in (y, weights, d_out, d_sorted))
+  terms = w64[:, :, None] * y64[rows]
+  assert_within(out, terms.sum(1), np.abs(terms).sum(1), dtype, topk, "unpermute")
+  # The jnp reference's dx is XLA's transpose of its gather, a scatter-add in x's dtype
+  # (a rounding per copy); the kernels' is an unpermute (fp32, one rounding).
+  assert_within(d_x, ds64[rows].sum(1), np.abs(ds64[rows]).sum(1), dtype, topk, "permute dx",
+                roundings=topk if impl == "xla" else 1)
+  want_dy = np.zeros_like(y64)
+  want_dy[rows.reshape(-1)] = (w64[:, :, None] * dy64[:, None, :]).reshape(-1, hidden)
+  assert_within(d_y, want_dy, np.abs(want_dy), dtype, 1, "unpermute dy")
+  products = dy64[:, None, :] * y64[rows]
+  assert_within(d_weights, products.sum(-1), np.abs(products).sum(-1), jnp.float32, hidden,
+                "unpermute dweights")
 
 
 # --- scaled_activation -----------------------------------------------------------------

@@ -66,8 +66,8 @@ def np_forward(x, scales, activation):
   return np_act(x, activation)[0] * helpers.as_f64(scales)[..., None]
 
 
-def np_backward(dy, x, scales, activation):
-  value, da, db = np_act(x, activation)
+def np_backward(dy, x, scales, activation, limit=LIMIT, alpha=ALPHA, offset=OFFSET):
+  value, da, db = np_act(x, activation, limit, alpha, offset)
   g = helpers.as_f64(dy)
   gs = g * helpers.as_f64(scales)[..., None]
   dx = gs * da if db is None else np.concatenate([gs * da, gs * db], axis=-1)

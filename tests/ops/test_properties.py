@@ -15,6 +15,9 @@ K * 2^-24 * sum|terms|, and the one rounding to the output dtype by half an ulp
 float32 properties bound each element by 1e-5 of its own magnitude plus 1e-6 of the largest
 (a few fp32 ulps of the math, the CUDA kernels' approximate ex2/rcp/rsqrt included).
 
+Compositions (grouped_mlp) store intermediates in 16 bits; their rounding errors are
+propagated through what follows (an exact value plus a radius), not compared.
+
 ``JAXFUSE_PROPERTY_EXAMPLES`` sets the number of problems per property (default 20).
 """
 
@@ -468,3 +471,199 @@ def test_quantize_round_trip_stays_within_the_format_bound(implementation, probl
   check_round_trip(x, q)
   deq = jaxfuse.dequantize(q)
   assert deq.dtype == x.dtype and deq.shape == x.shape
+
+
+# --- grouped_mlp (a composition: FC1, scaled activation, FC2 and their gradients) ------
+#
+# Each intermediate the op stores is rounded to x's dtype, so its error is propagated, not
+# compared: every quantity is carried as its exact float64 value plus a radius bounding
+# the distance of the op's value from it (first order in the radius plus the second-order
+# terms, with the activations' derivative bounds below). A wrong group, scale, offset or
+# operand errs by a share of the value itself; the radius stays a few ulps of the terms.
+
+SUM_TERM = 2.0**-22  # an fp32 sum, per term of its sum of |terms| (4x slack, as assert_within)
+FP32_MATH = 2.0**-18  # the kernels' fp32 activation math (approximate exp and rcp), relative
+SILU_SLOPE = 1.1  # max |d/dz z sigmoid(z)| = 1.0998
+SILU_CURVATURE = 0.5  # max |d2/dz2 z sigmoid(z)|, at z = 0
+
+
+def rounded(exact, radius, dtype):
+  """The radius of a value within `radius` of `exact` once rounded to `dtype`."""
+  dtype = jnp.dtype(dtype)
+  return radius + HALF_ULP[dtype] * (np.abs(exact) + radius) + HALF_SUBNORMAL_STEP[dtype]
+
+
+def product(multiply, a, radius_a, b, radius_b, terms):
+  """(exact, radius) of an fp32-accumulated bilinear `multiply` of two uncertain operands."""
+  abs_a, abs_b = np.abs(a), np.abs(b)
+  radius = (multiply(radius_a, abs_b) + multiply(abs_a, radius_b)
+            + multiply(radius_a, radius_b)
+            + terms * SUM_TERM * multiply(abs_a + radius_a, abs_b + radius_b))
+  return multiply(a, b), radius
+
+
+def grouped_products(sizes, groups):
+  """float64 (forward, dgrad, wgrad) of a grouped GEMM over clamped group rows."""
+  def row_slices(rows):
+    start = 0
+    for g, size in enumerate(sizes):
+      end = min(start + max(int(size), 0), rows)
+      yield g, slice(start, end)
+      start = end
+
+  def forward(a, w):  # [M, K] x [G, K, N] -> [M, N]
+    out = np.zeros((a.shape[0], w.shape[2]))
+    for g, rows in row_slices(a.shape[0]):
+      out[rows] = a[rows] @ w[g]
+    return out
+
+  def dgrad(d, w):  # [M, N] x [G, K, N] -> [M, K]
+    out = np.zeros((d.shape[0], w.shape[1]))
+    for g, rows in row_slices(d.shape[0]):
+      out[rows] = d[rows] @ w[g].T
+    return out
+
+  def wgrad(a, d):  # [M, K] x [M, N] -> [G, K, N]
+    out = np.zeros((groups, a.shape[1], d.shape[1]))
+    for g, rows in row_slices(a.shape[0]):
+      out[g] = a[rows].T @ d[rows]
+    return out
+
+  return forward, dgrad, wgrad
+
+
+def activation_intervals(h, radius_h, activation, limit, alpha, linear_offset):
+  """Exact float64 act(h), d act/d a, d act/d b (None for srelu) and the radius of each
+  over every h' within radius_h of h. Kinks (srelu at 0 is smooth in its derivative; the
+  clamps of clamped_swiglu are not) widen the derivative's radius to its whole range."""
+  if activation == "srelu":
+    r = np.maximum(h, 0.0)
+    return (r * r, (2 * r + radius_h) * radius_h), (2 * r, 2 * radius_h), (None, None)
+  f = h.shape[1] // 2
+  a, b, ra, rb = h[:, :f], h[:, f:], radius_h[:, :f], radius_h[:, f:]
+  if activation == "swiglu":
+    s = 1 / (1 + np.exp(-a))
+    gate, d_gate, other = a * s, s * (1 + a * (1 - s)), b
+    curvature = SILU_CURVATURE
+    kink_a = kink_b = np.zeros(a.shape, bool)
+  else:
+    ac = np.minimum(a, limit)
+    other = np.clip(b, -limit, limit) + linear_offset
+    s = 1 / (1 + np.exp(-alpha * ac))
+    gate = ac * s
+    d_gate = np.where(a > limit, 0.0, s * (1 + alpha * ac * (1 - s)))
+    curvature = SILU_CURVATURE * alpha
+    kink_a, kink_b = np.abs(a - limit) <= ra, np.abs(np.abs(b) - limit) <= rb
+    gate_b = np.where(np.abs(b) > limit, 0.0, gate)
+  act = gate * other
+  radius_act = SILU_SLOPE * ra * (np.abs(other) + rb) + (np.abs(gate) + SILU_SLOPE * ra) * rb
+  d_a = other * d_gate
+  radius_d_a = (SILU_SLOPE * rb + (np.abs(other) + rb) * curvature * ra
+                + kink_a * SILU_SLOPE * (np.abs(other) + rb))
+  d_b = gate if activation == "swiglu" else gate_b
+  radius_d_b = SILU_SLOPE * ra + kink_b * (np.abs(gate) + SILU_SLOPE * ra)
+  return (act, radius_act), (d_a, radius_d_a), (d_b, radius_d_b)
+
+
+def assert_inside(what, actual, exact, radius):
+  actual = helpers.as_f64(actual)
+  assert actual.shape == exact.shape, what
+  assert not np.isnan(actual).any(), f"{what}: NaN"
+  excess = np.abs(actual - exact) - radius
+  assert (excess <= 0).all(), (f"{what}: {int((excess > 0).sum())} elements past the bound, "
+                               f"worst by {excess.max():.3g} (radius there "
+                               f"{radius.flat[excess.argmax()]:.3g})")
+
+
+@st.composite
+def mlp_problems(draw):
+  rows = draw(st.integers(1, 64))
+  return dict(rows=rows, hidden=8 * draw(st.integers(1, 5)), ffn=8 * draw(st.integers(1, 5)),
+              sizes=draw(group_sizes(rows, max_groups=8)),
+              activation=draw(st.sampled_from(["swiglu", "srelu", "clamped_swiglu"])),
+              # Limits small enough for h (about unit normal) to be clamped.
+              limit=draw(st.floats(0.25, 3.0)), alpha=draw(st.floats(0.5, 3.0)),
+              linear_offset=draw(st.floats(-1.5, 1.5)),
+              save_activation=draw(st.booleans()),
+              dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16])),
+              seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@PROPERTY
+@given(problem=mlp_problems())
+def test_grouped_mlp_and_its_gradients_match_float64_numpy(implementation, problem):
+  """y = FC2(act(FC1(x)) * scales) per group, dx, dkernel1, dkernel2 and dscales; FC1's
+  output, the scaled activation, FC2's dgrad and the activation's dx are each stored in x's
+  dtype (one rounding each, propagated through what follows)."""
+  impl, platform = implementation
+  rows, hidden, ffn, sizes, activation, dtype = (
+      problem[key] for key in ("rows", "hidden", "ffn", "sizes", "activation", "dtype"))
+  params = dict(limit=problem["limit"], alpha=problem["alpha"],
+                linear_offset=problem["linear_offset"])
+  width = ffn if activation == "srelu" else 2 * ffn
+  groups = len(sizes)
+  rng = np.random.default_rng(problem["seed"])
+  x = helpers.random_array(rng, (rows, hidden), dtype)
+  kernel1 = helpers.random_array(rng, (groups, hidden, width), dtype, scale=1 / np.sqrt(hidden))
+  kernel2 = helpers.random_array(rng, (groups, ffn, hidden), dtype, scale=1 / np.sqrt(ffn))
+  scales = jnp.asarray(rng.uniform(0.1, 1.5, rows), jnp.float32)
+  d_out = helpers.random_array(rng, (rows, hidden), dtype)
+  args = on(platform, x, kernel1, kernel2, scales, d_out, jnp.asarray(sizes, jnp.int32))
+  group_sizes_ = args[5]
+
+  def forward(x, kernel1, kernel2, scales):
+    return jaxfuse.grouped_mlp(x, kernel1, kernel2, group_sizes_, scales, activation,
+                               save_activation=problem["save_activation"],
+                               implementation=impl, **params)
+
+  out, vjp = jax.vjp(jax.jit(forward), *args[:4])
+  d_x, d_kernel1, d_kernel2, d_scales = vjp(args[4])
+  assert (out.dtype, d_x.dtype, d_kernel1.dtype, d_kernel2.dtype, d_scales.dtype) == (
+      dtype, dtype, dtype, dtype, jnp.float32)
+
+  fc, dgrad, wgrad = grouped_products(sizes, groups)
+  x64, k1, k2, s64, dy = (helpers.as_f64(v) for v in (x, kernel1, kernel2, scales, d_out))
+  zero = lambda v: np.zeros_like(v)
+  s64 = s64[:, None]
+  # Forward: h = FC1(x) stored, a = act(h) * scales stored, y = FC2(a).
+  h, radius_h = product(fc, x64, zero(x64), k1, zero(k1), hidden)
+  radius_h = rounded(h, radius_h, dtype)
+  (act, radius_act), (d_act_a, radius_d_a), (d_act_b, radius_d_b) = activation_intervals(
+      h, radius_h, activation, **params)
+  radius_act = radius_act + FP32_MATH * (np.abs(act) + radius_act)
+  a = act * s64
+  radius_a = rounded(a, s64 * radius_act, dtype)
+  y, radius_y = product(fc, a, radius_a, k2, zero(k2), ffn)
+  assert_inside("out", out, y, rounded(y, radius_y, dtype))
+  # Backward: da = FC2 dgrad(dy) stored; dscales = sum(da act); dh = da scales act' stored.
+  d_a, radius_da = product(dgrad, dy, zero(dy), k2, zero(k2), hidden)
+  radius_da = rounded(d_a, radius_da, dtype)
+  d_scales_exact, radius_ds = product(lambda u, v: np.sum(u * v, axis=1), d_a, radius_da,
+                                      act, radius_act, ffn)
+  assert_inside("dscales", d_scales, d_scales_exact,
+                rounded(d_scales_exact, radius_ds, jnp.float32))
+  d_h, radius_dh = [], []
+  for derivative, radius_derivative in ((d_act_a, radius_d_a), (d_act_b, radius_d_b)):
+    if derivative is None:
+      continue
+    value, radius = product(np.multiply, d_a * s64, radius_da * s64, derivative,
+                            radius_derivative, 1)
+    d_h.append(value)
+    radius_dh.append(radius + FP32_MATH * (np.abs(value) + radius))
+  d_h, radius_dh = np.concatenate(d_h, axis=1), np.concatenate(radius_dh, axis=1)
+  radius_dh = rounded(d_h, radius_dh, dtype)
+  for what, (exact, radius) in {
+      "dx": product(dgrad, d_h, radius_dh, k1, zero(k1), width),
+      "dkernel1": product(wgrad, x64, zero(x64), d_h, radius_dh, rows),
+      "dkernel2": product(wgrad, a, radius_a, dy, zero(dy), rows),
+  }.items():
+    actual = {"dx": d_x, "dkernel1": d_kernel1, "dkernel2": d_kernel2}[what]
+    assert_inside(f"{what} ({activation})", actual, exact, rounded(exact, radius, dtype))
+  # Rows past the groups and the weights of empty experts are exactly zero.
+  starts = np.minimum(np.concatenate([[0], np.cumsum(np.maximum(sizes, 0))]), rows)
+  for what, value in (("out", out), ("dx", d_x), ("dscales", d_scales)):
+    assert not np.asarray(value[starts[-1]:], np.float32).any(), f"{what} past the groups"
+  for g in np.flatnonzero(np.diff(starts) == 0):
+    assert not np.asarray(d_kernel1[g], np.float32).any(), f"dkernel1[{g}] of an empty group"
+    assert not np.asarray(d_kernel2[g], np.float32).any(), f"dkernel2[{g}] of an empty group"

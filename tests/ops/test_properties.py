@@ -37,6 +37,9 @@ from jaxfuse._src.ops.group_offsets import api as group_offsets_api
 from jaxfuse.quantization import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from tests import helpers
 from tests.ops.test_grouped_linear import numpy_grouped_grads, numpy_grouped_linear
+from tests.ops.test_grouped_linear_fp8 import (PROMOTED as FP8_GROUPED_PROMOTED,
+                                               RECIPE as FP8_GROUPED, accumulation_bound,
+                                               assert_within_accumulation_bound, fp8_products)
 from tests.ops.test_linear_scale_add import numpy_linear_scale_add
 from tests.ops.test_quantize import check_round_trip
 from tests.ops.test_rms_norm import numpy_rms_norm, numpy_rms_norm_grads
@@ -203,6 +206,41 @@ def test_grouped_linear_and_its_gradients_match_float64_numpy(implementation, pr
   for g in np.flatnonzero(np.diff(starts) == 0):
     assert not np.asarray(d_kernel[g], np.float32).any(), f"dkernel[{g}] of an empty group"
 
+
+
+@st.composite
+def fp8_grouped_problems(draw):
+  rows = draw(st.integers(1, 80))
+  return dict(rows=rows, k=16 * draw(st.integers(1, 6)), n=16 * draw(st.integers(1, 6)),
+              sizes=draw(group_sizes(rows)),
+              recipe=draw(st.sampled_from([FP8_GROUPED, FP8_GROUPED_PROMOTED])),
+              dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16])),
+              seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@PROPERTY
+@given(problem=fp8_grouped_problems())
+def test_fp8_grouped_linear_is_the_product_of_its_fp8_operands(implementation, problem):
+  """Float8CurrentScaling(per_group=True): out = sum_k x_q w_q * x_scale_inv[g] *
+  w_scale_inv[g] per group (each group's and expert's largest |value| mapped to E4M3's),
+  within the accumulation bound of the GEMM (test_grouped_linear_fp8's: exact on the CPU,
+  Hopper's reduced-precision FP8 accumulation on the GPU) and one rounding."""
+  impl, platform = implementation
+  rows, k, n, sizes, recipe, dtype = (problem[key] for key in
+                                      ("rows", "k", "n", "sizes", "recipe", "dtype"))
+  rng = np.random.default_rng(problem["seed"])
+  x = helpers.random_array(rng, (rows, k), dtype)
+  kernel = helpers.random_array(rng, (len(sizes), k, n), dtype, scale=1 / np.sqrt(k))
+  x_, kernel_, sizes_ = on(platform, x, kernel, jnp.asarray(sizes, jnp.int32))
+  out = jax.jit(lambda x, w, s: jaxfuse.grouped_linear(x, w, s, recipe=recipe,
+                                                       implementation=impl))(x_, kernel_, sizes_)
+  assert out.dtype == dtype and out.shape == (rows, n)
+  exact, abs_sum = fp8_products(x, kernel, sizes)
+  assert_within_accumulation_bound(out, exact, abs_sum, "out",
+                                   accumulation_bound(recipe, platform, k))
+  covered = min(int(np.sum(np.maximum(sizes, 0))), rows)
+  assert not np.asarray(out[covered:], np.float32).any(), "rows past the groups must be zero"
 
 # --- linear_scale_add ------------------------------------------------------------------
 

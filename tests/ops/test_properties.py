@@ -37,9 +37,13 @@ from jaxfuse._src.ops.group_offsets import api as group_offsets_api
 from jaxfuse.quantization import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from tests import helpers
 from tests.ops.test_grouped_linear import numpy_grouped_grads, numpy_grouped_linear
-from tests.ops.test_grouped_linear_fp8 import (PROMOTED as FP8_GROUPED_PROMOTED,
+from tests.ops.test_grouped_linear_fp8 import (FP8_ACCUMULATION,
+                                               PROMOTED as FP8_GROUPED_PROMOTED,
                                                RECIPE as FP8_GROUPED, accumulation_bound,
                                                assert_within_accumulation_bound, fp8_products)
+from tests.ops.test_grouped_linear_fp8_blockwise import (RECIPE as FP8_BLOCKWISE,
+                                                         numpy_blockwise,
+                                                         quantized_operands as blockwise_operands)
 from tests.ops.test_linear_scale_add import numpy_linear_scale_add
 from tests.ops.test_quantize import check_round_trip
 from tests.ops.test_rms_norm import numpy_rms_norm, numpy_rms_norm_grads
@@ -211,9 +215,10 @@ def test_grouped_linear_and_its_gradients_match_float64_numpy(implementation, pr
 @st.composite
 def fp8_grouped_problems(draw):
   rows = draw(st.integers(1, 80))
-  return dict(rows=rows, k=16 * draw(st.integers(1, 6)), n=16 * draw(st.integers(1, 6)),
+  # Widths past one 128-wide block, with a partial last block, for Float8BlockScaling.
+  return dict(rows=rows, k=16 * draw(st.integers(1, 12)), n=16 * draw(st.integers(1, 12)),
               sizes=draw(group_sizes(rows)),
-              recipe=draw(st.sampled_from([FP8_GROUPED, FP8_GROUPED_PROMOTED])),
+              recipe=draw(st.sampled_from([FP8_GROUPED, FP8_GROUPED_PROMOTED, FP8_BLOCKWISE])),
               dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16])),
               seed=draw(st.integers(0, 2**32 - 1)))
 
@@ -222,10 +227,12 @@ def fp8_grouped_problems(draw):
 @PROPERTY
 @given(problem=fp8_grouped_problems())
 def test_fp8_grouped_linear_is_the_product_of_its_fp8_operands(implementation, problem):
-  """Float8CurrentScaling(per_group=True): out = sum_k x_q w_q * x_scale_inv[g] *
-  w_scale_inv[g] per group (each group's and expert's largest |value| mapped to E4M3's),
-  within the accumulation bound of the GEMM (test_grouped_linear_fp8's: exact on the CPU,
-  Hopper's reduced-precision FP8 accumulation on the GPU) and one rounding."""
+  """out = the float64 product of the FP8 operands jaxfuse.quantize gives (its own
+  properties are tested above), dequantized with their scales: per group and expert for
+  Float8CurrentScaling(per_group=True), per 1 x 128 block of x and 128 x 128 tile of the
+  kernel for Float8BlockScaling. Within test_grouped_linear_fp8's accumulation bound
+  (exact sums on the CPU, Hopper's reduced-precision FP8 accumulation on the GPU) and one
+  rounding."""
   impl, platform = implementation
   rows, k, n, sizes, recipe, dtype = (problem[key] for key in
                                       ("rows", "k", "n", "sizes", "recipe", "dtype"))
@@ -236,9 +243,13 @@ def test_fp8_grouped_linear_is_the_product_of_its_fp8_operands(implementation, p
   out = jax.jit(lambda x, w, s: jaxfuse.grouped_linear(x, w, s, recipe=recipe,
                                                        implementation=impl))(x_, kernel_, sizes_)
   assert out.dtype == dtype and out.shape == (rows, n)
-  exact, abs_sum = fp8_products(x, kernel, sizes)
-  assert_within_accumulation_bound(out, exact, abs_sum, "out",
-                                   accumulation_bound(recipe, platform, k))
+  if recipe is FP8_BLOCKWISE:
+    exact, abs_sum = numpy_blockwise(*blockwise_operands(x, kernel), sizes)
+    accumulation = FP8_ACCUMULATION
+  else:
+    exact, abs_sum = fp8_products(x, kernel, sizes)
+    accumulation = accumulation_bound(recipe, platform, k)
+  assert_within_accumulation_bound(out, exact, abs_sum, "out", accumulation)
   covered = min(int(np.sum(np.maximum(sizes, 0))), rows)
   assert not np.asarray(out[covered:], np.float32).any(), "rows past the groups must be zero"
 

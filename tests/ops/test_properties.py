@@ -34,7 +34,8 @@ from hypothesis import strategies as st
 
 import jaxfuse
 from jaxfuse._src.ops.group_offsets import api as group_offsets_api
-from jaxfuse.quantization import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from jaxfuse.quantization import (FP8_MAX, Float8BlockScaling, Float8CurrentScaling,
+                                  MXFP8BlockScaling)
 from tests import helpers
 from tests.ops.test_grouped_linear import numpy_grouped_grads, numpy_grouped_linear
 from tests.ops.test_grouped_linear_fp8 import (FP8_ACCUMULATION,
@@ -45,7 +46,7 @@ from tests.ops.test_grouped_linear_fp8_blockwise import (RECIPE as FP8_BLOCKWISE
                                                          numpy_blockwise,
                                                          quantized_operands as blockwise_operands)
 from tests.ops.test_linear_scale_add import numpy_linear_scale_add
-from tests.ops.test_quantize import check_round_trip
+from tests.ops.test_quantize import check_round_trip, element_scale_inv
 from tests.ops.test_rms_norm import numpy_rms_norm, numpy_rms_norm_grads
 from tests.ops.test_scaled_activation import np_act, np_backward
 
@@ -485,6 +486,123 @@ def test_scaled_activation_and_its_gradients_match_float64_numpy(implementation,
   for what, actual, expected, magnitude in checks:
     assert_float32_within(f"{what} ({activation})", actual, expected, magnitude)
 
+
+
+# --- scaled_activation_quantize / scaled_dactivation_quantize (fused with FP8) --------
+
+
+def scale_amaxes(q, expected, slack):
+  """(amax implied by each scale, float64 amax of `expected` over the scale's elements,
+  its slack) for every scaling mode: per tensor, per group of rows (rows past the groups
+  in none), per 1 x block of a row."""
+  values = np.abs(expected).reshape(-1, expected.shape[-1])
+  slack = slack.reshape(values.shape)
+  scale_inv = np.asarray(jax.device_get(q.scale_inv)).astype(np.float64)
+  if q.scaling_mode in ("per_tensor", "per_group"):
+    rows = values.shape[0]
+    offsets = (np.asarray([0, rows]) if q.scaling_mode == "per_tensor"
+               else np.clip(np.asarray(q.group_offsets), 0, rows))
+    pairs = [(values[a:b].max(initial=0.0), slack[a:b].max(initial=0.0))
+             for a, b in zip(offsets[:-1], offsets[1:])]
+  else:
+    block = q.block_size
+    pad = (-values.shape[1]) % block
+    blocked = lambda v: np.pad(v, ((0, 0), (0, pad))).reshape(v.shape[0], -1, block)
+    pairs = list(zip(blocked(values).max(-1).ravel(), blocked(slack).max(-1).ravel()))
+    scale_inv = scale_inv.ravel()
+    if q.scaling_mode == "mxfp8":
+      scale_inv = np.exp2(scale_inv - 127)
+  amax, amax_slack = (np.asarray(v) for v in zip(*pairs))
+  return scale_inv, amax, amax_slack
+
+
+def assert_quantized(what, q, expected, slack):
+  """The FP8 values of `expected` (float64) computed in fp32 within `slack` of it: each
+  dequantized element within half an FP8 ulp (plus the slack) or half the subnormal step;
+  each scale maps its amax to the format's maximum (MXFP8: the power of two at or above
+  amax / max); rows a per-group scale does not cover are zeros."""
+  fmt = "e5m2" if q.data.dtype == jnp.float8_e5m2 else "e4m3"
+  fp8_max, mantissa = FP8_MAX[fmt], {"e4m3": 3, "e5m2": 2}[fmt]
+  half_subnormal = 2.0**-10 if fmt == "e4m3" else 2.0**-17
+  s = element_scale_inv(q)
+  deq = helpers.as_f64(q.data) * s
+  covered = s > 0
+  bound = (2.0**-(mantissa + 1) * (np.abs(expected) + slack) + slack + half_subnormal * s
+           + 1e-30)
+  excess = (np.abs(deq - expected) - bound)[covered]
+  assert (excess <= 0).all(), f"{what}: {int((excess > 0).sum())} values past the FP8 bound"
+  assert (deq[~covered] == 0).all(), f"{what}: rows past the groups are not zero"
+  scale_inv, amax, amax_slack = scale_amaxes(q, expected, slack)
+  nonzero = amax - amax_slack > 0
+  implied, low, high = scale_inv * fp8_max, amax - amax_slack, amax + amax_slack
+  if q.scaling_mode == "mxfp8":  # a power of two in [amax, 2 amax)
+    ok = (implied >= low * (1 - 1e-6)) & (implied <= 2 * high * (1 + 1e-6))
+  else:
+    ok = (implied >= low * (1 - 1e-6)) & (implied <= high * (1 + 1e-6))
+  assert ok[nonzero].all(), f"{what}: {int((~ok[nonzero]).sum())} scales off their amax"
+  assert (scale_inv[amax == 0] == 1.0).all(), f"{what}: the scale of an all-zero group"
+
+
+@st.composite
+def activation_quantize_problems(draw):
+  rows = draw(st.integers(1, 40))
+  return dict(rows=rows, features=draw(st.integers(1, 96)), sizes=draw(group_sizes(rows)),
+              activation=draw(st.sampled_from(["swiglu", "srelu", "clamped_swiglu"])),
+              limit=draw(st.floats(0.25, 8.0)), alpha=draw(st.floats(0.5, 3.0)),
+              linear_offset=draw(st.floats(-1.5, 1.5)),
+              magnitude=draw(st.sampled_from([0.05, 1.0, 4.0])),
+              recipe=draw(st.sampled_from([Float8CurrentScaling(),
+                                           Float8CurrentScaling(per_group=False),
+                                           Float8BlockScaling(), Float8BlockScaling(block_size=32),
+                                           Float8BlockScaling(gradient_format="e5m2"),
+                                           MXFP8BlockScaling()])),
+              dtype=draw(st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16])),
+              seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@PROPERTY
+@given(problem=activation_quantize_problems())
+def test_activation_quantize_and_its_backward_match_float64_numpy(implementation, problem):
+  """The fused FC1 -> FC2 hand-off: act(x) * scales quantized (never rounded to x's dtype
+  first), and the backward: dx in x's dtype, dscales in fp32, dx quantized with the
+  gradient format, each against float64 numpy."""
+  impl, platform = implementation
+  rows, features, sizes, activation, recipe, dtype = (
+      problem[key] for key in ("rows", "features", "sizes", "activation", "recipe", "dtype"))
+  params = dict(limit=problem["limit"], alpha=problem["alpha"],
+                linear_offset=problem["linear_offset"])
+  rng = np.random.default_rng(problem["seed"])
+  width = features if activation == "srelu" else 2 * features
+  x = helpers.random_array(rng, (rows, width), dtype, scale=problem["magnitude"])
+  scales = jnp.asarray(rng.uniform(0.1, 1.5, rows), jnp.float32)
+  d_out = helpers.random_array(rng, (rows, features), dtype)
+  x_, scales_, d_out_, sizes_ = on(platform, x, scales, d_out, jnp.asarray(sizes, jnp.int32))
+  options = dict(recipe=recipe, implementation=impl, **params)
+
+  q = jax.jit(lambda x, s, g: jaxfuse.scaled_activation_quantize(
+      x, s, g, activation, **options))(x_, scales_, sizes_)
+  q_dx, d_x, d_scales = jax.jit(lambda dy, x, s, g: jaxfuse.scaled_dactivation_quantize(
+      dy, x, s, g, activation, return_dx=True, **options))(d_out_, x_, scales_, sizes_)
+  assert (q.data.dtype, q.role, q.data.shape) == (jnp.float8_e4m3fn, "forward", (rows, features))
+  want_fmt = jnp.float8_e5m2 if recipe.gradient_format == "e5m2" else jnp.float8_e4m3fn
+  assert (q_dx.data.dtype, q_dx.role, q_dx.data.shape) == (want_fmt, "gradient", x.shape)
+  assert (d_x.dtype, d_scales.dtype) == (dtype, jnp.float32)
+
+  spec = (activation, params["limit"], params["alpha"], params["linear_offset"])
+  value = np_act(x, *spec)[0]
+  s64, g64 = helpers.as_f64(scales)[:, None], helpers.as_f64(d_out)
+  want = value * s64
+  # fp32 math (the float32 bound of the module docstring) before the one rounding.
+  fp32_slack = lambda v: 1e-5 * np.abs(v) + 1e-6 * (np.abs(v).max(initial=0.0) + 1e-30)
+  assert_quantized("act", q, want, fp32_slack(want))
+  want_dx, want_dscales = np_backward(d_out, x, scales, *spec)
+  assert_quantized("dx quantized", q_dx, want_dx, fp32_slack(want_dx))
+  half_ulp, half_step = HALF_ULP[jnp.dtype(dtype)], HALF_SUBNORMAL_STEP[jnp.dtype(dtype)]
+  dx_bound = fp32_slack(want_dx) * (1 + half_ulp) + half_ulp * np.abs(want_dx) + half_step
+  dx_excess = np.abs(helpers.as_f64(d_x) - want_dx) - dx_bound
+  assert (dx_excess <= 0).all(), f"dx: worst excess {dx_excess.max():.3g}"
+  assert_float32_within("dscales", d_scales, want_dscales, np.sum(np.abs(g64 * value), -1))
 
 # --- quantize / dequantize -------------------------------------------------------------
 

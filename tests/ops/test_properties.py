@@ -742,6 +742,55 @@ def assert_inside(what, actual, exact, radius):
                                f"{radius.flat[excess.argmax()]:.3g})")
 
 
+def grouped_mlp_intervals(x, kernel1, kernel2, scales, d_out, sizes, activation, params,
+                          dtype, radius_scales=None):
+  """{name: (exact float64 value, radius)} of grouped_mlp's out, dscales, dx, dkernel1 and
+  dkernel2 in `dtype` (dscales: float32): x [M, H], kernel1 [G, H, W], kernel2 [G, F, H],
+  scales [M] (within `radius_scales` of the op's), d_out [M, H], all float64.
+
+  The op stores FC1's output h, the scaled activation a, FC2's dgrad da and the
+  activation's dx dh in `dtype`: one rounding each, carried through what follows."""
+  rows, hidden = x.shape
+  groups, ffn = kernel2.shape[0], kernel2.shape[1]
+  fc, dgrad, wgrad = grouped_products(sizes, groups)
+  zero = np.zeros_like
+  s = scales[:, None]
+  radius_s = zero(s) if radius_scales is None else radius_scales[:, None]
+  # Forward: h = FC1(x) stored, a = act(h) * scales stored, y = FC2(a).
+  h, radius_h = product(fc, x, zero(x), kernel1, zero(kernel1), hidden)
+  radius_h = rounded(h, radius_h, dtype)
+  (act, radius_act), (d_act_a, radius_d_a), (d_act_b, radius_d_b) = activation_intervals(
+      h, radius_h, activation, **params)
+  radius_act = radius_act + FP32_MATH * (np.abs(act) + radius_act)
+  a, radius_a = product(np.multiply, act, radius_act, s, radius_s, 1)
+  radius_a = rounded(a, radius_a, dtype)
+  y, radius_y = product(fc, a, radius_a, kernel2, zero(kernel2), ffn)
+  # Backward: da = FC2 dgrad(dy) stored; dscales = sum(da act); dh = da scales act' stored.
+  d_a, radius_da = product(dgrad, d_out, zero(d_out), kernel2, zero(kernel2), hidden)
+  radius_da = rounded(d_a, radius_da, dtype)
+  d_scales, radius_ds = product(lambda u, v: np.sum(u * v, axis=1), d_a, radius_da, act,
+                                radius_act, ffn)
+  d_as, radius_das = product(np.multiply, d_a, radius_da, s, radius_s, 1)
+  d_h, radius_dh = [], []
+  for derivative, radius_derivative in ((d_act_a, radius_d_a), (d_act_b, radius_d_b)):
+    if derivative is None:
+      continue
+    value, radius = product(np.multiply, d_as, radius_das, derivative, radius_derivative, 1)
+    d_h.append(value)
+    radius_dh.append(radius + FP32_MATH * (np.abs(value) + radius))
+  d_h, radius_dh = np.concatenate(d_h, axis=1), np.concatenate(radius_dh, axis=1)
+  radius_dh = rounded(d_h, radius_dh, dtype)
+  intervals = {
+      "out": (y, radius_y),
+      "dscales": (d_scales, radius_ds),
+      "dx": product(dgrad, d_h, radius_dh, kernel1, zero(kernel1), d_h.shape[1]),
+      "dkernel1": product(wgrad, x, zero(x), d_h, radius_dh, rows),
+      "dkernel2": product(wgrad, a, radius_a, d_out, zero(d_out), rows),
+  }
+  return {name: (exact, rounded(exact, radius, jnp.float32 if name == "dscales" else dtype))
+          for name, (exact, radius) in intervals.items()}
+
+
 @st.composite
 def mlp_problems(draw):
   rows = draw(st.integers(1, 64))
@@ -789,44 +838,12 @@ def test_grouped_mlp_and_its_gradients_match_float64_numpy(implementation, probl
   assert (out.dtype, d_x.dtype, d_kernel1.dtype, d_kernel2.dtype, d_scales.dtype) == (
       dtype, dtype, dtype, dtype, jnp.float32)
 
-  fc, dgrad, wgrad = grouped_products(sizes, groups)
-  x64, k1, k2, s64, dy = (helpers.as_f64(v) for v in (x, kernel1, kernel2, scales, d_out))
-  zero = lambda v: np.zeros_like(v)
-  s64 = s64[:, None]
-  # Forward: h = FC1(x) stored, a = act(h) * scales stored, y = FC2(a).
-  h, radius_h = product(fc, x64, zero(x64), k1, zero(k1), hidden)
-  radius_h = rounded(h, radius_h, dtype)
-  (act, radius_act), (d_act_a, radius_d_a), (d_act_b, radius_d_b) = activation_intervals(
-      h, radius_h, activation, **params)
-  radius_act = radius_act + FP32_MATH * (np.abs(act) + radius_act)
-  a = act * s64
-  radius_a = rounded(a, s64 * radius_act, dtype)
-  y, radius_y = product(fc, a, radius_a, k2, zero(k2), ffn)
-  assert_inside("out", out, y, rounded(y, radius_y, dtype))
-  # Backward: da = FC2 dgrad(dy) stored; dscales = sum(da act); dh = da scales act' stored.
-  d_a, radius_da = product(dgrad, dy, zero(dy), k2, zero(k2), hidden)
-  radius_da = rounded(d_a, radius_da, dtype)
-  d_scales_exact, radius_ds = product(lambda u, v: np.sum(u * v, axis=1), d_a, radius_da,
-                                      act, radius_act, ffn)
-  assert_inside("dscales", d_scales, d_scales_exact,
-                rounded(d_scales_exact, radius_ds, jnp.float32))
-  d_h, radius_dh = [], []
-  for derivative, radius_derivative in ((d_act_a, radius_d_a), (d_act_b, radius_d_b)):
-    if derivative is None:
-      continue
-    value, radius = product(np.multiply, d_a * s64, radius_da * s64, derivative,
-                            radius_derivative, 1)
-    d_h.append(value)
-    radius_dh.append(radius + FP32_MATH * (np.abs(value) + radius))
-  d_h, radius_dh = np.concatenate(d_h, axis=1), np.concatenate(radius_dh, axis=1)
-  radius_dh = rounded(d_h, radius_dh, dtype)
-  for what, (exact, radius) in {
-      "dx": product(dgrad, d_h, radius_dh, k1, zero(k1), width),
-      "dkernel1": product(wgrad, x64, zero(x64), d_h, radius_dh, rows),
-      "dkernel2": product(wgrad, a, radius_a, dy, zero(dy), rows),
-  }.items():
-    actual = {"dx": d_x, "dkernel1": d_kernel1, "dkernel2": d_kernel2}[what]
-    assert_inside(f"{what} ({activation})", actual, exact, rounded(exact, radius, dtype))
+  bounds = grouped_mlp_intervals(
+      *(helpers.as_f64(v) for v in (x, kernel1, kernel2, scales, d_out)), sizes, activation,
+      params, dtype)
+  for what, actual in (("out", out), ("dscales", d_scales), ("dx", d_x),
+                       ("dkernel1", d_kernel1), ("dkernel2", d_kernel2)):
+    assert_inside(f"{what} ({activation})", actual, *bounds[what])
   # Rows past the groups and the weights of empty experts are exactly zero.
   starts = np.minimum(np.concatenate([[0], np.cumsum(np.maximum(sizes, 0))]), rows)
   for what, value in (("out", out), ("dx", d_x), ("dscales", d_scales)):

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import jaxfuse
@@ -46,6 +46,7 @@ from tests.ops.test_grouped_linear_fp8_blockwise import (RECIPE as FP8_BLOCKWISE
                                                          numpy_blockwise,
                                                          quantized_operands as blockwise_operands)
 from tests.ops.test_linear_scale_add import numpy_linear_scale_add
+from tests.ops.test_moe import np_router
 from tests.ops.test_quantize import check_round_trip, element_scale_inv
 from tests.ops.test_rms_norm import numpy_rms_norm, numpy_rms_norm_grads
 from tests.ops.test_scaled_activation import np_act, np_backward
@@ -851,3 +852,90 @@ def test_grouped_mlp_and_its_gradients_match_float64_numpy(implementation, probl
   for g in np.flatnonzero(np.diff(starts) == 0):
     assert not np.asarray(d_kernel1[g], np.float32).any(), f"dkernel1[{g}] of an empty group"
     assert not np.asarray(d_kernel2[g], np.float32).any(), f"dkernel2[{g}] of an empty group"
+
+
+# --- moe (router, permutation, grouped MLP, unpermute) ---------------------------------
+
+
+@st.composite
+def moe_problems(draw):
+  experts = draw(st.integers(1, 8))
+  return dict(tokens=draw(st.integers(1, 40)), experts=experts,
+              top_k=draw(st.integers(1, min(3, experts))),
+              hidden=8 * draw(st.integers(1, 4)), ffn=8 * draw(st.integers(1, 4)),
+              activation=draw(st.sampled_from(["swiglu", "srelu", "clamped_swiglu"])),
+              limit=draw(st.floats(0.25, 3.0)), alpha=draw(st.floats(0.5, 3.0)),
+              linear_offset=draw(st.floats(-1.5, 1.5)),
+              scoring=draw(st.sampled_from([("softmax", False), ("softmax", True),
+                                            ("sigmoid", True)])),
+              dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16])),
+              seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@PROPERTY
+@given(problem=moe_problems())
+def test_moe_layer_matches_float64_numpy(implementation, problem):
+  """out[t] = sum_j w[t, j] expert_{e[t, j]}(x[t]) with the float64 router's experts and
+  weights (problems whose k-th and (k+1)-th scores nearly tie are skipped: either choice
+  is right), the grouped MLP's bounds per expert-sorted row, the unpermute's fp32 sum and
+  one rounding; the gradients of both expert kernels; the load-balancing loss. (dx also
+  flows through the router: test_moe.py checks it.)"""
+  impl, platform = implementation
+  tokens, experts, top_k, hidden, ffn, activation, dtype = (
+      problem[key] for key in ("tokens", "experts", "top_k", "hidden", "ffn", "activation",
+                               "dtype"))
+  score_function, normalize = problem["scoring"]
+  params = dict(limit=problem["limit"], alpha=problem["alpha"],
+                linear_offset=problem["linear_offset"])
+  width = ffn if activation == "srelu" else 2 * ffn
+  rng = np.random.default_rng(problem["seed"])
+  x = helpers.random_array(rng, (tokens, hidden), dtype)
+  router = helpers.random_array(rng, (hidden, experts), jnp.float32, scale=2 / np.sqrt(hidden))
+  kernel1 = helpers.random_array(rng, (experts, hidden, width), dtype, scale=1 / np.sqrt(hidden))
+  kernel2 = helpers.random_array(rng, (experts, ffn, hidden), dtype, scale=1 / np.sqrt(ffn))
+  d_out = helpers.random_array(rng, (tokens, hidden), dtype)
+
+  weights, ids, aux_loss = np_router(x, router, top_k, score_function, normalize)
+  # The fp32 logits err by at most hidden * 2^-22 of sum |x r| (4x slack); a score (and a
+  # normalized weight) moves by a few times that, relative.
+  logit_radius = float(np.max(hidden * 2.0**-22 * np.abs(helpers.as_f64(x))
+                              @ np.abs(helpers.as_f64(router))))
+  score_radius = 4 * logit_radius + 2.0**-20
+  if top_k < experts:
+    logits = helpers.as_f64(x) @ helpers.as_f64(router)
+    ordered = -np.sort(-logits, axis=1)
+    assume(np.min(ordered[:, top_k - 1] - ordered[:, top_k]) > 4 * logit_radius + 1e-6)
+
+  x_, router_, kernel1_, kernel2_, d_out_ = on(platform, x, router, kernel1, kernel2, d_out)
+
+  def layer(kernel1, kernel2):
+    return jaxfuse.moe(x_, router_, kernel1, kernel2, top_k=top_k, activation=activation,
+                       score_function=score_function, normalize_topk=normalize,
+                       implementation=impl, **params)
+
+  (out, aux), vjp = jax.vjp(jax.jit(layer), kernel1_, kernel2_)
+  d_kernel1, d_kernel2 = vjp((d_out_, jnp.zeros((), jnp.float32)))
+  assert (out.dtype, out.shape, d_kernel1.dtype, d_kernel2.dtype) == (
+      dtype, (tokens, hidden), dtype, dtype)
+
+  # The expert-sorted rows: a stable sort of the token copies by expert.
+  order = np.argsort(ids.reshape(-1), kind="stable")
+  token_of_row = order // top_k
+  sizes = np.bincount(ids.reshape(-1), minlength=experts)
+  x64, dy64 = helpers.as_f64(x), helpers.as_f64(d_out)
+  bounds = grouped_mlp_intervals(
+      x64[token_of_row], helpers.as_f64(kernel1), helpers.as_f64(kernel2),
+      weights.reshape(-1)[order], dy64[token_of_row], sizes, activation, params, dtype,
+      radius_scales=score_radius * weights.reshape(-1)[order])
+  row_of_copy = np.empty(tokens * top_k, np.int64)
+  row_of_copy[order] = np.arange(tokens * top_k)
+  rows = row_of_copy.reshape(tokens, top_k)
+  y, radius_y = bounds["out"]
+  exact = y[rows].sum(1)
+  radius = (radius_y[rows].sum(1)
+            + top_k * SUM_TERM * (np.abs(y) + radius_y)[rows].sum(1))
+  assert_inside(f"out ({activation})", out, exact, rounded(exact, radius, dtype))
+  assert_inside("dkernel1", d_kernel1, *bounds["dkernel1"])
+  assert_inside("dkernel2", d_kernel2, *bounds["dkernel2"])
+  assert abs(float(aux) - aux_loss) <= abs(aux_loss) * (score_radius + 1e-5), (aux, aux_loss)

@@ -15,8 +15,10 @@ K * 2^-24 * sum|terms|, and the one rounding to the output dtype by half an ulp
 float32 properties bound each element by 1e-5 of its own magnitude plus 1e-6 of the largest
 (a few fp32 ulps of the math, the CUDA kernels' approximate ex2/rcp/rsqrt included).
 
-Compositions (grouped_mlp) store intermediates in 16 bits; their rounding errors are
-propagated through what follows (an exact value plus a radius), not compared.
+Compositions (grouped_mlp, the MoE layer) store intermediates in 16 bits; their rounding
+errors are propagated through what follows (an exact value plus a radius), not compared.
+FP8 ops are checked against the float64 product of their quantized operands (GEMMs) or
+within half an FP8 ulp of the float64 value, with each scale on its amax (quantization).
 
 ``JAXFUSE_PROPERTY_EXAMPLES`` sets the number of problems per property (default 20).
 """

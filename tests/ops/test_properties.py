@@ -319,10 +319,14 @@ def norm_problems(draw):
               seed=draw(st.integers(0, 2**32 - 1)))
 
 
-def assert_float32_within(what, actual, expected, magnitude):
+def assert_float32_within(what, actual, expected, magnitude, dtype=jnp.float32):
+  """The float32 bound of the module docstring, then one rounding to `dtype`."""
   actual = helpers.as_f64(actual)
   assert actual.shape == expected.shape, what
-  bound = 1e-5 * magnitude + 1e-6 * (magnitude.max(initial=0.0) + 1e-30)
+  float32_bound = 1e-5 * magnitude + 1e-6 * (magnitude.max(initial=0.0) + 1e-30)
+  dtype = jnp.dtype(dtype)
+  bound = (float32_bound + HALF_ULP[dtype] * (np.abs(expected) + float32_bound)
+           + HALF_SUBNORMAL_STEP[dtype])
   excess = np.abs(actual - expected) - bound
   assert (excess <= 0).all(), f"{what}: worst excess {excess.max():.3g}"
 
@@ -453,6 +457,7 @@ def activation_problems(draw):
               limit=draw(st.floats(0.25, 8.0)), alpha=draw(st.floats(0.5, 3.0)),
               linear_offset=draw(st.floats(-1.5, 1.5)),
               magnitude=draw(st.sampled_from([0.05, 1.0, 4.0, 12.0])),
+              dtype=draw(st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16])),
               seed=draw(st.integers(0, 2**32 - 1)))
 
 
@@ -460,16 +465,18 @@ def activation_problems(draw):
 @PROPERTY
 @given(problem=activation_problems())
 def test_scaled_activation_and_its_gradients_match_float64_numpy(implementation, problem):
-  """float32 throughout (the float32 bound of the module docstring)."""
+  """fp32 math (the float32 bound of the module docstring) and one rounding of out and dx
+  to x's dtype; dscales in float32."""
   impl, platform = implementation
   activation, leading, features = problem["activation"], problem["leading"], problem["features"]
+  dtype = problem["dtype"]
   params = dict(limit=problem["limit"], alpha=problem["alpha"],
                 linear_offset=problem["linear_offset"])
   rng = np.random.default_rng(problem["seed"])
   width = features if activation == "srelu" else 2 * features
-  x = helpers.random_array(rng, (*leading, width), jnp.float32, scale=problem["magnitude"])
+  x = helpers.random_array(rng, (*leading, width), dtype, scale=problem["magnitude"])
   scales = jnp.asarray(rng.uniform(0.1, 1.5, leading), jnp.float32)
-  d_out = helpers.random_array(rng, (*leading, features), jnp.float32)
+  d_out = helpers.random_array(rng, (*leading, features), dtype)
   x_, scales_, d_out_ = on(platform, x, scales, d_out)
 
   def forward(x, scales):
@@ -477,18 +484,18 @@ def test_scaled_activation_and_its_gradients_match_float64_numpy(implementation,
 
   out, vjp = jax.vjp(jax.jit(forward), x_, scales_)
   d_x, d_scales = vjp(d_out_)
+  assert (out.dtype, d_x.dtype, d_scales.dtype) == (dtype, dtype, jnp.float32)
 
   spec = (activation, params["limit"], params["alpha"], params["linear_offset"])
   value = np_act(x, *spec)[0]
   want_dx, want_dscales = np_backward(d_out, x, scales, *spec)
   s64, g64 = helpers.as_f64(scales)[..., None], helpers.as_f64(d_out)
-  checks = [("out", out, value * s64, np.abs(value * s64)),
-            ("dx", d_x, want_dx, np.abs(want_dx)),
+  checks = [("out", out, value * s64, np.abs(value * s64), dtype),
+            ("dx", d_x, want_dx, np.abs(want_dx), dtype),
             # dscales[row] = sum_j dy_j act_j: bounded by the sum of |terms|.
-            ("dscales", d_scales, want_dscales, np.sum(np.abs(g64 * value), -1))]
-  for what, actual, expected, magnitude in checks:
-    assert_float32_within(f"{what} ({activation})", actual, expected, magnitude)
-
+            ("dscales", d_scales, want_dscales, np.sum(np.abs(g64 * value), -1), jnp.float32)]
+  for what, actual, expected, magnitude, out_dtype in checks:
+    assert_float32_within(f"{what} ({activation})", actual, expected, magnitude, out_dtype)
 
 
 # --- scaled_activation_quantize / scaled_dactivation_quantize (fused with FP8) --------

@@ -40,7 +40,7 @@ from jaxfuse.quantization import (FP8_MAX, Float8BlockScaling, Float8CurrentScal
                                   MXFP8BlockScaling)
 from tests import helpers
 from tests.ops.test_grouped_linear import numpy_grouped_grads, numpy_grouped_linear
-from tests.ops.test_grouped_linear_fp8 import (FP8_ACCUMULATION,
+from tests.ops.test_grouped_linear_fp8 import (FP8_ACCUMULATION, group_rows,
                                                PROMOTED as FP8_GROUPED_PROMOTED,
                                                RECIPE as FP8_GROUPED, accumulation_bound,
                                                assert_within_accumulation_bound, fp8_products)
@@ -156,6 +156,18 @@ def test_offsets_of_every_stride_are_clamped_rows_times_stride(implementation, s
 # --- grouped_linear --------------------------------------------------------------------
 
 
+def assert_zero_past_groups(sizes, rows, row_outputs, kernel_gradients=None):
+  """Rows past the (clamped) groups of each row output, and each kernel gradient's slice
+  of an empty group, are exactly zero (fresh GPU buffers hold garbage until written)."""
+  bounds = group_rows(sizes, rows)
+  for what, value in row_outputs.items():
+    assert not np.asarray(value[bounds[-1][1]:], np.float32).any(), f"{what} past the groups"
+  for what, value in (kernel_gradients or {}).items():
+    for g, (start, end) in enumerate(bounds):
+      if start == end:
+        assert not np.asarray(value[g], np.float32).any(), f"{what}[{g}] of an empty group"
+
+
 @st.composite
 def grouped_problems(draw):
   rows = draw(st.integers(1, 80))
@@ -206,13 +218,7 @@ def test_grouped_linear_and_its_gradients_match_float64_numpy(implementation, pr
   mag_dx, mag_dk = numpy_grouped_grads(abs_x, abs_k, sizes, abs_d)
   assert_within(d_x, want_dx, mag_dx, dtype, n, "dx")
   assert_within(d_kernel, want_dk, mag_dk, dtype, rows, "dkernel")
-  # Rows past the groups and the weights of empty groups are exactly zero (fresh GPU
-  # buffers hold garbage until written).
-  starts = np.minimum(np.concatenate([[0], np.cumsum(np.maximum(sizes, 0))]), rows)
-  assert not np.asarray(out[starts[-1]:], np.float32).any()
-  assert not np.asarray(d_x[starts[-1]:], np.float32).any()
-  for g in np.flatnonzero(np.diff(starts) == 0):
-    assert not np.asarray(d_kernel[g], np.float32).any(), f"dkernel[{g}] of an empty group"
+  assert_zero_past_groups(sizes, rows, {"out": out, "dx": d_x}, {"dkernel": d_kernel})
 
 
 
@@ -254,8 +260,7 @@ def test_fp8_grouped_linear_is_the_product_of_its_fp8_operands(implementation, p
     exact, abs_sum = fp8_products(x, kernel, sizes)
     accumulation = accumulation_bound(recipe, platform, k)
   assert_within_accumulation_bound(out, exact, abs_sum, "out", accumulation)
-  covered = min(int(np.sum(np.maximum(sizes, 0))), rows)
-  assert not np.asarray(out[covered:], np.float32).any(), "rows past the groups must be zero"
+  assert_zero_past_groups(sizes, rows, {"out": out})
 
 # --- linear_scale_add ------------------------------------------------------------------
 
@@ -449,13 +454,19 @@ def test_moe_permute_and_unpermute_match_a_stable_sort_by_expert(implementation,
 
 
 @st.composite
+def activation_parameters(draw, max_limit: float) -> dict:
+  """limit, alpha and linear_offset of the activations (limits up to `max_limit`)."""
+  return dict(limit=draw(st.floats(0.25, max_limit)), alpha=draw(st.floats(0.5, 3.0)),
+              linear_offset=draw(st.floats(-1.5, 1.5)))
+
+
+@st.composite
 def activation_problems(draw):
   activation = draw(st.sampled_from(["swiglu", "srelu", "clamped_swiglu"]))
   leading = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=2)))
   features = draw(st.integers(1, 40))
   return dict(activation=activation, leading=leading, features=features,
-              limit=draw(st.floats(0.25, 8.0)), alpha=draw(st.floats(0.5, 3.0)),
-              linear_offset=draw(st.floats(-1.5, 1.5)),
+              params=draw(activation_parameters(max_limit=8.0)),
               magnitude=draw(st.sampled_from([0.05, 1.0, 4.0, 12.0])),
               dtype=draw(st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16])),
               seed=draw(st.integers(0, 2**32 - 1)))
@@ -470,8 +481,7 @@ def test_scaled_activation_and_its_gradients_match_float64_numpy(implementation,
   impl, platform = implementation
   activation, leading, features = problem["activation"], problem["leading"], problem["features"]
   dtype = problem["dtype"]
-  params = dict(limit=problem["limit"], alpha=problem["alpha"],
-                linear_offset=problem["linear_offset"])
+  params = problem["params"]
   rng = np.random.default_rng(problem["seed"])
   width = features if activation == "srelu" else 2 * features
   x = helpers.random_array(rng, (*leading, width), dtype, scale=problem["magnitude"])
@@ -558,8 +568,7 @@ def activation_quantize_problems(draw):
   rows = draw(st.integers(1, 40))
   return dict(rows=rows, features=draw(st.integers(1, 96)), sizes=draw(group_sizes(rows)),
               activation=draw(st.sampled_from(["swiglu", "srelu", "clamped_swiglu"])),
-              limit=draw(st.floats(0.25, 8.0)), alpha=draw(st.floats(0.5, 3.0)),
-              linear_offset=draw(st.floats(-1.5, 1.5)),
+              params=draw(activation_parameters(max_limit=8.0)),
               magnitude=draw(st.sampled_from([0.05, 1.0, 4.0])),
               recipe=draw(st.sampled_from([Float8CurrentScaling(),
                                            Float8CurrentScaling(per_group=False),
@@ -580,8 +589,7 @@ def test_activation_quantize_and_its_backward_match_float64_numpy(implementation
   impl, platform = implementation
   rows, features, sizes, activation, recipe, dtype = (
       problem[key] for key in ("rows", "features", "sizes", "activation", "recipe", "dtype"))
-  params = dict(limit=problem["limit"], alpha=problem["alpha"],
-                linear_offset=problem["linear_offset"])
+  params = problem["params"]
   rng = np.random.default_rng(problem["seed"])
   width = features if activation == "srelu" else 2 * features
   x = helpers.random_array(rng, (rows, width), dtype, scale=problem["magnitude"])
@@ -680,13 +688,11 @@ def product(multiply, a, radius_a, b, radius_b, terms):
 
 
 def grouped_products(sizes, groups):
-  """float64 (forward, dgrad, wgrad) of a grouped GEMM over clamped group rows."""
+  """float64 (forward, dgrad, wgrad) of a grouped GEMM over clamped group rows (the
+  intermediates are float64 values, which numpy_grouped_linear would round to float32)."""
   def row_slices(rows):
-    start = 0
-    for g, size in enumerate(sizes):
-      end = min(start + max(int(size), 0), rows)
+    for g, (start, end) in enumerate(group_rows(sizes, rows)):
       yield g, slice(start, end)
-      start = end
 
   def forward(a, w):  # [M, K] x [G, K, N] -> [M, N]
     out = np.zeros((a.shape[0], w.shape[2]))
@@ -808,8 +814,7 @@ def mlp_problems(draw):
               sizes=draw(group_sizes(rows, max_groups=8)),
               activation=draw(st.sampled_from(["swiglu", "srelu", "clamped_swiglu"])),
               # Limits small enough for h (about unit normal) to be clamped.
-              limit=draw(st.floats(0.25, 3.0)), alpha=draw(st.floats(0.5, 3.0)),
-              linear_offset=draw(st.floats(-1.5, 1.5)),
+              params=draw(activation_parameters(max_limit=3.0)),
               save_activation=draw(st.booleans()),
               dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16])),
               seed=draw(st.integers(0, 2**32 - 1)))
@@ -825,8 +830,7 @@ def test_grouped_mlp_and_its_gradients_match_float64_numpy(implementation, probl
   impl, platform = implementation
   rows, hidden, ffn, sizes, activation, dtype = (
       problem[key] for key in ("rows", "hidden", "ffn", "sizes", "activation", "dtype"))
-  params = dict(limit=problem["limit"], alpha=problem["alpha"],
-                linear_offset=problem["linear_offset"])
+  params = problem["params"]
   width = ffn if activation == "srelu" else 2 * ffn
   groups = len(sizes)
   rng = np.random.default_rng(problem["seed"])
@@ -854,13 +858,8 @@ def test_grouped_mlp_and_its_gradients_match_float64_numpy(implementation, probl
   for what, actual in (("out", out), ("dscales", d_scales), ("dx", d_x),
                        ("dkernel1", d_kernel1), ("dkernel2", d_kernel2)):
     assert_inside(f"{what} ({activation})", actual, *bounds[what])
-  # Rows past the groups and the weights of empty experts are exactly zero.
-  starts = np.minimum(np.concatenate([[0], np.cumsum(np.maximum(sizes, 0))]), rows)
-  for what, value in (("out", out), ("dx", d_x), ("dscales", d_scales)):
-    assert not np.asarray(value[starts[-1]:], np.float32).any(), f"{what} past the groups"
-  for g in np.flatnonzero(np.diff(starts) == 0):
-    assert not np.asarray(d_kernel1[g], np.float32).any(), f"dkernel1[{g}] of an empty group"
-    assert not np.asarray(d_kernel2[g], np.float32).any(), f"dkernel2[{g}] of an empty group"
+  assert_zero_past_groups(sizes, rows, {"out": out, "dx": d_x, "dscales": d_scales},
+                          {"dkernel1": d_kernel1, "dkernel2": d_kernel2})
 
 
 # --- moe (router, permutation, grouped MLP, unpermute) ---------------------------------
@@ -873,8 +872,7 @@ def moe_problems(draw):
               top_k=draw(st.integers(1, min(3, experts))),
               hidden=8 * draw(st.integers(1, 4)), ffn=8 * draw(st.integers(1, 4)),
               activation=draw(st.sampled_from(["swiglu", "srelu", "clamped_swiglu"])),
-              limit=draw(st.floats(0.25, 3.0)), alpha=draw(st.floats(0.5, 3.0)),
-              linear_offset=draw(st.floats(-1.5, 1.5)),
+              params=draw(activation_parameters(max_limit=3.0)),
               scoring=draw(st.sampled_from([("softmax", False), ("softmax", True),
                                             ("sigmoid", True)])),
               dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16])),
@@ -895,8 +893,7 @@ def test_moe_layer_matches_float64_numpy(implementation, problem):
       problem[key] for key in ("tokens", "experts", "top_k", "hidden", "ffn", "activation",
                                "dtype"))
   score_function, normalize = problem["scoring"]
-  params = dict(limit=problem["limit"], alpha=problem["alpha"],
-                linear_offset=problem["linear_offset"])
+  params = problem["params"]
   width = ffn if activation == "srelu" else 2 * ffn
   rng = np.random.default_rng(problem["seed"])
   x = helpers.random_array(rng, (tokens, hidden), dtype)

@@ -19,6 +19,8 @@ Compositions (grouped_mlp, the MoE layer) store intermediates in 16 bits; their 
 errors are propagated through what follows (an exact value plus a radius), not compared.
 FP8 ops are checked against the float64 product of their quantized operands (GEMMs) or
 within half an FP8 ulp of the float64 value, with each scale on its amax (quantization).
+The FP8 grouped MLP maps every interval through each quantization and rounding (the
+interval of the rounded ends), which keeps the bounds near the exact FP8 computation.
 
 ``JAXFUSE_PROPERTY_EXAMPLES`` sets the number of problems per property (default 20).
 """
@@ -29,6 +31,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
@@ -43,7 +46,8 @@ from tests.ops.test_grouped_linear import numpy_grouped_grads, numpy_grouped_lin
 from tests.ops.test_grouped_linear_fp8 import (FP8_ACCUMULATION, group_rows,
                                                PROMOTED as FP8_GROUPED_PROMOTED,
                                                RECIPE as FP8_GROUPED, accumulation_bound,
-                                               assert_within_accumulation_bound, fp8_products)
+                                               assert_within_accumulation_bound,
+                                               fast_accumulation_bound, fp8_products)
 from tests.ops.test_grouped_linear_fp8_blockwise import (RECIPE as FP8_BLOCKWISE,
                                                          numpy_blockwise,
                                                          quantized_operands as blockwise_operands)
@@ -860,6 +864,212 @@ def test_grouped_mlp_and_its_gradients_match_float64_numpy(implementation, probl
     assert_inside(f"{what} ({activation})", actual, *bounds[what])
   assert_zero_past_groups(sizes, rows, {"out": out, "dx": d_x, "dscales": d_scales},
                           {"dkernel1": d_kernel1, "dkernel2": d_kernel2})
+
+
+# --- grouped_mlp in FP8 (Float8CurrentScaling(per_group=True)) -------------------------
+#
+# An E4M3 rounding errs by up to 2^-4 of its value, so radii that grow by half an ulp at
+# every rounding (as above) would bound nothing useful. Here a rounding maps the interval
+# of a value to the interval of its rounded ends: a value whose interval holds no rounding
+# boundary (nearly all of them, since every input and weight is exact and the fp32 math
+# errs by ~2^-18) is exact after it. Only values near a boundary of bf16, of E4M3 or E5M2,
+# or in a group whose scale is uncertain keep a radius, so each output is bounded to about
+# the FP8 GEMMs' accumulation error of the exact FP8 computation.
+
+FP8_DTYPE = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+FP32_DIVISION = 2.0**-22  # the scale fp8_max / amax and its inverse: fp32, 2x slack
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def rounded_interval(center, radius, dtype):
+  """(center, radius) of the interval of a value within `radius` of `center` once rounded
+  to `dtype` (ml_dtypes or numpy): the rounded ends, nudged outward by 2^-40 so that a
+  double rounding on the way (float64 -> float32 -> 8 or 16 bits) cannot move an end
+  inward."""
+  lo, hi = center - radius, center + radius
+  lo = (lo - np.abs(lo) * 2.0**-40).astype(np.float32).astype(dtype).astype(np.float64)
+  hi = (hi + np.abs(hi) * 2.0**-40).astype(np.float32).astype(dtype).astype(np.float64)
+  return (lo + hi) / 2, (hi - lo) / 2 + 2.0**-50 * np.maximum(np.abs(lo), np.abs(hi))
+
+
+def fp8_gemm_output(center, radius, dtype):
+  """The FP8 GEMMs round their fp32 result to bfloat16, then cast it to x's dtype."""
+  return rounded_interval(*rounded_interval(center, radius, ml_dtypes.bfloat16),
+                          jnp.dtype(dtype).type)
+
+
+def fp8_quantized(center, radius, bounds, fmt):
+  """(center, radius) of the dequantized FP8 values (data * scale_inv) that per-group
+  current scaling gives for values within `radius` of `center` [R, C]: the rows of group g
+  are bounds[g] = (start, end), rows past the groups quantize to zero.
+
+  A group's amax lies between the largest |lower end| and the largest |upper end| of its
+  values, so its scale fp8_max / amax (fp32) lies in an interval too: each value is scaled
+  by both ends, rounded to the format (saturating) at the extremes and dequantized by both
+  ends of 1 / scale."""
+  fp8_max = FP8_MAX[fmt]
+  lo, hi = center - radius, center + radius
+  out_lo, out_hi = np.zeros_like(center), np.zeros_like(center)
+  for start, end in bounds:
+    if start == end:
+      continue
+    low, high = lo[start:end], hi[start:end]
+    amax_hi = np.max(np.maximum(np.abs(low), np.abs(high)))
+    amax_lo = np.max(np.where((low <= 0) & (high >= 0), 0.0,
+                              np.minimum(np.abs(low), np.abs(high))))
+    if amax_hi == 0:  # every value is zero: scale 1, zero data
+      continue
+    scale_lo = min(fp8_max / amax_hi, FLOAT32_MAX) * (1 - FP32_DIVISION)
+    # An amax that may be zero allows any scale up to the fp32 cap (a zero amax's scale,
+    # 1, only applies when every value is zero, which then quantizes to zero anyway).
+    scale_hi = min(fp8_max / amax_lo if amax_lo > 0 else FLOAT32_MAX,
+                   FLOAT32_MAX) * (1 + FP32_DIVISION)
+    scaled = np.stack([low * scale_lo, low * scale_hi, high * scale_lo, high * scale_hi])
+    scaled_lo = np.clip(scaled.min(axis=0), -fp8_max, fp8_max)
+    scaled_hi = np.clip(scaled.max(axis=0), -fp8_max, fp8_max)
+    data_center, data_radius = rounded_interval((scaled_lo + scaled_hi) / 2,
+                                                (scaled_hi - scaled_lo) / 2, FP8_DTYPE[fmt])
+    data_lo, data_hi = data_center - data_radius, data_center + data_radius
+    inverse = np.array([1 / scale_hi, 1 / scale_lo])
+    out_lo[start:end] = np.minimum(data_lo * inverse[0], data_lo * inverse[1])
+    out_hi[start:end] = np.maximum(data_hi * inverse[0], data_hi * inverse[1])
+  return (out_lo + out_hi) / 2, (out_hi - out_lo) / 2
+
+
+def expert_quantized(kernel, fmt="e4m3"):
+  """Each expert's weight [K, N] with one scale: (center, radius) of its dequantized FP8
+  values, [G, K, N]."""
+  groups, k, n = kernel.shape
+  flat = kernel.reshape(groups * k, n)
+  bounds = [(g * k, (g + 1) * k) for g in range(groups)]
+  center, radius = fp8_quantized(flat, np.zeros_like(flat), bounds, fmt)
+  return center.reshape(kernel.shape), radius.reshape(kernel.shape)
+
+
+def fp8_grouped_mlp_intervals(x, kernel1, kernel2, scales, d_out, sizes, activation, params,
+                              dtype, recipe, platform):
+  """{name: (exact float64 value, radius)} of grouped_mlp's out, dscales, dx, dkernel1 and
+  dkernel2 under Float8CurrentScaling(per_group=True) `recipe` on `platform`, as
+  Fp8Stages (grouped_mlp/api.py) computes them: x, dy, the scaled activation and its
+  gradient quantized per group of rows (E4M3 forward, E5M2 gradients), each weight per
+  expert (E4M3); FP8 GEMM results rounded to bfloat16 (then x's dtype); the activation
+  and its gradient in fp32, never rounded to 16 bits before they are quantized."""
+  rows, hidden = x.shape
+  groups, ffn = kernel2.shape[0], kernel2.shape[1]
+  bounds = group_rows(sizes, rows)
+  fc, dgrad, wgrad = grouped_products(sizes, groups)
+  zero = np.zeros_like
+  s = scales[:, None]
+  forward = recipe.forward_format
+  gradient = recipe.gradient_format
+
+  def fp8_product(multiply, a, b, terms, fast=False):
+    # Exact FP8 products; the sum errs by the accumulation bound of test_grouped_linear_fp8
+    # (Hopper's fast accumulation: a truncation per 32-term step) of the sum of |products|.
+    accumulation = (fast_accumulation_bound(terms) if fast and platform == "gpu"
+                    else FP8_ACCUMULATION)
+    value, radius = product(multiply, *a, *b, terms=0)
+    radius = radius + accumulation * multiply(np.abs(a[0]) + a[1], np.abs(b[0]) + b[1])
+    return fp8_gemm_output(value, radius, dtype)
+
+  fast = recipe.forward_fast_accumulation
+  x_q = fp8_quantized(x, zero(x), bounds, forward)
+  w1_q, w2_q = expert_quantized(kernel1), expert_quantized(kernel2)
+  h, radius_h = fp8_product(fc, x_q, w1_q, hidden, fast)
+  (act, radius_act), (d_act_a, radius_d_a), (d_act_b, radius_d_b) = activation_intervals(
+      h, radius_h, activation, **params)
+  radius_act = radius_act + FP32_MATH * (np.abs(act) + radius_act)
+  a = product(np.multiply, act, radius_act, s, zero(s), 1)
+  a_q = fp8_quantized(*a, bounds, forward)
+  y = fp8_product(fc, a_q, w2_q, ffn, fast)
+  dy_q = fp8_quantized(d_out, zero(d_out), bounds, gradient)
+  d_a, radius_da = fp8_product(dgrad, dy_q, w2_q, hidden)
+  d_scales = product(lambda u, v: np.sum(u * v, axis=1), d_a, radius_da, act, radius_act,
+                     ffn)
+  d_as, radius_das = product(np.multiply, d_a, radius_da, s, zero(s), 1)
+  d_h, radius_dh = [], []
+  for derivative, radius_derivative in ((d_act_a, radius_d_a), (d_act_b, radius_d_b)):
+    if derivative is None:
+      continue
+    value, radius = product(np.multiply, d_as, radius_das, derivative, radius_derivative, 1)
+    d_h.append(value)
+    radius_dh.append(radius + FP32_MATH * (np.abs(value) + radius))
+  d_h = (np.concatenate(d_h, axis=1), np.concatenate(radius_dh, axis=1))
+  d_h_q = fp8_quantized(*d_h, bounds, gradient)
+  if recipe.fp8_wgrad:  # from the same FP8 values (column-wise copies)
+    d_kernel2 = fp8_product(wgrad, a_q, dy_q, rows)
+    d_kernel1 = fp8_product(wgrad, x_q, d_h_q, rows)
+  else:  # 16-bit: the activation and dh rounded to x's dtype, fp32 sums
+    def rounded_16(value):
+      return rounded_interval(*value, jnp.dtype(dtype).type)
+    d_kernel2 = rounded_16(product(wgrad, *rounded_16(a), d_out, zero(d_out), rows))
+    d_kernel1 = rounded_16(product(wgrad, x, zero(x), *rounded_16(d_h), rows))
+  return {"out": y, "dscales": rounded_interval(*d_scales, np.float32),
+          "dx": fp8_product(dgrad, d_h_q, w1_q, d_h[0].shape[1]),
+          "dkernel1": d_kernel1, "dkernel2": d_kernel2}
+
+
+@st.composite
+def fp8_mlp_problems(draw):
+  rows = draw(st.integers(1, 64))
+  return dict(rows=rows, hidden=16 * draw(st.integers(1, 3)),
+              ffn=16 * draw(st.integers(1, 3)), sizes=draw(group_sizes(rows, max_groups=8)),
+              activation=draw(st.sampled_from(["swiglu", "srelu", "clamped_swiglu"])),
+              params=draw(activation_parameters(max_limit=3.0)),
+              recipe=Float8CurrentScaling(
+                  per_group=True, forward_fast_accumulation=draw(st.booleans()),
+                  fp8_wgrad=draw(st.booleans())),
+              save_activation=draw(st.booleans()),
+              dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16])),
+              seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@PROPERTY
+@given(problem=fp8_mlp_problems())
+def test_fp8_grouped_mlp_is_its_quantized_stages_in_float64(implementation, problem):
+  """Under Float8CurrentScaling(per_group=True): out, and on the FFI paths dx, dkernel1,
+  dkernel2 and dscales, within the interval that the FP8 stages give when every
+  quantization and rounding is applied to the interval of its input (see
+  fp8_grouped_mlp_intervals). The jnp reference's gradients pass straight through its
+  quantization (grouped_mlp/reference.py), so only its forward is checked here."""
+  impl, platform = implementation
+  rows, hidden, ffn, sizes, activation, recipe, dtype = (
+      problem[key] for key in ("rows", "hidden", "ffn", "sizes", "activation", "recipe",
+                               "dtype"))
+  params = problem["params"]
+  width = ffn if activation == "srelu" else 2 * ffn
+  groups = len(sizes)
+  rng = np.random.default_rng(problem["seed"])
+  x = helpers.random_array(rng, (rows, hidden), dtype)
+  kernel1 = helpers.random_array(rng, (groups, hidden, width), dtype, scale=1 / np.sqrt(hidden))
+  kernel2 = helpers.random_array(rng, (groups, ffn, hidden), dtype, scale=1 / np.sqrt(ffn))
+  scales = jnp.asarray(rng.uniform(0.1, 1.5, rows), jnp.float32)
+  d_out = helpers.random_array(rng, (rows, hidden), dtype)
+  args = on(platform, x, kernel1, kernel2, scales, d_out, jnp.asarray(sizes, jnp.int32))
+  group_sizes_ = args[5]
+
+  def forward(x, kernel1, kernel2, scales):
+    return jaxfuse.grouped_mlp(x, kernel1, kernel2, group_sizes_, scales, activation,
+                               recipe=recipe, save_activation=problem["save_activation"],
+                               implementation=impl, **params)
+
+  out, vjp = jax.vjp(jax.jit(forward), *args[:4])
+  assert out.dtype == dtype
+  bounds = fp8_grouped_mlp_intervals(
+      *(helpers.as_f64(v) for v in (x, kernel1, kernel2, scales, d_out)), sizes, activation,
+      params, dtype, recipe, platform)
+  results = {"out": out}
+  if impl == "ffi":
+    d_x, d_kernel1, d_kernel2, d_scales = vjp(args[4])
+    assert (d_x.dtype, d_kernel1.dtype, d_kernel2.dtype, d_scales.dtype) == (
+        dtype, dtype, dtype, jnp.float32)
+    results.update(dscales=d_scales, dx=d_x, dkernel1=d_kernel1, dkernel2=d_kernel2)
+    assert_zero_past_groups(sizes, rows, {"dx": d_x, "dscales": d_scales},
+                            {"dkernel1": d_kernel1, "dkernel2": d_kernel2})
+  for what, actual in results.items():
+    assert_inside(f"{what} ({activation})", actual, *bounds[what])
+  assert_zero_past_groups(sizes, rows, {"out": out})
 
 
 # --- moe (router, permutation, grouped MLP, unpermute) ---------------------------------

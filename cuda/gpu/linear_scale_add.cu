@@ -75,6 +75,13 @@ bool AutotuneLog() {
   return value != nullptr && std::strcmp(value, "0") != 0;
 }
 
+// JAXFUSE_CUBLASLT_CANDIDATE=i runs the heuristic's i-th candidate (the last one where it
+// returns fewer), untimed: for diagnosing one algorithm's numerics or speed. -1 when unset.
+int ForcedCandidate() {
+  const char* value = std::getenv("JAXFUSE_CUBLASLT_CANDIDATE");
+  return value == nullptr || *value == '\0' ? -1 : std::max(std::atoi(value), 0);
+}
+
 // Random bits shaped into finite values of one element type, one 32-bit word per step:
 // word = (hash & keep) | set. Tensor-core power depends on how many bits toggle, so a
 // sustained timing on constant data would run cooler than a training step does.
@@ -275,23 +282,31 @@ struct MatmulState {
           static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE));
     }
     constexpr int kCandidates = 8;
-    const Autotune mode = autotune ? AutotuneMode() : Autotune::kOff;
+    const int forced = ForcedCandidate();
+    const Autotune mode = autotune && forced < 0 ? AutotuneMode() : Autotune::kOff;
     // Initialize asks for kCandidates even untimed: results[0] of that query is what every
     // measured run used.
     cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
     int count = 0;
     const cublasStatus_t status = api->MatmulAlgoGetHeuristic(
         algorithm.handle, algorithm.desc, layout_a, layout_b, layout_c, layout_c, preference,
-        autotune ? kCandidates : 1, results, &count);
+        autotune || forced >= 0 ? kCandidates : 1, results, &count);
     api->MatmulPreferenceDestroy(preference);
     if (status != CUBLAS_STATUS_SUCCESS || count == 0) {
       api->MatmulDescDestroy(algorithm.desc);
       return Internal("cuBLASLt found no algorithm for a [", problem.p, ", ", problem.q,
                       ", ", problem.r, "] product: ", cublaslt::StatusString(status));
     }
-    const int best = mode != Autotune::kOff && count > 1
+    const int best = forced >= 0 ? std::min(forced, count - 1)
+                     : mode != Autotune::kOff && count > 1
                          ? FastestCandidate(device, algorithm, results, count, mode)
                          : 0;
+    if (mode == Autotune::kOff && AutotuneLog()) {  // FastestCandidate logs the timed modes
+      for (int i = 0; i < count; ++i) {
+        std::fprintf(stderr, "%s candidate %d (%s)%s\n", LogPrefix().c_str(), i,
+                     Describe(results[i].algo).c_str(), i == best ? ": chosen, untimed" : "");
+      }
+    }
     algorithm.algo = results[best].algo;
     *found = &algorithms.emplace(key, algorithm).first->second;
     return ffi::Error::Success();
@@ -304,17 +319,24 @@ struct MatmulState {
            (fp8 ? " fp8" : "");
   }
 
-  // cuBLASLt's configuration of a candidate, for the log: algorithm id, tile, stages.
+  // cuBLASLt's configuration of a candidate, for the log: algorithm id, tile, stages, the
+  // split-K count and its reduction scheme (a CUBLASLT_REDUCTION_SCHEME_* value).
   std::string Describe(const cublasLtMatmulAlgo_t& algo) const {
-    int id = -1, tile = -1, stages = -1;
+    int id = -1, tile = -1, stages = -1, split_k = -1;
+    uint32_t reduction = 0xFFFFFFFFu;
     size_t written = 0;
     api->MatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id), &written);
     api->MatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile),
                                       &written);
     api->MatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages,
                                       sizeof(stages), &written);
+    api->MatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split_k,
+                                      sizeof(split_k), &written);
+    api->MatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction,
+                                      sizeof(reduction), &written);
     return "algo " + std::to_string(id) + " tile " + std::to_string(tile) + " stages " +
-           std::to_string(stages);
+           std::to_string(stages) + " split-k " + std::to_string(split_k) + " reduction " +
+           std::to_string(static_cast<int>(reduction));
   }
 
   // Index of the fastest of `count` candidates, timed on scratch buffers of this problem's

@@ -272,10 +272,10 @@ struct MatmulState {
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, std::get<3>(key));
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, std::get<3>(key));
     // A split-K algorithm may keep its partial sums in the output type or add them up in
-    // the output buffer: for a 16-bit output that rounds alpha * a @ b before beta * c is
-    // added, twice the error of the one rounding the op promises (seen on an H100 for
-    // M = 1, K = N = 8: out = round(residual + round(x @ kernel))). fp32 partials only,
-    // as torch's allow_bf16_reduced_precision_reduction = False.
+    // the output buffer: for a 16-bit output, one rounding per partial sum. fp32 partials
+    // only, as torch's allow_bf16_reduced_precision_reduction = False. (The epilogue still
+    // rounds alpha * a @ b to the 16-bit output type before adding c, with or without
+    // split-K: every candidate did on an H100, scripts/probe_linear_rounding.py.)
     const cudaDataType_t output_type = CudaType(problem.output_type);
     if (output_type == CUDA_R_16BF || output_type == CUDA_R_16F) {
       set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,

@@ -229,9 +229,15 @@ def linear_scale_add(x: jax.Array, kernel: jax.Array, residual: jax.Array,
 
   TransformerEngine's ForwardLinearScaleAdd: the product is computed with fp32
   accumulation, scaled by alpha in the GEMM epilogue and added to the residual in the
-  same kernel (cuBLASLt with beta = 1 and C = D = residual on GPU), in fp32: the result is
-  rounded to residual's dtype once (split-K algorithms keep fp32 partial sums). It is
-  written into residual's buffer: donate ``residual`` under ``jax.jit`` and no copy is made.
+  same kernel (cuBLASLt with beta = 1 and C = D = residual on GPU). It is written into
+  residual's buffer: donate ``residual`` under ``jax.jit`` and no copy is made.
+
+  Rounding: the CPU handler and the jnp reference add the residual in fp32 and round once.
+  cuBLASLt's epilogue on Hopper rounds alpha * x @ kernel to a 16-bit residual's dtype
+  before adding the residual (every algorithm its heuristic offered, on an H100 with cuBLAS
+  13.1; ``scripts/probe_linear_rounding.py``), as XLA's own fused bf16 GEMM + add does: on
+  the GPU a bf16 or f16 result errs by up to half an ulp of |alpha * x @ kernel| more.
+  Split-K algorithms are kept to fp32 partial sums, so no further rounding is added.
 
   Args:
     x: [..., K], float32, bfloat16 or float16.

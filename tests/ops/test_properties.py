@@ -19,8 +19,9 @@ Compositions (grouped_mlp, the MoE layer) store intermediates in 16 bits; their 
 errors are propagated through what follows (an exact value plus a radius), not compared.
 FP8 ops are checked against the float64 product of their quantized operands (GEMMs) or
 within half an FP8 ulp of the float64 value, with each scale on its amax (quantization).
-The FP8 grouped MLP maps every interval through each quantization and rounding (the
-interval of the rounded ends), which keeps the bounds near the exact FP8 computation.
+The FP8 grouped MLP (per-group current scaling and 1 x 128 / 128 x 128 blocks) maps every
+interval through each quantization and rounding (the interval of the rounded ends), which
+keeps the bounds near the exact FP8 computation.
 
 ``JAXFUSE_PROPERTY_EXAMPLES`` sets the number of problems per property (default 20).
 """
@@ -39,6 +40,7 @@ from hypothesis import strategies as st
 
 import jaxfuse
 from jaxfuse._src.ops.group_offsets import api as group_offsets_api
+from jaxfuse._src.ops.quantize import columnwise as quantize_columnwise
 from jaxfuse.quantization import (FP8_MAX, Float8BlockScaling, Float8CurrentScaling,
                                   MXFP8BlockScaling)
 from tests import helpers
@@ -908,70 +910,98 @@ def fp8_gemm_output(center, radius, dtype):
                           jnp.dtype(dtype).type)
 
 
-def fp8_quantized(center, radius, bounds, fmt):
-  """(center, radius) of the dequantized FP8 values (data * scale_inv) that per-group
-  current scaling gives for values within `radius` of `center` [R, C]: the rows of group g
-  are bounds[g] = (start, end), rows past the groups quantize to zero.
+def fp8_block_quantized(center, radius, block, fmt):
+  """(center, radius) of the dequantized FP8 values (data * scale_inv) that current scaling
+  with one scale per `block` = (rows, columns) tile (partial tiles at the ends) gives for
+  values within `radius` of `center` [R, C].
 
-  A group's amax lies between the largest |lower end| and the largest |upper end| of its
+  A tile's amax lies between the largest |lower end| and the largest |upper end| of its
   values, so its scale fp8_max / amax (fp32) lies in an interval too: each value is scaled
   by both ends, rounded to the format (saturating) at the extremes and dequantized by both
-  ends of 1 / scale."""
+  ends of 1 / scale. An amax that may be zero allows any scale up to the fp32 cap (the
+  scale 1 of a zero amax only applies where every value is zero, which quantizes to 0)."""
   fp8_max = FP8_MAX[fmt]
-  lo, hi = center - radius, center + radius
-  out_lo, out_hi = np.zeros_like(center), np.zeros_like(center)
+  rows, columns = center.shape
+  block_rows, block_columns = min(block[0], rows), min(block[1], columns)
+
+  def tiles(value):  # [R, C] -> [R / br, br, C / bc, bc], zero-padded (no effect on amax)
+    padded = np.pad(value, ((0, -rows % block_rows), (0, -columns % block_columns)))
+    return padded.reshape(padded.shape[0] // block_rows, block_rows,
+                          padded.shape[1] // block_columns, block_columns)
+
+  low, high = tiles(center - radius), tiles(center + radius)
+  abs_low, abs_high = np.abs(low), np.abs(high)
+  amax_hi = np.max(np.maximum(abs_low, abs_high), axis=(1, 3), keepdims=True)
+  amax_lo = np.max(np.where((low <= 0) & (high >= 0), 0.0, np.minimum(abs_low, abs_high)),
+                   axis=(1, 3), keepdims=True)
+  zero = amax_hi == 0
+  scale_lo = np.where(zero, 1.0, np.minimum(fp8_max / np.where(zero, 1.0, amax_hi),
+                                            FLOAT32_MAX) * (1 - FP32_DIVISION))
+  scale_hi = np.where(zero, 1.0, np.minimum(fp8_max / np.maximum(amax_lo, 1e-300),
+                                            FLOAT32_MAX) * (1 + FP32_DIVISION))
+  scaled = np.stack([low * scale_lo, low * scale_hi, high * scale_lo, high * scale_hi])
+  scaled_lo = np.clip(scaled.min(axis=0), -fp8_max, fp8_max)
+  scaled_hi = np.clip(scaled.max(axis=0), -fp8_max, fp8_max)
+  data, data_radius = rounded_interval((scaled_lo + scaled_hi) / 2,
+                                       (scaled_hi - scaled_lo) / 2, FP8_DTYPE[fmt])
+  data_lo, data_hi = data - data_radius, data + data_radius
+  inverse_lo, inverse_hi = 1 / scale_hi, 1 / scale_lo
+  out_lo = np.minimum(data_lo * inverse_lo, data_lo * inverse_hi)
+  out_hi = np.maximum(data_hi * inverse_lo, data_hi * inverse_hi)
+
+  def untiled(value):
+    return value.reshape(value.shape[0] * block_rows, -1)[:rows, :columns]
+
+  return untiled((out_lo + out_hi) / 2), untiled((out_hi - out_lo) / 2)
+
+
+def group_quantized(center, radius, bounds, fmt, block=None):
+  """fp8_block_quantized over each group's rows (bounds[g] = (start, end)): one scale per
+  group (Float8CurrentScaling(per_group=True)), or per `block` tile starting at each
+  group's first row (Float8BlockScaling's 128 x 1 column-wise blocks); rows past the
+  groups quantize to zero."""
+  out, out_radius = np.zeros_like(center), np.zeros_like(center)
   for start, end in bounds:
-    if start == end:
-      continue
-    low, high = lo[start:end], hi[start:end]
-    amax_hi = np.max(np.maximum(np.abs(low), np.abs(high)))
-    amax_lo = np.max(np.where((low <= 0) & (high >= 0), 0.0,
-                              np.minimum(np.abs(low), np.abs(high))))
-    if amax_hi == 0:  # every value is zero: scale 1, zero data
-      continue
-    scale_lo = min(fp8_max / amax_hi, FLOAT32_MAX) * (1 - FP32_DIVISION)
-    # An amax that may be zero allows any scale up to the fp32 cap (a zero amax's scale,
-    # 1, only applies when every value is zero, which then quantizes to zero anyway).
-    scale_hi = min(fp8_max / amax_lo if amax_lo > 0 else FLOAT32_MAX,
-                   FLOAT32_MAX) * (1 + FP32_DIVISION)
-    scaled = np.stack([low * scale_lo, low * scale_hi, high * scale_lo, high * scale_hi])
-    scaled_lo = np.clip(scaled.min(axis=0), -fp8_max, fp8_max)
-    scaled_hi = np.clip(scaled.max(axis=0), -fp8_max, fp8_max)
-    data_center, data_radius = rounded_interval((scaled_lo + scaled_hi) / 2,
-                                                (scaled_hi - scaled_lo) / 2, FP8_DTYPE[fmt])
-    data_lo, data_hi = data_center - data_radius, data_center + data_radius
-    inverse = np.array([1 / scale_hi, 1 / scale_lo])
-    out_lo[start:end] = np.minimum(data_lo * inverse[0], data_lo * inverse[1])
-    out_hi[start:end] = np.maximum(data_hi * inverse[0], data_hi * inverse[1])
-  return (out_lo + out_hi) / 2, (out_hi - out_lo) / 2
+    if start < end:
+      out[start:end], out_radius[start:end] = fp8_block_quantized(
+          center[start:end], radius[start:end], block or (end - start, center.shape[1]), fmt)
+  return out, out_radius
 
 
-def expert_quantized(kernel, fmt="e4m3"):
-  """Each expert's weight [K, N] with one scale: (center, radius) of its dequantized FP8
-  values, [G, K, N]."""
-  groups, k, n = kernel.shape
-  flat = kernel.reshape(groups * k, n)
-  bounds = [(g * k, (g + 1) * k) for g in range(groups)]
-  center, radius = fp8_quantized(flat, np.zeros_like(flat), bounds, fmt)
-  return center.reshape(kernel.shape), radius.reshape(kernel.shape)
+def expert_quantized(kernel, block=None, fmt="e4m3"):
+  """Each expert's weight [K, N] with one scale (or one per `block` tile): (center, radius)
+  of its dequantized FP8 values, [G, K, N]."""
+  pairs = [fp8_block_quantized(w, np.zeros_like(w), block or w.shape, fmt) for w in kernel]
+  return np.stack([c for c, _ in pairs]), np.stack([r for _, r in pairs])
 
 
 def fp8_grouped_mlp_intervals(x, kernel1, kernel2, scales, d_out, sizes, activation, params,
-                              dtype, recipe, platform):
+                              dtype, recipe, platform, fp8_wgrad):
   """{name: (exact float64 value, radius)} of grouped_mlp's out, dscales, dx, dkernel1 and
-  dkernel2 under Float8CurrentScaling(per_group=True) `recipe` on `platform`, as
-  Fp8Stages (grouped_mlp/api.py) computes them: x, dy, the scaled activation and its
-  gradient quantized per group of rows (E4M3 forward, E5M2 gradients), each weight per
-  expert (E4M3); FP8 GEMM results rounded to bfloat16 (then x's dtype); the activation
-  and its gradient in fp32, never rounded to 16 bits before they are quantized."""
+  dkernel2 under an FP8 `recipe` on `platform`, as grouped_mlp/api.py computes them.
+
+  Float8CurrentScaling(per_group=True) (Fp8Stages): x, dy, the scaled activation and its
+  gradient quantized per group of rows, each weight per expert. Float8BlockScaling
+  (_Blockwise): those four in 1 x 128 blocks of each row, the weights in 128 x 128 tiles.
+  Forward values in recipe.forward_format, gradients in recipe.gradient_format. FP8 GEMM
+  results are rounded to bfloat16 (then x's dtype); the activation and its gradient are
+  computed in fp32 and quantized without a rounding to 16 bits. Weight gradients
+  (`fp8_wgrad`: whether the op runs them in FP8) come from the same FP8 values (per group),
+  from the 16-bit operands quantized in 128 x 1 blocks down each group's rows (blocks), or
+  in 16 bits from the activation and dh rounded to x's dtype."""
   rows, hidden = x.shape
   groups, ffn = kernel2.shape[0], kernel2.shape[1]
   bounds = group_rows(sizes, rows)
   fc, dgrad, wgrad = grouped_products(sizes, groups)
   zero = np.zeros_like
   s = scales[:, None]
-  forward = recipe.forward_format
-  gradient = recipe.gradient_format
+  forward, gradient = recipe.forward_format, recipe.gradient_format
+  blockwise = isinstance(recipe, Float8BlockScaling)
+
+  def rows_quantized(value, fmt):
+    if blockwise:
+      return fp8_block_quantized(*value, (1, recipe.block_size), fmt)
+    return group_quantized(*value, bounds, fmt)
 
   def fp8_product(multiply, a, b, terms, fast=False):
     # Exact FP8 products; the sum errs by the accumulation bound of test_grouped_linear_fp8
@@ -982,17 +1012,21 @@ def fp8_grouped_mlp_intervals(x, kernel1, kernel2, scales, d_out, sizes, activat
     radius = radius + accumulation * multiply(np.abs(a[0]) + a[1], np.abs(b[0]) + b[1])
     return fp8_gemm_output(value, radius, dtype)
 
-  fast = recipe.forward_fast_accumulation
-  x_q = fp8_quantized(x, zero(x), bounds, forward)
-  w1_q, w2_q = expert_quantized(kernel1), expert_quantized(kernel2)
+  def rounded_16(value):
+    return rounded_interval(*value, jnp.dtype(dtype).type)
+
+  fast = not blockwise and recipe.forward_fast_accumulation
+  weight_block = (recipe.block_size,) * 2 if blockwise else None
+  x_q = rows_quantized((x, zero(x)), forward)
+  w1_q, w2_q = (expert_quantized(k, weight_block, forward) for k in (kernel1, kernel2))
   h, radius_h = fp8_product(fc, x_q, w1_q, hidden, fast)
   (act, radius_act), (d_act_a, radius_d_a), (d_act_b, radius_d_b) = activation_intervals(
       h, radius_h, activation, **params)
   radius_act = radius_act + FP32_MATH * (np.abs(act) + radius_act)
   a = product(np.multiply, act, radius_act, s, zero(s), 1)
-  a_q = fp8_quantized(*a, bounds, forward)
+  a_q = rows_quantized(a, forward)
   y = fp8_product(fc, a_q, w2_q, ffn, fast)
-  dy_q = fp8_quantized(d_out, zero(d_out), bounds, gradient)
+  dy_q = rows_quantized((d_out, zero(d_out)), gradient)
   d_a, radius_da = fp8_product(dgrad, dy_q, w2_q, hidden)
   d_scales = product(lambda u, v: np.sum(u * v, axis=1), d_a, radius_da, act, radius_act,
                      ffn)
@@ -1005,13 +1039,18 @@ def fp8_grouped_mlp_intervals(x, kernel1, kernel2, scales, d_out, sizes, activat
     d_h.append(value)
     radius_dh.append(radius + FP32_MATH * (np.abs(value) + radius))
   d_h = (np.concatenate(d_h, axis=1), np.concatenate(radius_dh, axis=1))
-  d_h_q = fp8_quantized(*d_h, bounds, gradient)
-  if recipe.fp8_wgrad:  # from the same FP8 values (column-wise copies)
+  d_h_q = rows_quantized(d_h, gradient)
+  if fp8_wgrad and not blockwise:  # the forward's and the dgrads' FP8 values
     d_kernel2 = fp8_product(wgrad, a_q, dy_q, rows)
     d_kernel1 = fp8_product(wgrad, x_q, d_h_q, rows)
+  elif fp8_wgrad:  # the 16-bit operands in 128 x 1 blocks down each group's rows
+    def columns_quantized(value, fmt):
+      return group_quantized(*value, bounds, fmt, (recipe.block_size, 1))
+    d_kernel2 = fp8_product(wgrad, columns_quantized(rounded_16(a), forward),
+                            columns_quantized((d_out, zero(d_out)), gradient), rows)
+    d_kernel1 = fp8_product(wgrad, columns_quantized((x, zero(x)), forward),
+                            columns_quantized(rounded_16(d_h), gradient), rows)
   else:  # 16-bit: the activation and dh rounded to x's dtype, fp32 sums
-    def rounded_16(value):
-      return rounded_interval(*value, jnp.dtype(dtype).type)
     d_kernel2 = rounded_16(product(wgrad, *rounded_16(a), d_out, zero(d_out), rows))
     d_kernel1 = rounded_16(product(wgrad, x, zero(x), *rounded_16(d_h), rows))
   return {"out": y, "dscales": rounded_interval(*d_scales, np.float32),
@@ -1022,13 +1061,21 @@ def fp8_grouped_mlp_intervals(x, kernel1, kernel2, scales, d_out, sizes, activat
 @st.composite
 def fp8_mlp_problems(draw):
   rows = draw(st.integers(1, 64))
-  return dict(rows=rows, hidden=16 * draw(st.integers(1, 3)),
-              ffn=16 * draw(st.integers(1, 3)), sizes=draw(group_sizes(rows, max_groups=8)),
+  recipe = draw(st.sampled_from(["current", "block"]))
+  if recipe == "current":
+    recipe = Float8CurrentScaling(per_group=True,
+                                  forward_fast_accumulation=draw(st.booleans()),
+                                  fp8_wgrad=draw(st.booleans()))
+  else:
+    recipe = Float8BlockScaling(gradient_format=draw(st.sampled_from(["e4m3", "e5m2"])),
+                                fp8_wgrad=draw(st.booleans()))
+  # Widths past one 128-wide block for the blockwise recipe, with a partial last one.
+  max_width = 3 if isinstance(recipe, Float8CurrentScaling) else 10
+  return dict(rows=rows, hidden=16 * draw(st.integers(1, max_width)),
+              ffn=16 * draw(st.integers(1, max_width)),
+              sizes=draw(group_sizes(rows, max_groups=8)),
               activation=draw(st.sampled_from(["swiglu", "srelu", "clamped_swiglu"])),
-              params=draw(activation_parameters(max_limit=3.0)),
-              recipe=Float8CurrentScaling(
-                  per_group=True, forward_fast_accumulation=draw(st.booleans()),
-                  fp8_wgrad=draw(st.booleans())),
+              params=draw(activation_parameters(max_limit=3.0)), recipe=recipe,
               save_activation=draw(st.booleans()),
               dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16])),
               seed=draw(st.integers(0, 2**32 - 1)))
@@ -1038,9 +1085,9 @@ def fp8_mlp_problems(draw):
 @PROPERTY
 @given(problem=fp8_mlp_problems())
 def test_fp8_grouped_mlp_is_its_quantized_stages_in_float64(implementation, problem):
-  """Under Float8CurrentScaling(per_group=True): out, and on the FFI paths dx, dkernel1,
-  dkernel2 and dscales, within the interval that the FP8 stages give when every
-  quantization and rounding is applied to the interval of its input (see
+  """Under Float8CurrentScaling(per_group=True) and Float8BlockScaling: out, and on the FFI
+  paths dx, dkernel1, dkernel2 and dscales, within the interval that the FP8 stages give
+  when every quantization and rounding is applied to the interval of its input (see
   fp8_grouped_mlp_intervals). The jnp reference's gradients pass straight through its
   quantization (grouped_mlp/reference.py), so only its forward is checked here."""
   impl, platform = implementation
@@ -1066,9 +1113,13 @@ def test_fp8_grouped_mlp_is_its_quantized_stages_in_float64(implementation, prob
 
   out, vjp = jax.vjp(jax.jit(forward), *args[:4])
   assert out.dtype == dtype
+  # The blockwise recipe's FP8 weight gradients run only where no partitioning can follow
+  # (one device here on the GPU; the CPU tests' eight devices get 16-bit ones).
+  fp8_wgrad = recipe.fp8_wgrad and (isinstance(recipe, Float8CurrentScaling)
+                                    or quantize_columnwise.fusion_enabled())
   bounds = fp8_grouped_mlp_intervals(
       *(helpers.as_f64(v) for v in (x, kernel1, kernel2, scales, d_out)), sizes, activation,
-      params, dtype, recipe, platform)
+      params, dtype, recipe, platform, fp8_wgrad)
   results = {"out": out}
   if impl == "ffi":
     d_x, d_kernel1, d_kernel2, d_scales = vjp(args[4])

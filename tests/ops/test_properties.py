@@ -774,6 +774,23 @@ def assert_inside(what, actual, exact, radius):
                                f"{radius.flat[excess.argmax()]:.3g})")
 
 
+def scaled_activation_backward_intervals(d_a, act, derivatives, s, terms):
+  """(dscales, dh) of the fused scaled-activation backward, each (exact, radius), from
+  da, act(h) and the activation's derivatives (activation_intervals; None for srelu's
+  second) as (exact, radius) pairs and scales s [M, 1] (exact, radius): dscales =
+  sum(da act) over `terms` columns and dh = da s act' in fp32, not yet rounded."""
+  d_scales = product(lambda u, v: np.sum(u * v, axis=1), *d_a, *act, terms)
+  d_as = product(np.multiply, *d_a, *s, 1)
+  d_h, radius_dh = [], []
+  for derivative, radius_derivative in derivatives:
+    if derivative is None:
+      continue
+    value, radius = product(np.multiply, *d_as, derivative, radius_derivative, 1)
+    d_h.append(value)
+    radius_dh.append(radius + FP32_MATH * (np.abs(value) + radius))
+  return d_scales, (np.concatenate(d_h, axis=1), np.concatenate(radius_dh, axis=1))
+
+
 def grouped_mlp_intervals(x, kernel1, kernel2, scales, d_out, sizes, activation, params,
                           dtype, radius_scales=None):
   """{name: (exact float64 value, radius)} of grouped_mlp's out, dscales, dx, dkernel1 and
@@ -791,8 +808,7 @@ def grouped_mlp_intervals(x, kernel1, kernel2, scales, d_out, sizes, activation,
   # Forward: h = FC1(x) stored, a = act(h) * scales stored, y = FC2(a).
   h, radius_h = product(fc, x, zero(x), kernel1, zero(kernel1), hidden)
   radius_h = rounded(h, radius_h, dtype)
-  (act, radius_act), (d_act_a, radius_d_a), (d_act_b, radius_d_b) = activation_intervals(
-      h, radius_h, activation, **params)
+  (act, radius_act), *derivatives = activation_intervals(h, radius_h, activation, **params)
   radius_act = radius_act + FP32_MATH * (np.abs(act) + radius_act)
   a, radius_a = product(np.multiply, act, radius_act, s, radius_s, 1)
   radius_a = rounded(a, radius_a, dtype)
@@ -800,17 +816,8 @@ def grouped_mlp_intervals(x, kernel1, kernel2, scales, d_out, sizes, activation,
   # Backward: da = FC2 dgrad(dy) stored; dscales = sum(da act); dh = da scales act' stored.
   d_a, radius_da = product(dgrad, d_out, zero(d_out), kernel2, zero(kernel2), hidden)
   radius_da = rounded(d_a, radius_da, dtype)
-  d_scales, radius_ds = product(lambda u, v: np.sum(u * v, axis=1), d_a, radius_da, act,
-                                radius_act, ffn)
-  d_as, radius_das = product(np.multiply, d_a, radius_da, s, radius_s, 1)
-  d_h, radius_dh = [], []
-  for derivative, radius_derivative in ((d_act_a, radius_d_a), (d_act_b, radius_d_b)):
-    if derivative is None:
-      continue
-    value, radius = product(np.multiply, d_as, radius_das, derivative, radius_derivative, 1)
-    d_h.append(value)
-    radius_dh.append(radius + FP32_MATH * (np.abs(value) + radius))
-  d_h, radius_dh = np.concatenate(d_h, axis=1), np.concatenate(radius_dh, axis=1)
+  (d_scales, radius_ds), (d_h, radius_dh) = scaled_activation_backward_intervals(
+      (d_a, radius_da), (act, radius_act), derivatives, (s, radius_s), ffn)
   radius_dh = rounded(d_h, radius_dh, dtype)
   intervals = {
       "out": (y, radius_y),
@@ -821,6 +828,35 @@ def grouped_mlp_intervals(x, kernel1, kernel2, scales, d_out, sizes, activation,
   }
   return {name: (exact, rounded(exact, radius, jnp.float32 if name == "dscales" else dtype))
           for name, (exact, radius) in intervals.items()}
+
+
+def run_grouped_mlp(problem, implementation, recipe=None):
+  """grouped_mlp on fresh random inputs of an mlp problem (rows, hidden, ffn, sizes,
+  activation, params, save_activation, dtype, seed) on (implementation, platform):
+  (the inputs x, kernel1, kernel2, scales, d_out in float64, out, backward), where
+  backward() gives (dx, dkernel1, dkernel2, dscales) for the cotangent d_out."""
+  impl, platform = implementation
+  rows, hidden, ffn, sizes, activation, dtype = (
+      problem[key] for key in ("rows", "hidden", "ffn", "sizes", "activation", "dtype"))
+  width = ffn if activation == "srelu" else 2 * ffn
+  groups = len(sizes)
+  rng = np.random.default_rng(problem["seed"])
+  x = helpers.random_array(rng, (rows, hidden), dtype)
+  kernel1 = helpers.random_array(rng, (groups, hidden, width), dtype, scale=1 / np.sqrt(hidden))
+  kernel2 = helpers.random_array(rng, (groups, ffn, hidden), dtype, scale=1 / np.sqrt(ffn))
+  scales = jnp.asarray(rng.uniform(0.1, 1.5, rows), jnp.float32)
+  d_out = helpers.random_array(rng, (rows, hidden), dtype)
+  args = on(platform, x, kernel1, kernel2, scales, d_out, jnp.asarray(sizes, jnp.int32))
+  group_sizes_ = args[5]
+
+  def forward(x, kernel1, kernel2, scales):
+    return jaxfuse.grouped_mlp(x, kernel1, kernel2, group_sizes_, scales, activation,
+                               recipe=recipe, save_activation=problem["save_activation"],
+                               implementation=impl, **problem["params"])
+
+  out, vjp = jax.vjp(jax.jit(forward), *args[:4])
+  inputs = tuple(helpers.as_f64(v) for v in (x, kernel1, kernel2, scales, d_out))
+  return inputs, out, lambda: vjp(args[4])
 
 
 @st.composite
@@ -843,34 +879,14 @@ def test_grouped_mlp_and_its_gradients_match_float64_numpy(implementation, probl
   """y = FC2(act(FC1(x)) * scales) per group, dx, dkernel1, dkernel2 and dscales; FC1's
   output, the scaled activation, FC2's dgrad and the activation's dx are each stored in x's
   dtype (one rounding each, propagated through what follows)."""
-  impl, platform = implementation
-  rows, hidden, ffn, sizes, activation, dtype = (
-      problem[key] for key in ("rows", "hidden", "ffn", "sizes", "activation", "dtype"))
-  params = problem["params"]
-  width = ffn if activation == "srelu" else 2 * ffn
-  groups = len(sizes)
-  rng = np.random.default_rng(problem["seed"])
-  x = helpers.random_array(rng, (rows, hidden), dtype)
-  kernel1 = helpers.random_array(rng, (groups, hidden, width), dtype, scale=1 / np.sqrt(hidden))
-  kernel2 = helpers.random_array(rng, (groups, ffn, hidden), dtype, scale=1 / np.sqrt(ffn))
-  scales = jnp.asarray(rng.uniform(0.1, 1.5, rows), jnp.float32)
-  d_out = helpers.random_array(rng, (rows, hidden), dtype)
-  args = on(platform, x, kernel1, kernel2, scales, d_out, jnp.asarray(sizes, jnp.int32))
-  group_sizes_ = args[5]
-
-  def forward(x, kernel1, kernel2, scales):
-    return jaxfuse.grouped_mlp(x, kernel1, kernel2, group_sizes_, scales, activation,
-                               save_activation=problem["save_activation"],
-                               implementation=impl, **params)
-
-  out, vjp = jax.vjp(jax.jit(forward), *args[:4])
-  d_x, d_kernel1, d_kernel2, d_scales = vjp(args[4])
+  rows, sizes, activation, dtype = (problem[key] for key in ("rows", "sizes", "activation",
+                                                             "dtype"))
+  inputs, out, backward = run_grouped_mlp(problem, implementation)
+  d_x, d_kernel1, d_kernel2, d_scales = backward()
   assert (out.dtype, d_x.dtype, d_kernel1.dtype, d_kernel2.dtype, d_scales.dtype) == (
       dtype, dtype, dtype, dtype, jnp.float32)
 
-  bounds = grouped_mlp_intervals(
-      *(helpers.as_f64(v) for v in (x, kernel1, kernel2, scales, d_out)), sizes, activation,
-      params, dtype)
+  bounds = grouped_mlp_intervals(*inputs, sizes, activation, problem["params"], dtype)
   for what, actual in (("out", out), ("dscales", d_scales), ("dx", d_x),
                        ("dkernel1", d_kernel1), ("dkernel2", d_kernel2)):
     assert_inside(f"{what} ({activation})", actual, *bounds[what])
@@ -1020,25 +1036,15 @@ def fp8_grouped_mlp_intervals(x, kernel1, kernel2, scales, d_out, sizes, activat
   x_q = rows_quantized((x, zero(x)), forward)
   w1_q, w2_q = (expert_quantized(k, weight_block, forward) for k in (kernel1, kernel2))
   h, radius_h = fp8_product(fc, x_q, w1_q, hidden, fast)
-  (act, radius_act), (d_act_a, radius_d_a), (d_act_b, radius_d_b) = activation_intervals(
-      h, radius_h, activation, **params)
+  (act, radius_act), *derivatives = activation_intervals(h, radius_h, activation, **params)
   radius_act = radius_act + FP32_MATH * (np.abs(act) + radius_act)
   a = product(np.multiply, act, radius_act, s, zero(s), 1)
   a_q = rows_quantized(a, forward)
   y = fp8_product(fc, a_q, w2_q, ffn, fast)
   dy_q = rows_quantized((d_out, zero(d_out)), gradient)
-  d_a, radius_da = fp8_product(dgrad, dy_q, w2_q, hidden)
-  d_scales = product(lambda u, v: np.sum(u * v, axis=1), d_a, radius_da, act, radius_act,
-                     ffn)
-  d_as, radius_das = product(np.multiply, d_a, radius_da, s, zero(s), 1)
-  d_h, radius_dh = [], []
-  for derivative, radius_derivative in ((d_act_a, radius_d_a), (d_act_b, radius_d_b)):
-    if derivative is None:
-      continue
-    value, radius = product(np.multiply, d_as, radius_das, derivative, radius_derivative, 1)
-    d_h.append(value)
-    radius_dh.append(radius + FP32_MATH * (np.abs(value) + radius))
-  d_h = (np.concatenate(d_h, axis=1), np.concatenate(radius_dh, axis=1))
+  d_a = fp8_product(dgrad, dy_q, w2_q, hidden)
+  d_scales, d_h = scaled_activation_backward_intervals(d_a, (act, radius_act), derivatives,
+                                                       (s, zero(s)), ffn)
   d_h_q = rows_quantized(d_h, gradient)
   if fp8_wgrad and not blockwise:  # the forward's and the dgrads' FP8 values
     d_kernel2 = fp8_product(wgrad, a_q, dy_q, rows)
@@ -1091,38 +1097,19 @@ def test_fp8_grouped_mlp_is_its_quantized_stages_in_float64(implementation, prob
   fp8_grouped_mlp_intervals). The jnp reference's gradients pass straight through its
   quantization (grouped_mlp/reference.py), so only its forward is checked here."""
   impl, platform = implementation
-  rows, hidden, ffn, sizes, activation, recipe, dtype = (
-      problem[key] for key in ("rows", "hidden", "ffn", "sizes", "activation", "recipe",
-                               "dtype"))
-  params = problem["params"]
-  width = ffn if activation == "srelu" else 2 * ffn
-  groups = len(sizes)
-  rng = np.random.default_rng(problem["seed"])
-  x = helpers.random_array(rng, (rows, hidden), dtype)
-  kernel1 = helpers.random_array(rng, (groups, hidden, width), dtype, scale=1 / np.sqrt(hidden))
-  kernel2 = helpers.random_array(rng, (groups, ffn, hidden), dtype, scale=1 / np.sqrt(ffn))
-  scales = jnp.asarray(rng.uniform(0.1, 1.5, rows), jnp.float32)
-  d_out = helpers.random_array(rng, (rows, hidden), dtype)
-  args = on(platform, x, kernel1, kernel2, scales, d_out, jnp.asarray(sizes, jnp.int32))
-  group_sizes_ = args[5]
-
-  def forward(x, kernel1, kernel2, scales):
-    return jaxfuse.grouped_mlp(x, kernel1, kernel2, group_sizes_, scales, activation,
-                               recipe=recipe, save_activation=problem["save_activation"],
-                               implementation=impl, **params)
-
-  out, vjp = jax.vjp(jax.jit(forward), *args[:4])
+  rows, sizes, activation, recipe, dtype = (
+      problem[key] for key in ("rows", "sizes", "activation", "recipe", "dtype"))
+  inputs, out, backward = run_grouped_mlp(problem, implementation, recipe)
   assert out.dtype == dtype
   # The blockwise recipe's FP8 weight gradients run only where no partitioning can follow
   # (one device here on the GPU; the CPU tests' eight devices get 16-bit ones).
   fp8_wgrad = recipe.fp8_wgrad and (isinstance(recipe, Float8CurrentScaling)
                                     or quantize_columnwise.fusion_enabled())
-  bounds = fp8_grouped_mlp_intervals(
-      *(helpers.as_f64(v) for v in (x, kernel1, kernel2, scales, d_out)), sizes, activation,
-      params, dtype, recipe, platform, fp8_wgrad)
+  bounds = fp8_grouped_mlp_intervals(*inputs, sizes, activation, problem["params"], dtype,
+                                     recipe, platform, fp8_wgrad)
   results = {"out": out}
   if impl == "ffi":
-    d_x, d_kernel1, d_kernel2, d_scales = vjp(args[4])
+    d_x, d_kernel1, d_kernel2, d_scales = backward()
     assert (d_x.dtype, d_kernel1.dtype, d_kernel2.dtype, d_scales.dtype) == (
         dtype, dtype, dtype, jnp.float32)
     results.update(dscales=d_scales, dx=d_x, dkernel1=d_kernel1, dkernel2=d_kernel2)

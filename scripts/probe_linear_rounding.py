@@ -4,9 +4,10 @@ one rounding, and among those the ones equal to round(residual + round(alpha * x
 the two roundings of an algorithm that stores the product in bfloat16 before adding the
 residual. `--candidates N` also runs each of the heuristic's first N candidates
 (JAXFUSE_CUBLASLT_CANDIDATE) on every shape; JAXFUSE_CUBLASLT_LOG=1 describes each one
-(algorithm id, tile, stages, split-K count, reduction scheme).
+(algorithm id, tile, stages, split-K count, reduction scheme). `--compute pedantic` runs
+everything with JAXFUSE_CUBLASLT_COMPUTE=pedantic (CUBLAS_COMPUTE_32F_PEDANTIC).
 
-  python scripts/probe_linear_rounding.py [--candidates 8]
+  python scripts/probe_linear_rounding.py [--candidates 8] [--compute pedantic]
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--candidates", type=int, default=0,
                       help="also run each of the heuristic's first N candidates")
+  parser.add_argument("--compute", choices=("default", "pedantic"), default="default",
+                      help="cuBLASLt compute type (JAXFUSE_CUBLASLT_COMPUTE)")
   args = parser.parse_args()
+  if args.compute == "pedantic":
+    os.environ["JAXFUSE_CUBLASLT_COMPUTE"] = "pedantic"
   runs = [None] + list(range(args.candidates))
   for candidate in runs:
     if candidate is None:
@@ -68,6 +73,7 @@ def main():
           continue
         row = check(rows, k, n)
         row["candidate"] = "heuristic" if candidate is None else candidate
+        row["compute"] = args.compute
         print(json.dumps(row), flush=True)
 
 

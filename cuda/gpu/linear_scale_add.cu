@@ -82,6 +82,16 @@ int ForcedCandidate() {
   return value == nullptr || *value == '\0' ? -1 : std::max(std::atoi(value), 0);
 }
 
+// JAXFUSE_CUBLASLT_COMPUTE=pedantic asks cuBLASLt for CUBLAS_COMPUTE_32F_PEDANTIC instead of
+// CUBLAS_COMPUTE_32F for 16-bit products: an experiment on whether its epilogue then adds
+// the residual before the one rounding to the 16-bit output
+// (scripts/probe_linear_rounding.py --compute pedantic).
+cublasComputeType_t ComputeType() {
+  const char* value = std::getenv("JAXFUSE_CUBLASLT_COMPUTE");
+  return value != nullptr && std::strcmp(value, "pedantic") == 0 ? CUBLAS_COMPUTE_32F_PEDANTIC
+                                                                 : CUBLAS_COMPUTE_32F;
+}
+
 // Random bits shaped into finite values of one element type, one 32-bit word per step:
 // word = (hash & keep) | set. Tensor-core power depends on how many bits toggle, so a
 // sustained timing on constant data would run cooler than a training step does.
@@ -232,7 +242,8 @@ struct MatmulState {
   }
 
   ffi::Error CreateDesc(cublasLtMatmulDesc_t* desc) const {
-    JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatmulDescCreate(desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasComputeType_t compute = fp8 ? CUBLAS_COMPUTE_32F : ComputeType();
+    JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatmulDescCreate(desc, compute, CUDA_R_32F));
     const cublasOperation_t trans_a = problem.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     const cublasOperation_t trans_b = problem.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
     JAXFUSE_RETURN_IF_CUBLAS_ERROR(api->MatmulDescSetAttribute(

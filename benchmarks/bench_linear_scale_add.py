@@ -18,7 +18,7 @@ and the speedup on that clock. The host clock's chunks of ``--chunk`` calls each
 call's dispatch latency (about 0.1-0.4 ms on the H200), which weighs more on the faster
 variant: a training loop that dispatches steps back to back never pays it.
 
-    python benchmarks/bench_linear_scale_add.py [--quick] [--fp8-only] [--tag TAG]
+    python benchmarks/bench_linear_scale_add.py [--quick] [--fp8-only | --bf16-only] [--tag TAG]
         [--chunk CALLS] [--device-calls CALLS]
 """
 
@@ -222,6 +222,7 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true", help="two small shapes, few calls")
   parser.add_argument("--fp8-only", action="store_true", help="the FP8 rows alone")
+  parser.add_argument("--bf16-only", action="store_true", help="the bf16 rows alone")
   parser.add_argument("--tag", default="", help="suffix of the results file names (a knob sweep)")
   parser.add_argument("--chunk", type=int, default=common.CHUNK,
                       help="calls per host-clock chunk (one sync each)")
@@ -255,6 +256,8 @@ def main():
                          method=timing_method(args.chunk, 0),
                          baseline="XLA lowering of residual + alpha * (x @ kernel) in bf16, "
                                   "same run")
+  if args.bf16_only:
+    return
   fp8_rows = time_fp8(FP8_SHAPES[:1] if args.quick else FP8_SHAPES, rounds, args.chunk,
                       args.device_calls)
   common.print_table(fp8_rows, ["tokens", "features", "pass", "jaxfuse_fp8_ms", "xla_bf16_ms",

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstdio>
@@ -29,6 +30,7 @@
 #include "cublaslt.h"
 #include "jaxfuse/ffi_common.h"
 #include "jaxfuse/linear_scale_add.h"
+#include "jaxfuse/residual_gemm.h"
 
 namespace jaxfuse {
 namespace {
@@ -90,6 +92,31 @@ cublasComputeType_t ComputeType() {
   const char* value = std::getenv("JAXFUSE_CUBLASLT_COMPUTE");
   return value != nullptr && std::strcmp(value, "pedantic") == 0 ? CUBLAS_COMPUTE_32F_PEDANTIC
                                                                  : CUBLAS_COMPUTE_32F;
+}
+
+// JAXFUSE_LINEAR_SCALE_ADD_GEMM=cublaslt runs the 16-bit forward on cuBLASLt instead of
+// the CUTLASS residual GEMM (A/B runs). Read once per process.
+bool ResidualGemmEnabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("JAXFUSE_LINEAR_SCALE_ADD_GEMM");
+    return value == nullptr || std::strcmp(value, "cublaslt") != 0;
+  }();
+  return enabled;
+}
+
+// The SM count of `device`, cached (the residual GEMM's persistent grid).
+int SmCount(int device) {
+  static std::atomic<int> cache[64] = {};
+  if (device < 0 || device >= 64) return 0;
+  int count = cache[device].load(std::memory_order_relaxed);
+  if (count == 0) {
+    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    cache[device].store(count, std::memory_order_relaxed);
+  }
+  return count;
 }
 
 // Random bits shaped into finite values of one element type, one 32-bit word per step:
@@ -534,8 +561,23 @@ ffi::ErrorOr<std::unique_ptr<MatmulState>> MakeState(const ffi::AnyBuffer& a,
   return std::move(state);
 }
 
+// Whether an accumulating product runs the CUTLASS residual GEMM (alignment permitting):
+// the 16-bit forward, a [p, r] @ b [r, q] + c, all of one 16-bit type.
+bool UsesResidualGemm(const MatmulProblem& problem) {
+  const ffi::DataType type = problem.output_type;
+  return ResidualGemmEnabled() && !problem.transpose_a && !problem.transpose_b &&
+         (type == ffi::DataType::BF16 || type == ffi::DataType::F16) &&
+         problem.input_type == type && problem.b_type == type;
+}
+
 ffi::Error Initialize(int device, MatmulState* state) {
   if (state->Empty()) return ffi::Error::Success();
+  // The residual GEMM takes aligned operands: cuBLASLt only for odd ones, found on use.
+  const MatmulProblem& problem = state->problem;
+  if (state->accumulate && UsesResidualGemm(problem) && problem.q % 8 == 0 &&
+      problem.r % 8 == 0) {
+    return ffi::Error::Success();
+  }
   // Handle and algorithm for 256-byte aligned operands, the usual case, found before any
   // graph capture; other alignments are looked up on first use.
   static const char aligned[256] __attribute__((aligned(256))) = {};
@@ -564,6 +606,24 @@ ffi::Error Execute(cudaStream_t stream, int device, MatmulState* state,
     return cudaMemsetAsync(out.untyped_data(), 0, out.size_bytes(), stream) == cudaSuccess
                ? ffi::Error::Success()
                : Internal("zeroing an empty product failed");
+  }
+  if (c != nullptr && UsesResidualGemm(problem) &&
+      residual_gemm::Supports(problem.p, problem.q, problem.r, a.untyped_data(),
+                              b.untyped_data(), out.untyped_data(), out.untyped_data())) {
+    // The 16-bit forward: c added in fp32 before the one rounding (cuBLASLt rounds
+    // alpha * a @ b to 16 bits first).
+    const auto element = problem.output_type == ffi::DataType::BF16
+                             ? residual_gemm::Element::kBFloat16
+                             : residual_gemm::Element::kFloat16;
+    const cudaError_t status = residual_gemm::Run(
+        element, problem.p, problem.q, problem.r, alpha, a.untyped_data(), b.untyped_data(),
+        out.untyped_data(), out.untyped_data(), workspace.untyped_data(),
+        workspace.size_bytes(), SmCount(device), stream);
+    if (status != cudaSuccess) {
+      return Internal("the residual GEMM [", problem.p, ", ", problem.q, ", ", problem.r,
+                      "] failed: ", cudaGetErrorString(status));
+    }
+    return ffi::Error::Success();
   }
   const MatmulState::Algorithm* algorithm = nullptr;
   if (auto error = state->FindAlgorithm(device, a.untyped_data(), b.untyped_data(),

@@ -148,6 +148,31 @@ def test_backward_is_two_scaled_gemms_with_alpha_in_the_epilogue():
   assert "dot_general" not in hlo
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("leading, k, n", [((1,), 8, 8), ((4, 100), 264, 520),
+                                           ((1000,), 136, 1032), ((2048,), 1024, 768)])
+def test_16_bit_forward_rounds_once_on_the_gpu(dtype, leading, k, n):
+  """K and N multiples of 8: the CUTLASS kernel adds the residual in fp32 and rounds once,
+  so every element is within half an ulp of the float64 result plus the fp32 sum's error
+  (cuBLASLt's epilogue, which rounds alpha * x @ kernel first, fails this: session 51).
+  Shapes with partial tiles in both dimensions, and many tiles per SM."""
+  for alpha in (1.0, -0.37):
+    x, kernel, residual = on("gpu", *make_inputs(k + n, leading, k, n, dtype))
+    out = jax.jit(lambda x, k_, r: jaxfuse.linear_scale_add(x, k_, r, alpha,
+                                                           implementation="ffi"))(
+        x, kernel, residual)
+    expected = numpy_linear_scale_add(x, kernel, residual, alpha)
+    magnitude = (np.abs(helpers.as_f64(residual))
+                 + abs(alpha) * np.abs(helpers.as_f64(x)) @ np.abs(helpers.as_f64(kernel)))
+    half_ulp = 2.0**-8 if dtype == jnp.bfloat16 else 2.0**-11
+    # One rounding, an fp32 sum of K + 1 terms (4x slack), and f16's subnormal step.
+    bound = half_ulp * np.abs(expected) + (k + 1) * 2.0**-22 * magnitude + 2.0**-25
+    excess = np.abs(helpers.as_f64(out) - expected) - bound
+    assert (excess <= 0).all(), (f"alpha={alpha}: {int((excess > 0).sum())} elements past "
+                                 f"one rounding, worst by {excess.max():.3g}")
+
+
 # --- in place ----------------------------------------------------------------------
 
 

@@ -229,15 +229,21 @@ def linear_scale_add(x: jax.Array, kernel: jax.Array, residual: jax.Array,
 
   TransformerEngine's ForwardLinearScaleAdd: the product is computed with fp32
   accumulation, scaled by alpha in the GEMM epilogue and added to the residual in the
-  same kernel (cuBLASLt with beta = 1 and C = D = residual on GPU). It is written into
-  residual's buffer: donate ``residual`` under ``jax.jit`` and no copy is made.
+  same kernel, whose output tiles overwrite the residual's. It is written into residual's
+  buffer: donate ``residual`` under ``jax.jit`` and no copy is made.
 
-  Rounding: the CPU handler and the jnp reference add the residual in fp32 and round once.
-  cuBLASLt's epilogue on Hopper rounds alpha * x @ kernel to a 16-bit residual's dtype
-  before adding the residual (every algorithm its heuristic offered, on an H100 with cuBLAS
-  13.1; ``scripts/probe_linear_rounding.py``), as XLA's own fused bf16 GEMM + add does: on
-  the GPU a bf16 or f16 result errs by up to half an ulp of |alpha * x @ kernel| more.
-  Split-K algorithms are kept to fp32 partial sums, so no further rounding is added.
+  Rounding: the residual is added to alpha * x @ kernel in fp32 and the sum rounded once
+  to residual's dtype: in the jnp reference, the CPU handler, and on the GPU the 16-bit
+  forward (x, kernel and residual all bfloat16 or all float16) where K and N are
+  multiples of 8 and the operands 16-byte aligned: a CUTLASS SM90 GEMM whose epilogue
+  reads the residual tile. Every other GPU product runs on cuBLASLt, whose tensor-core
+  epilogue rounds alpha * x @ kernel to a 16-bit output type before adding the residual
+  (every algorithm its heuristic offered, H100, cuBLAS 13.1;
+  ``scripts/probe_linear_rounding.py``), as XLA's own fused bf16 GEMM + add does: there a
+  bf16 or f16 result errs by up to half an ulp of |alpha * x @ kernel| more (the FP8
+  forward's bf16 result too). ``JAXFUSE_LINEAR_SCALE_ADD_GEMM=cublaslt`` runs the 16-bit
+  forward on cuBLASLt as well (A/B runs). Split-K cuBLASLt algorithms are kept to fp32
+  partial sums, so no further rounding is added.
 
   Args:
     x: [..., K], float32, bfloat16 or float16.

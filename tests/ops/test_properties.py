@@ -28,6 +28,7 @@ keeps the bounds near the exact FP8 computation.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -282,7 +283,9 @@ def linear_problems(draw):
   """16-bit operands only: an fp32 GEMM may run in TF32 on the GPU, which these bounds
   would not cover (test_linear_scale_add.py covers float32 against its own tolerance)."""
   return dict(leading=tuple(draw(st.lists(st.integers(1, 12), min_size=1, max_size=3))),
-              k=draw(st.integers(1, 72)), n=draw(st.integers(1, 72)),
+              # Odd widths (cuBLASLt on the GPU) and multiples of 8 (the CUTLASS kernel).
+              k=draw(st.integers(1, 72) | st.integers(1, 9).map(lambda m: 8 * m)),
+              n=draw(st.integers(1, 72) | st.integers(1, 9).map(lambda m: 8 * m)),
               alpha=draw(st.sampled_from([1.0, 0.5, -2.0, 0.037])),
               dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16])),
               seed=draw(st.integers(0, 2**32 - 1)))
@@ -294,11 +297,14 @@ def linear_problems(draw):
 # Found on an H100 (session 49): cuBLASLt's epilogue rounds alpha * x @ kernel to bf16
 # before the residual is added (product -1.16 on a residual of 0.93: 1.7% off the result),
 # with every algorithm its heuristic offers (session 51, scripts/probe_linear_rounding.py).
+# K = N = 8 runs the CUTLASS kernel, which must round once; K = 7 runs cuBLASLt.
 @example(problem=dict(leading=(1,), k=8, n=8, alpha=1.0, dtype=jnp.bfloat16, seed=0))
+@example(problem=dict(leading=(1,), k=7, n=8, alpha=1.0, dtype=jnp.bfloat16, seed=0))
 def test_linear_scale_add_and_its_gradients_match_float64_numpy(implementation, problem):
-  """out within one rounding of the fp32 sum (CPU); on the GPU also half an ulp of
-  |alpha x @ kernel|, which cuBLASLt's epilogue rounds to the output dtype first (see
-  linear_scale_add's docstring). dx and dkernel: one rounding each."""
+  """out within one rounding of the fp32 sum; on the GPU with K or N not a multiple of 8
+  (cuBLASLt) also half an ulp of |alpha x @ kernel|, which cuBLASLt's epilogue rounds to
+  the output dtype first (see linear_scale_add's docstring). dx and dkernel: one rounding
+  each."""
   impl, platform = implementation
   leading, k, n, alpha, dtype = (problem[key] for key in ("leading", "k", "n", "alpha", "dtype"))
   rng = np.random.default_rng(problem["seed"])
@@ -318,7 +324,8 @@ def test_linear_scale_add_and_its_gradients_match_float64_numpy(implementation, 
   product = alpha * helpers.as_f64(x) @ helpers.as_f64(kernel)
   assert_within(out, numpy_linear_scale_add(x, kernel, residual, alpha),
                 abs(alpha) * abs_x @ abs_k + np.abs(helpers.as_f64(residual)), dtype, k + 1,
-                "out", rounded_term=np.abs(product) if platform == "gpu" else None)
+                "out", rounded_term=(np.abs(product) if platform == "gpu" and (k % 8 or n % 8)
+                                     else None))
   assert_within(d_x, alpha * helpers.as_f64(d_out) @ helpers.as_f64(kernel).T,
                 abs(alpha) * abs_d @ abs_k.T, dtype, n, "dx")
   assert_within(d_kernel, alpha * flat(helpers.as_f64(x)).T @ flat(helpers.as_f64(d_out)),
@@ -992,7 +999,7 @@ def expert_quantized(kernel, block=None, fmt="e4m3"):
 
 
 def fp8_grouped_mlp_intervals(x, kernel1, kernel2, scales, d_out, sizes, activation, params,
-                              dtype, recipe, platform, fp8_wgrad):
+                              dtype, recipe, platform, fp8_wgrad, radius_scales=None):
   """{name: (exact float64 value, radius)} of grouped_mlp's out, dscales, dx, dkernel1 and
   dkernel2 under an FP8 `recipe` on `platform`, as grouped_mlp/api.py computes them.
 
@@ -1004,13 +1011,15 @@ def fp8_grouped_mlp_intervals(x, kernel1, kernel2, scales, d_out, sizes, activat
   computed in fp32 and quantized without a rounding to 16 bits. Weight gradients
   (`fp8_wgrad`: whether the op runs them in FP8) come from the same FP8 values (per group),
   from the 16-bit operands quantized in 128 x 1 blocks down each group's rows (blocks), or
-  in 16 bits from the activation and dh rounded to x's dtype."""
+  in 16 bits from the activation and dh rounded to x's dtype. The scales are within
+  `radius_scales` of the op's (the MoE router's float32 weights), or exact."""
   rows, hidden = x.shape
   groups, ffn = kernel2.shape[0], kernel2.shape[1]
   bounds = group_rows(sizes, rows)
   fc, dgrad, wgrad = grouped_products(sizes, groups)
   zero = np.zeros_like
   s = scales[:, None]
+  radius_s = zero(s) if radius_scales is None else radius_scales[:, None]
   forward, gradient = recipe.forward_format, recipe.gradient_format
   blockwise = isinstance(recipe, Float8BlockScaling)
 
@@ -1038,13 +1047,13 @@ def fp8_grouped_mlp_intervals(x, kernel1, kernel2, scales, d_out, sizes, activat
   h, radius_h = fp8_product(fc, x_q, w1_q, hidden, fast)
   (act, radius_act), *derivatives = activation_intervals(h, radius_h, activation, **params)
   radius_act = radius_act + FP32_MATH * (np.abs(act) + radius_act)
-  a = product(np.multiply, act, radius_act, s, zero(s), 1)
+  a = product(np.multiply, act, radius_act, s, radius_s, 1)
   a_q = rows_quantized(a, forward)
   y = fp8_product(fc, a_q, w2_q, ffn, fast)
   dy_q = rows_quantized((d_out, zero(d_out)), gradient)
   d_a = fp8_product(dgrad, dy_q, w2_q, hidden)
   d_scales, d_h = scaled_activation_backward_intervals(d_a, (act, radius_act), derivatives,
-                                                       (s, zero(s)), ffn)
+                                                       (s, radius_s), ffn)
   d_h_q = rows_quantized(d_h, gradient)
   if fp8_wgrad and not blockwise:  # the forward's and the dgrads' FP8 values
     d_kernel2 = fp8_product(wgrad, a_q, dy_q, rows)
@@ -1065,24 +1074,46 @@ def fp8_grouped_mlp_intervals(x, kernel1, kernel2, scales, d_out, sizes, activat
 
 
 @st.composite
+def fp8_expert_recipes(draw):
+  """Float8CurrentScaling(per_group=True) (fast or promoted accumulation) or
+  Float8BlockScaling (E4M3 or E5M2 gradients), with FP8 or 16-bit weight gradients; and
+  the largest width (in 16s) to draw with it: past one 128-wide block for the blockwise
+  recipe, with a partial last one."""
+  if draw(st.sampled_from(["current", "block"])) == "current":
+    return Float8CurrentScaling(per_group=True, forward_fast_accumulation=draw(st.booleans()),
+                                fp8_wgrad=draw(st.booleans())), 3
+  return Float8BlockScaling(gradient_format=draw(st.sampled_from(["e4m3", "e5m2"])),
+                            fp8_wgrad=draw(st.booleans())), 10
+
+
+def columnwise_copies(problem):
+  """The context an FP8 problem runs in: with problem["columnwise_everywhere"], the
+  quantize kernels write the wgrad's column-wise copies whatever the device count (on one
+  device, as on the GPU, they do anyway), so the CPU tests' eight devices also take the
+  paths that need them (blockwise FP8 weight gradients, moe's gathered FP8 experts)."""
+  if problem["columnwise_everywhere"]:
+    return quantize_columnwise.fused(True, everywhere=True)
+  return contextlib.nullcontext()
+
+
+def runs_fp8_wgrad(recipe) -> bool:
+  """Whether the op runs recipe's weight gradients in FP8 (call it where the op is traced):
+  always per group; blockwise only where the column-wise copies are written."""
+  return recipe.fp8_wgrad and (isinstance(recipe, Float8CurrentScaling)
+                               or quantize_columnwise.fusion_enabled())
+
+
+@st.composite
 def fp8_mlp_problems(draw):
   rows = draw(st.integers(1, 64))
-  recipe = draw(st.sampled_from(["current", "block"]))
-  if recipe == "current":
-    recipe = Float8CurrentScaling(per_group=True,
-                                  forward_fast_accumulation=draw(st.booleans()),
-                                  fp8_wgrad=draw(st.booleans()))
-  else:
-    recipe = Float8BlockScaling(gradient_format=draw(st.sampled_from(["e4m3", "e5m2"])),
-                                fp8_wgrad=draw(st.booleans()))
-  # Widths past one 128-wide block for the blockwise recipe, with a partial last one.
-  max_width = 3 if isinstance(recipe, Float8CurrentScaling) else 10
+  recipe, max_width = draw(fp8_expert_recipes())
   return dict(rows=rows, hidden=16 * draw(st.integers(1, max_width)),
               ffn=16 * draw(st.integers(1, max_width)),
               sizes=draw(group_sizes(rows, max_groups=8)),
               activation=draw(st.sampled_from(["swiglu", "srelu", "clamped_swiglu"])),
               params=draw(activation_parameters(max_limit=3.0)), recipe=recipe,
               save_activation=draw(st.booleans()),
+              columnwise_everywhere=draw(st.booleans()),
               dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16])),
               seed=draw(st.integers(0, 2**32 - 1)))
 
@@ -1099,17 +1130,16 @@ def test_fp8_grouped_mlp_is_its_quantized_stages_in_float64(implementation, prob
   impl, platform = implementation
   rows, sizes, activation, recipe, dtype = (
       problem[key] for key in ("rows", "sizes", "activation", "recipe", "dtype"))
-  inputs, out, backward = run_grouped_mlp(problem, implementation, recipe)
+  with columnwise_copies(problem):
+    inputs, out, backward = run_grouped_mlp(problem, implementation, recipe)
+    fp8_wgrad = runs_fp8_wgrad(recipe)
+    if impl == "ffi":
+      d_x, d_kernel1, d_kernel2, d_scales = backward()
   assert out.dtype == dtype
-  # The blockwise recipe's FP8 weight gradients run only where no partitioning can follow
-  # (one device here on the GPU; the CPU tests' eight devices get 16-bit ones).
-  fp8_wgrad = recipe.fp8_wgrad and (isinstance(recipe, Float8CurrentScaling)
-                                    or quantize_columnwise.fusion_enabled())
   bounds = fp8_grouped_mlp_intervals(*inputs, sizes, activation, problem["params"], dtype,
                                      recipe, platform, fp8_wgrad)
   results = {"out": out}
   if impl == "ffi":
-    d_x, d_kernel1, d_kernel2, d_scales = backward()
     assert (d_x.dtype, d_kernel1.dtype, d_kernel2.dtype, d_scales.dtype) == (
         dtype, dtype, dtype, jnp.float32)
     results.update(dscales=d_scales, dx=d_x, dkernel1=d_kernel1, dkernel2=d_kernel2)
@@ -1123,35 +1153,48 @@ def test_fp8_grouped_mlp_is_its_quantized_stages_in_float64(implementation, prob
 # --- moe (router, permutation, grouped MLP, unpermute) ---------------------------------
 
 
-@st.composite
-def moe_problems(draw):
+def moe_problem(draw, recipe=None, width_unit=8, max_width=4):
   experts = draw(st.integers(1, 8))
   return dict(tokens=draw(st.integers(1, 40)), experts=experts,
               top_k=draw(st.integers(1, min(3, experts))),
-              hidden=8 * draw(st.integers(1, 4)), ffn=8 * draw(st.integers(1, 4)),
+              hidden=width_unit * draw(st.integers(1, max_width)),
+              ffn=width_unit * draw(st.integers(1, max_width)),
               activation=draw(st.sampled_from(["swiglu", "srelu", "clamped_swiglu"])),
               params=draw(activation_parameters(max_limit=3.0)),
               scoring=draw(st.sampled_from([("softmax", False), ("softmax", True),
                                             ("sigmoid", True)])),
+              recipe=recipe, save_activation=draw(st.booleans()),
               dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16])),
               seed=draw(st.integers(0, 2**32 - 1)))
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@PROPERTY
-@given(problem=moe_problems())
-def test_moe_layer_matches_float64_numpy(implementation, problem):
-  """out[t] = sum_j w[t, j] expert_{e[t, j]}(x[t]) with the float64 router's experts and
-  weights (problems whose k-th and (k+1)-th scores nearly tie are skipped: either choice
-  is right), the grouped MLP's bounds per expert-sorted row, the unpermute's fp32 sum and
-  one rounding; the gradients of both expert kernels; the load-balancing loss. (dx also
-  flows through the router: test_moe.py checks it.)"""
+@st.composite
+def moe_problems(draw):
+  return moe_problem(draw)
+
+
+@st.composite
+def fp8_moe_problems(draw):
+  recipe, max_width = draw(fp8_expert_recipes())
+  return dict(moe_problem(draw, recipe, width_unit=16, max_width=max_width),
+              columnwise_everywhere=draw(st.booleans()))
+
+
+def run_moe(problem, implementation):
+  """jaxfuse.moe on fresh random inputs of a moe problem, with its float64 router.
+
+  Problems whose k-th and (k+1)-th logits nearly tie are rejected (hypothesis `assume`):
+  either choice is right. Returns a dict: the op's out, aux, and (FFI paths) dkernel1,
+  dkernel2 for a random cotangent; the float64 router's weights, experts and aux loss;
+  score_radius (how far the op's fp32 combine weights may be from the float64 ones,
+  relative); and `sorted`, the expert-sorted rows as grouped_mlp_intervals takes them
+  (x, kernel1, kernel2, scales, d_out, sizes), with `rows` [T, k]: each token copy's
+  sorted row."""
   impl, platform = implementation
   tokens, experts, top_k, hidden, ffn, activation, dtype = (
       problem[key] for key in ("tokens", "experts", "top_k", "hidden", "ffn", "activation",
                                "dtype"))
   score_function, normalize = problem["scoring"]
-  params = problem["params"]
   width = ffn if activation == "srelu" else 2 * ffn
   rng = np.random.default_rng(problem["seed"])
   x = helpers.random_array(rng, (tokens, hidden), dtype)
@@ -1165,7 +1208,6 @@ def test_moe_layer_matches_float64_numpy(implementation, problem):
   # normalized weight) moves by a few times that, relative.
   logit_radius = float(np.max(hidden * 2.0**-22 * np.abs(helpers.as_f64(x))
                               @ np.abs(helpers.as_f64(router))))
-  score_radius = 4 * logit_radius + 2.0**-20
   if top_k < experts:
     logits = helpers.as_f64(x) @ helpers.as_f64(router)
     ordered = -np.sort(-logits, axis=1)
@@ -1176,30 +1218,82 @@ def test_moe_layer_matches_float64_numpy(implementation, problem):
   def layer(kernel1, kernel2):
     return jaxfuse.moe(x_, router_, kernel1, kernel2, top_k=top_k, activation=activation,
                        score_function=score_function, normalize_topk=normalize,
-                       implementation=impl, **params)
+                       recipe=problem["recipe"], save_activation=problem["save_activation"],
+                       implementation=impl, **problem["params"])
 
   (out, aux), vjp = jax.vjp(jax.jit(layer), kernel1_, kernel2_)
-  d_kernel1, d_kernel2 = vjp((d_out_, jnp.zeros((), jnp.float32)))
-  assert (out.dtype, out.shape, d_kernel1.dtype, d_kernel2.dtype) == (
-      dtype, (tokens, hidden), dtype, dtype)
-
+  result = dict(out=out, aux=aux, weights=weights, aux_loss=aux_loss,
+                score_radius=4 * logit_radius + 2.0**-20)
+  if impl == "ffi" or problem["recipe"] is None:  # the FP8 reference's are straight-through
+    result["dkernel1"], result["dkernel2"] = vjp((d_out_, jnp.zeros((), jnp.float32)))
+  assert (out.dtype, out.shape) == (dtype, (tokens, hidden))
   # The expert-sorted rows: a stable sort of the token copies by expert.
   order = np.argsort(ids.reshape(-1), kind="stable")
   token_of_row = order // top_k
-  sizes = np.bincount(ids.reshape(-1), minlength=experts)
   x64, dy64 = helpers.as_f64(x), helpers.as_f64(d_out)
-  bounds = grouped_mlp_intervals(
-      x64[token_of_row], helpers.as_f64(kernel1), helpers.as_f64(kernel2),
-      weights.reshape(-1)[order], dy64[token_of_row], sizes, activation, params, dtype,
-      radius_scales=score_radius * weights.reshape(-1)[order])
+  result["sorted"] = (x64[token_of_row], helpers.as_f64(kernel1), helpers.as_f64(kernel2),
+                      weights.reshape(-1)[order], dy64[token_of_row],
+                      np.bincount(ids.reshape(-1), minlength=experts))
   row_of_copy = np.empty(tokens * top_k, np.int64)
   row_of_copy[order] = np.arange(tokens * top_k)
-  rows = row_of_copy.reshape(tokens, top_k)
+  result["rows"] = row_of_copy.reshape(tokens, top_k)
+  return result
+
+
+def assert_moe_within(problem, result, bounds):
+  """The layer's out (each token's k expert rows summed in fp32, one rounding) within the
+  expert rows' `bounds` (grouped_mlp_intervals or fp8_grouped_mlp_intervals of
+  result["sorted"]); the kernels' gradients where they were taken; the load-balancing
+  loss."""
+  rows, top_k = result["rows"], problem["top_k"]
   y, radius_y = bounds["out"]
   exact = y[rows].sum(1)
   radius = (radius_y[rows].sum(1)
             + top_k * SUM_TERM * (np.abs(y) + radius_y)[rows].sum(1))
-  assert_inside(f"out ({activation})", out, exact, rounded(exact, radius, dtype))
-  assert_inside("dkernel1", d_kernel1, *bounds["dkernel1"])
-  assert_inside("dkernel2", d_kernel2, *bounds["dkernel2"])
-  assert abs(float(aux) - aux_loss) <= abs(aux_loss) * (score_radius + 1e-5), (aux, aux_loss)
+  activation = problem["activation"]
+  assert_inside(f"out ({activation})", result["out"], exact,
+                rounded(exact, radius, problem["dtype"]))
+  for what in ("dkernel1", "dkernel2"):
+    if what in result:
+      assert result[what].dtype == problem["dtype"], (what, result[what].dtype)
+      assert_inside(f"{what} ({activation})", result[what], *bounds[what])
+  aux, aux_loss = float(result["aux"]), result["aux_loss"]
+  assert abs(aux - aux_loss) <= abs(aux_loss) * (result["score_radius"] + 1e-5), (aux, aux_loss)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@PROPERTY
+@given(problem=moe_problems())
+def test_moe_layer_matches_float64_numpy(implementation, problem):
+  """out[t] = sum_j w[t, j] expert_{e[t, j]}(x[t]) with the float64 router's experts and
+  weights (problems whose k-th and (k+1)-th scores nearly tie are skipped: either choice
+  is right), the grouped MLP's bounds per expert-sorted row, the unpermute's fp32 sum and
+  one rounding; the gradients of both expert kernels; the load-balancing loss. (dx also
+  flows through the router: test_moe.py checks it.)"""
+  result = run_moe(problem, implementation)
+  *sorted_rows, sizes = result["sorted"]
+  bounds = grouped_mlp_intervals(
+      *sorted_rows, sizes, problem["activation"], problem["params"],
+      problem["dtype"], radius_scales=result["score_radius"] * sorted_rows[3])
+  assert_moe_within(problem, result, bounds)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@PROPERTY
+@given(problem=fp8_moe_problems())
+def test_fp8_moe_layer_is_its_quantized_stages_in_float64(implementation, problem):
+  """As test_moe_layer_matches_float64_numpy, with the experts' FP8 stages
+  (fp8_grouped_mlp_intervals) under Float8CurrentScaling(per_group=True), whose FFI path
+  quantizes the tokens through the routing (moe/fp8_experts.py) where the weight gradients
+  are FP8, and Float8BlockScaling (moe_permute + grouped_mlp + moe_unpermute). The jnp
+  reference's gradients are straight-through: only its forward is checked."""
+  recipe = problem["recipe"]
+  with columnwise_copies(problem):
+    result = run_moe(problem, implementation)
+    fp8_wgrad = runs_fp8_wgrad(recipe)
+  *sorted_rows, sizes = result["sorted"]
+  bounds = fp8_grouped_mlp_intervals(
+      *sorted_rows, sizes, problem["activation"], problem["params"], problem["dtype"],
+      recipe, implementation[1], fp8_wgrad,
+      radius_scales=result["score_radius"] * sorted_rows[3])
+  assert_moe_within(problem, result, bounds)

@@ -3,7 +3,7 @@
 // epilogue math, one rounding at the store. One config per 16-bit type: cooperative
 // 128x256x64 tiles, a 2x1 cluster, the persistent tile scheduler (one CTA per SM walks the
 // output tiles), as CUTLASS's dense SM90 bf16 examples.
-#include <atomic>
+#include <cstdlib>
 
 #include "cutlass/cutlass.h"
 #include "cute/tensor.hpp"
@@ -57,6 +57,18 @@ using LayoutC = cutlass::layout::RowMajor;  // c, d [m, n]
 JAXFUSE_RESIDUAL_GEMM(BFloat16Gemm, cutlass::bfloat16_t)
 JAXFUSE_RESIDUAL_GEMM(Float16Gemm, cutlass::half_t)
 
+// JAXFUSE_RESIDUAL_GEMM_SWIZZLE=1|2|4|8: the persistent scheduler's tile swizzle (how many
+// tiles along the raster's minor dimension it walks together, for L2 reuse); default 1,
+// CUTLASS's. Read once per process.
+int SwizzleSize() {
+  static const int size = [] {
+    const char* value = std::getenv("JAXFUSE_RESIDUAL_GEMM_SWIZZLE");
+    const int parsed = value != nullptr ? std::atoi(value) : 1;
+    return parsed == 2 || parsed == 4 || parsed == 8 ? parsed : 1;
+  }();
+  return size;
+}
+
 template <class Gemm>
 typename Gemm::Arguments MakeArguments(int m, int n, int k, float alpha, const void* a,
                                        const void* b, const void* c, void* d, int sm_count) {
@@ -78,6 +90,7 @@ typename Gemm::Arguments MakeArguments(int m, int n, int k, float alpha, const v
   args.epilogue.dC = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, {m, n, 1});
   args.epilogue.ptr_D = static_cast<ElementD*>(d);
   args.epilogue.dD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, {m, n, 1});
+  args.scheduler.max_swizzle_size = SwizzleSize();
   args.hw_info.device_id = 0;  // unused when sm_count > 0
   args.hw_info.sm_count = sm_count;
   return args;

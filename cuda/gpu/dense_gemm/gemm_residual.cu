@@ -1,8 +1,8 @@
 // The CUTLASS SM90 kernels behind jaxfuse/residual_gemm.h: d = alpha * a @ b + beta * c with
 // a [m, k] K-major, b [k, n] N-major, c and d [m, n] row-major; fp32 accumulation and
-// epilogue math, one rounding at the store. By default cooperative 128x256x64 tiles, a 2x1
-// cluster, the persistent tile scheduler (one CTA per SM walks the output tiles), as
-// CUTLASS's dense SM90 bf16 examples; bf16 has three more configs for A/B runs.
+// epilogue math, one rounding at the store. One config per 16-bit type: cooperative
+// 128x256x64 tiles, a 2x1 cluster, the persistent tile scheduler (one CTA per SM walks the
+// output tiles), as CUTLASS's dense SM90 bf16 examples.
 #include <cstdlib>
 
 #include "cutlass/cutlass.h"
@@ -26,60 +26,36 @@ namespace {
 
 using namespace cute;
 
+using TileShape = Shape<_128, _256, _64>;
+using ClusterShape = Shape<_2, _1, _1>;
 using LayoutA = cutlass::layout::RowMajor;  // a [m, k]: K-major
 using LayoutB = cutlass::layout::RowMajor;  // b [k, n]: N-major (16-bit wgmma reads either)
 using LayoutC = cutlass::layout::RowMajor;  // c, d [m, n]
 
 // Namespace-scope aliases rather than a class template of builders (gcc's host pass
-// failed on nested collective builders: DESIGN.md, pitfalls). TM/TN: CTA tile (K 64),
-// CM/CN: cluster, KS/ES: mainloop / epilogue schedules.
-#define JAXFUSE_RESIDUAL_GEMM(NAME, ELEMENT, TM, TN, CM, CN, KS, ES)                          \
+// failed on nested collective builders: DESIGN.md, pitfalls).
+#define JAXFUSE_RESIDUAL_GEMM(NAME, ELEMENT)                                                  \
   using NAME##Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<           \
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Shape<_##TM, _##TN, _64>,          \
-      Shape<_##CM, _##CN, _1>, cutlass::epilogue::collective::EpilogueTileAuto, float, float, \
-      ELEMENT, LayoutC, 16 / sizeof(ELEMENT), ELEMENT, LayoutC, 16 / sizeof(ELEMENT), ES,     \
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,           \
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ELEMENT, LayoutC,        \
+      16 / sizeof(ELEMENT), ELEMENT, LayoutC, 16 / sizeof(ELEMENT),                           \
+      cutlass::epilogue::TmaWarpSpecializedCooperative,                                       \
       cutlass::epilogue::fusion::LinearCombination<ELEMENT, float, ELEMENT, float>>::         \
       CollectiveOp;                                                                           \
   using NAME##Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<               \
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ELEMENT, LayoutA,                  \
-      16 / sizeof(ELEMENT), ELEMENT, LayoutB, 16 / sizeof(ELEMENT), float,                    \
-      Shape<_##TM, _##TN, _64>, Shape<_##CM, _##CN, _1>,                                      \
+      16 / sizeof(ELEMENT), ELEMENT, LayoutB, 16 / sizeof(ELEMENT), float, TileShape,         \
+      ClusterShape,                                                                           \
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(                     \
           sizeof(typename NAME##Epilogue::SharedStorage))>,                                   \
-      KS>::CollectiveOp;                                                                      \
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;                      \
   using NAME##Kernel = cutlass::gemm::kernel::GemmUniversal<                                  \
       Shape<int, int, int, int>, NAME##Mainloop, NAME##Epilogue,                              \
       cutlass::gemm::PersistentScheduler>;                                                    \
   using NAME = cutlass::gemm::device::GemmUniversalAdapter<NAME##Kernel>;
 
-using Cooperative = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-using CooperativeEpilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-using Pingpong = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-using PingpongEpilogue = cutlass::epilogue::TmaWarpSpecialized;
-
-// bf16: four configs (JAXFUSE_RESIDUAL_GEMM_CONFIG, for A/B runs); f16: the first.
-JAXFUSE_RESIDUAL_GEMM(BFloat16Gemm, cutlass::bfloat16_t, 128, 256, 2, 1, Cooperative,
-                      CooperativeEpilogue)
-JAXFUSE_RESIDUAL_GEMM(BFloat16GemmCluster1x2, cutlass::bfloat16_t, 128, 256, 1, 2, Cooperative,
-                      CooperativeEpilogue)
-JAXFUSE_RESIDUAL_GEMM(BFloat16Gemm256x128, cutlass::bfloat16_t, 256, 128, 1, 2, Cooperative,
-                      CooperativeEpilogue)
-JAXFUSE_RESIDUAL_GEMM(BFloat16GemmPingpong, cutlass::bfloat16_t, 64, 256, 1, 2, Pingpong,
-                      PingpongEpilogue)
-JAXFUSE_RESIDUAL_GEMM(Float16Gemm, cutlass::half_t, 128, 256, 2, 1, Cooperative,
-                      CooperativeEpilogue)
-
-// JAXFUSE_RESIDUAL_GEMM_CONFIG=0|1|2|3: the bf16 kernel. 0 (default): cooperative 128x256
-// tiles, 2x1 cluster; 1: the same with a 1x2 cluster; 2: cooperative 256x128, 1x2;
-// 3: ping-pong 64x256, 1x2. Read once per process.
-int BFloat16Config() {
-  static const int config = [] {
-    const char* value = std::getenv("JAXFUSE_RESIDUAL_GEMM_CONFIG");
-    const int parsed = value != nullptr ? std::atoi(value) : 0;
-    return parsed >= 0 && parsed <= 3 ? parsed : 0;
-  }();
-  return config;
-}
+JAXFUSE_RESIDUAL_GEMM(BFloat16Gemm, cutlass::bfloat16_t)
+JAXFUSE_RESIDUAL_GEMM(Float16Gemm, cutlass::half_t)
 
 // JAXFUSE_RESIDUAL_GEMM_SWIZZLE=1|2|4|8: the persistent scheduler's tile swizzle (how many
 // tiles along the raster's minor dimension it walks together, for L2 reuse). Default 8:
@@ -149,11 +125,6 @@ cudaError_t RunGemm(int m, int n, int k, float alpha, const void* a, const void*
   return cudaSuccess;
 }
 
-template <class T>
-struct Tag {
-  using type = T;
-};
-
 bool Aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
 }  // namespace
@@ -167,13 +138,8 @@ bool Supports(int64_t m, int64_t n, int64_t k, const void* a, const void* b, con
 }
 
 size_t WorkspaceBytes(Element element, int sm_count) {
-  if (element == Element::kFloat16) return GemmWorkspaceBytes<Float16Gemm>(sm_count);
-  switch (BFloat16Config()) {
-    case 1: return GemmWorkspaceBytes<BFloat16GemmCluster1x2>(sm_count);
-    case 2: return GemmWorkspaceBytes<BFloat16Gemm256x128>(sm_count);
-    case 3: return GemmWorkspaceBytes<BFloat16GemmPingpong>(sm_count);
-    default: return GemmWorkspaceBytes<BFloat16Gemm>(sm_count);
-  }
+  return element == Element::kBFloat16 ? GemmWorkspaceBytes<BFloat16Gemm>(sm_count)
+                                       : GemmWorkspaceBytes<Float16Gemm>(sm_count);
 }
 
 cudaError_t Run(Element element, int64_t m, int64_t n, int64_t k, float alpha, const void* a,
@@ -181,17 +147,11 @@ cudaError_t Run(Element element, int64_t m, int64_t n, int64_t k, float alpha, c
                 int sm_count, cudaStream_t stream) {
   if (!Supports(m, n, k, a, b, c, d) || sm_count <= 0) return cudaErrorInvalidValue;
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
-  auto run = [&](auto tag) {
-    return RunGemm<typename decltype(tag)::type>(mi, ni, ki, alpha, a, b, c, d, workspace,
-                                                 workspace_bytes, sm_count, stream);
-  };
-  if (element == Element::kFloat16) return run(Tag<Float16Gemm>{});
-  switch (BFloat16Config()) {
-    case 1: return run(Tag<BFloat16GemmCluster1x2>{});
-    case 2: return run(Tag<BFloat16Gemm256x128>{});
-    case 3: return run(Tag<BFloat16GemmPingpong>{});
-    default: return run(Tag<BFloat16Gemm>{});
-  }
+  return element == Element::kBFloat16
+             ? RunGemm<BFloat16Gemm>(mi, ni, ki, alpha, a, b, c, d, workspace,
+                                     workspace_bytes, sm_count, stream)
+             : RunGemm<Float16Gemm>(mi, ni, ki, alpha, a, b, c, d, workspace,
+                                    workspace_bytes, sm_count, stream);
 }
 
 }  // namespace jaxfuse::residual_gemm

@@ -2,12 +2,18 @@
 compares the op with float64 residual + alpha * x @ kernel and counts the elements past
 one rounding, and among those the ones equal to round(residual + round(alpha * x @ kernel)):
 the two roundings of an algorithm that stores the product in bfloat16 before adding the
-residual. `--candidates N` also runs each of the heuristic's first N candidates
-(JAXFUSE_CUBLASLT_CANDIDATE) on every shape; JAXFUSE_CUBLASLT_LOG=1 describes each one
-(algorithm id, tile, stages, split-K count, reduction scheme). `--compute pedantic` runs
+residual.
+
+By default the op runs what it runs (the CUTLASS residual GEMM: every shape here has K and
+N multiples of 8). `--gemm cublaslt` probes cuBLASLt instead
+(JAXFUSE_LINEAR_SCALE_ADD_GEMM=cublaslt), as do the two cuBLASLt options:
+`--candidates N` also runs each of the heuristic's first N candidates
+(JAXFUSE_CUBLASLT_CANDIDATE) on every shape, and JAXFUSE_CUBLASLT_LOG=1 describes each one
+(algorithm id, tile, stages, split-K count, reduction scheme); `--compute pedantic` runs
 everything with JAXFUSE_CUBLASLT_COMPUTE=pedantic (CUBLAS_COMPUTE_32F_PEDANTIC).
 
-  python scripts/probe_linear_rounding.py [--candidates 8] [--compute pedantic]
+  python scripts/probe_linear_rounding.py [--gemm cublaslt] [--candidates 8]
+      [--compute pedantic]
 """
 
 from __future__ import annotations
@@ -58,9 +64,14 @@ def main():
                       help="also run each of the heuristic's first N candidates")
   parser.add_argument("--compute", choices=("default", "pedantic"), default="default",
                       help="cuBLASLt compute type (JAXFUSE_CUBLASLT_COMPUTE)")
+  parser.add_argument("--gemm", choices=("default", "cublaslt"), default="default",
+                      help="the 16-bit forward's GEMM (JAXFUSE_LINEAR_SCALE_ADD_GEMM)")
   args = parser.parse_args()
   if args.compute == "pedantic":
     os.environ["JAXFUSE_CUBLASLT_COMPUTE"] = "pedantic"
+  if args.gemm == "cublaslt" or args.candidates or args.compute != "default":
+    # Read once per process, at the first call: set before any.
+    os.environ["JAXFUSE_LINEAR_SCALE_ADD_GEMM"] = "cublaslt"
   runs = [None] + list(range(args.candidates))
   for candidate in runs:
     if candidate is None:
@@ -74,6 +85,7 @@ def main():
         row = check(rows, k, n)
         row["candidate"] = "heuristic" if candidate is None else candidate
         row["compute"] = args.compute
+        row["gemm"] = os.environ.get("JAXFUSE_LINEAR_SCALE_ADD_GEMM", "default")
         print(json.dumps(row), flush=True)
 
 

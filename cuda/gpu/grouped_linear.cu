@@ -5,12 +5,10 @@
 // compatible, and a CUDA-graph replay after the sizes change on the device is correct.
 #include <cuda_runtime.h>
 
-#include <mutex>
-#include <unordered_map>
-
 #include "jaxfuse/ffi_common.h"
 #include "jaxfuse/grouped_gemm.h"
 #include "jaxfuse/grouped_linear.h"
+#include "occupancy.cuh"
 
 namespace jaxfuse {
 namespace {
@@ -25,19 +23,6 @@ bool ToElementType(ffi::DataType type, gg::ElementType* element) {
     case ffi::DataType::F8E5M2: *element = gg::ElementType::kFloat8E5M2; return true;
     default: return false;
   }
-}
-
-// Multiprocessor count per device, read once (a host attribute query, no sync).
-int SmCount(int device) {
-  static std::mutex mutex;
-  static std::unordered_map<int, int> counts;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = counts.find(device);
-  if (it != counts.end()) return it->second;
-  int count = 0;
-  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-  counts.emplace(device, count);
-  return count;
 }
 
 // `columnwise`: the FP8 wgrad on column-wise copies made from `columnwise_rows` rows.
@@ -103,7 +88,7 @@ ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
                            "e5m2 dy): m=",
                            shape.m, " k=", shape.k, " n=", shape.n, " G=", shape.groups);
   }
-  const int sm_count = SmCount(device);
+  const int sm_count = gpu::SmCount(device);
   const size_t needed = gg::WorkspaceBytes(problem, sm_count);
   if (needed > problem.workspace_bytes) {
     return Internal("grouped GEMM workspace too small: ", problem.workspace_bytes, " < ", needed,

@@ -16,7 +16,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstdio>
@@ -31,6 +30,7 @@
 #include "jaxfuse/ffi_common.h"
 #include "jaxfuse/linear_scale_add.h"
 #include "jaxfuse/residual_gemm.h"
+#include "occupancy.cuh"
 
 namespace jaxfuse {
 namespace {
@@ -102,21 +102,6 @@ bool ResidualGemmEnabled() {
     return value == nullptr || std::strcmp(value, "cublaslt") != 0;
   }();
   return enabled;
-}
-
-// The SM count of `device`, cached (the residual GEMM's persistent grid).
-int SmCount(int device) {
-  static std::atomic<int> cache[64] = {};
-  if (device < 0 || device >= 64) return 0;
-  int count = cache[device].load(std::memory_order_relaxed);
-  if (count == 0) {
-    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      cudaGetLastError();
-      return 0;
-    }
-    cache[device].store(count, std::memory_order_relaxed);
-  }
-  return count;
 }
 
 // Random bits shaped into finite values of one element type, one 32-bit word per step:
@@ -572,15 +557,16 @@ bool UsesResidualGemm(const MatmulProblem& problem) {
 
 ffi::Error Initialize(int device, MatmulState* state) {
   if (state->Empty()) return ffi::Error::Success();
-  // The residual GEMM takes aligned operands: cuBLASLt only for odd ones, found on use.
-  const MatmulProblem& problem = state->problem;
-  if (state->accumulate && UsesResidualGemm(problem) && problem.q % 8 == 0 &&
-      problem.r % 8 == 0) {
-    return ffi::Error::Success();
-  }
   // Handle and algorithm for 256-byte aligned operands, the usual case, found before any
   // graph capture; other alignments are looked up on first use.
   static const char aligned[256] __attribute__((aligned(256))) = {};
+  // A product the residual GEMM takes when aligned needs cuBLASLt only for odd operands.
+  const MatmulProblem& problem = state->problem;
+  if (state->accumulate && UsesResidualGemm(problem) &&
+      residual_gemm::Supports(problem.p, problem.q, problem.r, aligned, aligned, aligned,
+                              aligned)) {
+    return ffi::Error::Success();
+  }
   const MatmulState::Algorithm* algorithm = nullptr;
   return state->FindAlgorithm(device, aligned, aligned, aligned, &algorithm,
                               /*autotune=*/true);
@@ -618,7 +604,7 @@ ffi::Error Execute(cudaStream_t stream, int device, MatmulState* state,
     const cudaError_t status = residual_gemm::Run(
         element, problem.p, problem.q, problem.r, alpha, a.untyped_data(), b.untyped_data(),
         out.untyped_data(), out.untyped_data(), workspace.untyped_data(),
-        workspace.size_bytes(), SmCount(device), stream);
+        workspace.size_bytes(), gpu::SmCount(device), stream);
     if (status != cudaSuccess) {
       return Internal("the residual GEMM [", problem.p, ", ", problem.q, ", ", problem.r,
                       "] failed: ", cudaGetErrorString(status));

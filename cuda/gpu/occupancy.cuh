@@ -12,6 +12,20 @@
 namespace jaxfuse {
 namespace gpu {
 
+// Multiprocessor count of `device`, read once (a host attribute query, no sync): the
+// persistent grids of the CUTLASS kernels.
+inline int SmCount(int device) {
+  static std::mutex mutex;
+  static std::map<int, int> counts;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = counts.find(device); it != counts.end()) return it->second;
+  int count = 0;
+  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  cudaGetLastError();  // a failed query must not surface as a launch error later
+  counts.emplace(device, count);
+  return count;
+}
+
 // Resident blocks of `kernel` launched with `threads` threads and `shared_bytes` of dynamic
 // shared memory, over all multiprocessors of the current device; at least 1. Queried once
 // per (device, kernel, threads, shared_bytes) and cached: the handlers call it on every

@@ -99,12 +99,6 @@ typename Gemm::Arguments MakeArguments(int m, int n, int k, float alpha, const v
 }
 
 template <class Gemm>
-size_t GemmWorkspaceBytes(int sm_count) {
-  return Gemm::get_workspace_size(
-      MakeArguments<Gemm>(128, 256, 64, 1.0f, nullptr, nullptr, nullptr, nullptr, sm_count));
-}
-
-template <class Gemm>
 cudaError_t RunGemm(int m, int n, int k, float alpha, const void* a, const void* b,
                     const void* c, void* d, void* workspace, size_t workspace_bytes,
                     int sm_count, cudaStream_t stream) {
@@ -135,11 +129,6 @@ bool Supports(int64_t m, int64_t n, int64_t k, const void* a, const void* b, con
   return m > 0 && n > 0 && k > 0 && m <= kIntMax && n <= kIntMax && k <= kIntMax &&
          k % 8 == 0 && n % 8 == 0 && Aligned16(a) && Aligned16(b) && Aligned16(c) &&
          Aligned16(d);
-}
-
-size_t WorkspaceBytes(Element element, int sm_count) {
-  return element == Element::kBFloat16 ? GemmWorkspaceBytes<BFloat16Gemm>(sm_count)
-                                       : GemmWorkspaceBytes<Float16Gemm>(sm_count);
 }
 
 cudaError_t Run(Element element, int64_t m, int64_t n, int64_t k, float alpha, const void* a,

@@ -20,12 +20,10 @@ enum class Element { kBFloat16, kFloat16 };
 bool Supports(int64_t m, int64_t n, int64_t k, const void* a, const void* b, const void* c,
               const void* d);
 
-// CUTLASS's workspace for `sm_count` SMs (the persistent tile scheduler's).
-size_t WorkspaceBytes(Element element, int sm_count);
-
 // One kernel launch on `stream`; no host sync, no allocation. c may alias d (in place: each
-// output tile reads its own c tile before it writes it). `workspace` holds at least
-// WorkspaceBytes. Returns cudaErrorInvalidValue for a problem Supports rejects.
+// output tile reads its own c tile before it writes it). `workspace` is CUTLASS's (the
+// persistent scheduler's; the call checks that it fits). Returns cudaErrorInvalidValue for
+// a problem Supports rejects.
 cudaError_t Run(Element element, int64_t m, int64_t n, int64_t k, float alpha, const void* a,
                 const void* b, const void* c, void* d, void* workspace, size_t workspace_bytes,
                 int sm_count, cudaStream_t stream);

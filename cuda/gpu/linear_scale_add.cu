@@ -1,6 +1,8 @@
 // CUDA handlers for the scaled matrix product (see jaxfuse/linear_scale_add.h) through
 // cuBLASLt: alpha in the epilogue, and for linear_scale_add beta = 1 with C = D = the
-// residual buffer, so the product accumulates into the residual in place.
+// residual buffer, so the product accumulates into the residual in place. linear_scale_add's
+// 16-bit and FP8 forwards with a 16-bit residual run the CUTLASS residual GEMMs instead
+// (jaxfuse/residual_gemm.h), where cuBLASLt would round twice.
 //
 // Stages: instantiate validates the shapes once and builds the cuBLASLt descriptors;
 // initialize creates the device's handle and picks the algorithm: by default cuBLASLt's
@@ -11,7 +13,7 @@
 // ranking need not hold. JAXFUSE_CUBLASLT_LOG=1 prints every candidate's times, the choice,
 // and why the candidates went untimed when they did. Timing is opt-in: on an H100 the
 // sustained picks did not speed up the FP8 linear_scale_add end to end (session 48).
-// Execute only enqueues cublasLtMatmul. Nothing syncs or allocates in execute, so the
+// Execute only enqueues one GEMM. Nothing syncs or allocates in execute, so the
 // handlers are command-buffer (CUDA graph) compatible.
 #include <cuda_runtime.h>
 
@@ -94,8 +96,8 @@ cublasComputeType_t ComputeType() {
                                                                  : CUBLAS_COMPUTE_32F;
 }
 
-// JAXFUSE_LINEAR_SCALE_ADD_GEMM=cublaslt runs the 16-bit forward on cuBLASLt instead of
-// the CUTLASS residual GEMM (A/B runs). Read once per process.
+// JAXFUSE_LINEAR_SCALE_ADD_GEMM=cublaslt runs the 16-bit and FP8 forwards on cuBLASLt
+// instead of the CUTLASS residual GEMMs (A/B runs). Read once per process.
 bool ResidualGemmEnabled() {
   static const bool enabled = [] {
     const char* value = std::getenv("JAXFUSE_LINEAR_SCALE_ADD_GEMM");
@@ -546,13 +548,38 @@ ffi::ErrorOr<std::unique_ptr<MatmulState>> MakeState(const ffi::AnyBuffer& a,
   return std::move(state);
 }
 
-// Whether an accumulating product runs the CUTLASS residual GEMM (alignment permitting):
-// the 16-bit forward, a [p, r] @ b [r, q] + c, all of one 16-bit type.
-bool UsesResidualGemm(const MatmulProblem& problem) {
+// The CUTLASS residual GEMM an accumulating product runs (alignment permitting), if any:
+// the 16-bit forward a [p, r] @ b [r, q] + c, all of one 16-bit type; the FP8 forward
+// e4m3 a [p, r] @ (e4m3 b [q, r])^T + c with a 16-bit c. Both add c in fp32 before their one
+// rounding; the rest (f32 outputs, which round once on cuBLASLt too) stays on cuBLASLt.
+enum class ResidualKernel { kNone, kSixteenBit, kFp8 };
+
+ResidualKernel ResidualKernelFor(const MatmulProblem& problem) {
   const ffi::DataType type = problem.output_type;
-  return ResidualGemmEnabled() && !problem.transpose_a && !problem.transpose_b &&
-         (type == ffi::DataType::BF16 || type == ffi::DataType::F16) &&
-         problem.input_type == type && problem.b_type == type;
+  if (!ResidualGemmEnabled() || problem.transpose_a ||
+      (type != ffi::DataType::BF16 && type != ffi::DataType::F16)) {
+    return ResidualKernel::kNone;
+  }
+  if (!problem.transpose_b && problem.input_type == type && problem.b_type == type) {
+    return ResidualKernel::kSixteenBit;
+  }
+  if (problem.transpose_b && problem.input_type == ffi::DataType::F8E4M3FN &&
+      problem.b_type == ffi::DataType::F8E4M3FN) {
+    return ResidualKernel::kFp8;
+  }
+  return ResidualKernel::kNone;
+}
+
+// Whether the residual GEMM takes these operands (c is d: the product accumulates in place).
+bool ResidualGemmSupports(ResidualKernel kernel, const MatmulProblem& problem, const void* a,
+                          const void* b, const void* d) {
+  switch (kernel) {
+    case ResidualKernel::kSixteenBit:
+      return residual_gemm::Supports(problem.p, problem.q, problem.r, a, b, d, d);
+    case ResidualKernel::kFp8:
+      return residual_gemm::SupportsFp8(problem.p, problem.q, problem.r, a, b, d, d);
+    default: return false;
+  }
 }
 
 ffi::Error Initialize(int device, MatmulState* state) {
@@ -562,9 +589,8 @@ ffi::Error Initialize(int device, MatmulState* state) {
   static const char aligned[256] __attribute__((aligned(256))) = {};
   // A product the residual GEMM takes when aligned needs cuBLASLt only for odd operands.
   const MatmulProblem& problem = state->problem;
-  if (state->accumulate && UsesResidualGemm(problem) &&
-      residual_gemm::Supports(problem.p, problem.q, problem.r, aligned, aligned, aligned,
-                              aligned)) {
+  if (state->accumulate &&
+      ResidualGemmSupports(ResidualKernelFor(problem), problem, aligned, aligned, aligned)) {
     return ffi::Error::Success();
   }
   const MatmulState::Algorithm* algorithm = nullptr;
@@ -593,20 +619,31 @@ ffi::Error Execute(cudaStream_t stream, int device, MatmulState* state,
                ? ffi::Error::Success()
                : Internal("zeroing an empty product failed");
   }
-  if (c != nullptr && UsesResidualGemm(problem) &&
-      residual_gemm::Supports(problem.p, problem.q, problem.r, a.untyped_data(),
-                              b.untyped_data(), out.untyped_data(), out.untyped_data())) {
-    // The 16-bit forward: c added in fp32 before the one rounding (cuBLASLt rounds
-    // alpha * a @ b to 16 bits first).
+  const ResidualKernel residual_kernel =
+      c != nullptr ? ResidualKernelFor(problem) : ResidualKernel::kNone;
+  if (ResidualGemmSupports(residual_kernel, problem, a.untyped_data(), b.untyped_data(),
+                           out.untyped_data())) {
+    // c added in fp32 before the one rounding (cuBLASLt rounds the scaled product to 16
+    // bits first).
     const auto element = problem.output_type == ffi::DataType::BF16
                              ? residual_gemm::Element::kBFloat16
                              : residual_gemm::Element::kFloat16;
-    const cudaError_t status = residual_gemm::Run(
-        element, problem.p, problem.q, problem.r, alpha, a.untyped_data(), b.untyped_data(),
-        out.untyped_data(), out.untyped_data(), workspace.untyped_data(),
-        workspace.size_bytes(), gpu::SmCount(device), stream);
+    void* d = out.untyped_data();
+    const cudaError_t status =
+        residual_kernel == ResidualKernel::kFp8
+            ? residual_gemm::RunFp8(
+                  element, state->fast_accumulation, problem.p, problem.q, problem.r, alpha,
+                  static_cast<const float*>(a_scale_inv->untyped_data()),
+                  static_cast<const float*>(b_scale_inv->untyped_data()), a.untyped_data(),
+                  b.untyped_data(), d, d, workspace.untyped_data(), workspace.size_bytes(),
+                  gpu::SmCount(device), stream)
+            : residual_gemm::Run(element, problem.p, problem.q, problem.r, alpha,
+                                 a.untyped_data(), b.untyped_data(), d, d,
+                                 workspace.untyped_data(), workspace.size_bytes(),
+                                 gpu::SmCount(device), stream);
     if (status != cudaSuccess) {
-      return Internal("the residual GEMM [", problem.p, ", ", problem.q, ", ", problem.r,
+      return Internal("the ", residual_kernel == ResidualKernel::kFp8 ? "FP8 " : "",
+                      "residual GEMM [", problem.p, ", ", problem.q, ", ", problem.r,
                       "] failed: ", cudaGetErrorString(status));
     }
     return ffi::Error::Success();

@@ -413,6 +413,55 @@ def test_fp8_backward_matches_float64_of_the_fp8_operands(backend):
   np.testing.assert_array_equal(helpers.as_f64(d_residual), helpers.as_f64(d_out))
 
 
+def power_of_two_steps(rng, shape, amax, dtype):
+  """Values +-amax or +-amax / 2, amax itself included: per-tensor E4M3 scaling maps them
+  to +-448 and +-224 exactly, so the FP8 operands carry no quantization error."""
+  values = amax * rng.choice([-1.0, -0.5, 0.5, 1.0], size=shape)
+  values.flat[0] = amax
+  return jnp.asarray(values, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitize
+@pytest.mark.parametrize("fast_accumulation", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("leading, k, n", [((16,), 16, 16), ((4, 100), 512, 528),
+                                           ((1008,), 256, 1040), ((2048,), 1024, 768)])
+def test_fp8_forward_rounds_once_on_the_gpu(fast_accumulation, dtype, leading, k, n):
+  """The FP8 forward adds the residual in fp32 and rounds once (the CUTLASS FP8 residual
+  GEMM), as the 16-bit one does. The operands are chosen so the FP8 GEMM is exact: every
+  value quantizes without error, and every product is 448^2 times 1, 1/2 or 1/4, so the
+  partial sums are multiples of 448^2 / 4 below 448^2 * 1024, exact in the tensor cores'
+  fast accumulator too. What is left is alpha * a_scale_inv * b_scale_inv in fp32 (three
+  roundings), the fp32 sum with the residual, and the one rounding to 16 bits; cuBLASLt's
+  FP8 epilogue, which rounds the scaled product to 16 bits before adding the residual,
+  errs by up to half an ulp of the product more and fails this."""
+  recipe = jaxfuse.quantization.Float8CurrentScaling(
+      per_group=False, forward_fast_accumulation=fast_accumulation)
+  rng = np.random.default_rng(k + n)
+  x = power_of_two_steps(rng, (*leading, k), 1.5, dtype)
+  kernel = power_of_two_steps(rng, (k, n), 1 / np.sqrt(k), dtype)
+  residual = helpers.random_array(rng, (*leading, n), dtype)
+  x_q, x_si = numpy_fp8_per_tensor(helpers.as_f64(x).reshape(-1, k), jnp.float8_e4m3fn)
+  w_q, w_si = numpy_fp8_per_tensor(helpers.as_f64(kernel), jnp.float8_e4m3fn)
+  for q in (x_q, w_q):
+    np.testing.assert_array_equal(np.unique(np.abs(q)), [224.0, 448.0])
+  for alpha in (1.0, -0.37):
+    out = jax.jit(lambda *a: jaxfuse.linear_scale_add(*a, alpha, recipe=recipe,
+                                                      implementation="ffi"))(
+        *on("gpu", x, kernel, residual))
+    product = (alpha * x_si * w_si * (x_q @ w_q)).reshape(*leading, n)
+    expected = helpers.as_f64(residual) + product
+    half_ulp = 2.0**-8 if dtype == jnp.bfloat16 else 2.0**-11
+    # One rounding; fp32's roundings of the scale product and of the sum (4x slack);
+    # f16's subnormal step.
+    bound = (half_ulp * np.abs(expected)
+             + 2.0**-21 * (np.abs(product) + np.abs(helpers.as_f64(residual))) + 2.0**-25)
+    excess = np.abs(helpers.as_f64(out) - expected) - bound
+    assert (excess <= 0).all(), (f"alpha={alpha}: {int((excess > 0).sum())} elements past "
+                                 f"one rounding, worst by {excess.max():.3g}")
+
+
 _AUTOTUNE_SCRIPT = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp, numpy as np

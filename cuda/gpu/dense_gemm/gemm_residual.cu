@@ -84,10 +84,6 @@ cudaError_t Run(Element element, int64_t m, int64_t n, int64_t k, float alpha, c
   if (!Supports(m, n, k, a, b, c, d) || sm_count <= 0) return cudaErrorInvalidValue;
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
   const AlphaBeta epilogue{alpha};
-  if (const int variant = detail::Variant(); variant != 0 && element == Element::kBFloat16) {
-    return detail::RunBFloat16Variant(variant, mi, ni, ki, alpha, a, b, c, d, workspace,
-                                      workspace_bytes, sm_count, stream);
-  }
   return element == Element::kBFloat16
              ? detail::RunGemm<BFloat16Gemm>(mi, ni, ki, a, b, c, d, epilogue, workspace,
                                              workspace_bytes, sm_count, stream)

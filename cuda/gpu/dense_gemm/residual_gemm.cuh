@@ -144,15 +144,4 @@ cudaError_t RunFp8Promoted(Element element, int m, int n, int k, const Fp8Scales
                            void* workspace, size_t workspace_bytes, int sm_count,
                            cudaStream_t stream);
 
-// EXPERIMENT (gemm_residual_variants.cu): JAXFUSE_RESIDUAL_GEMM_VARIANT=1..3 runs another
-// tile for the bf16 and the fast-accumulation FP8 (bf16 out) kernels; 0 (default) none.
-int Variant();
-cudaError_t RunBFloat16Variant(int variant, int m, int n, int k, float alpha, const void* a,
-                               const void* b, const void* c, void* d, void* workspace,
-                               size_t workspace_bytes, int sm_count, cudaStream_t stream);
-cudaError_t RunFp8FastVariant(int variant, int m, int n, int k, const Fp8Scales& scales,
-                              const void* a, const void* b, const void* c, void* d,
-                              void* workspace, size_t workspace_bytes, int sm_count,
-                              cudaStream_t stream);
-
 }  // namespace jaxfuse::residual_gemm::detail

@@ -1,8 +1,8 @@
 // CUDA handlers for the scaled matrix product (see jaxfuse/linear_scale_add.h) through
 // cuBLASLt: alpha in the epilogue, and for linear_scale_add beta = 1 with C = D = the
 // residual buffer, so the product accumulates into the residual in place. linear_scale_add's
-// 16-bit and FP8 forwards with a 16-bit residual run the CUTLASS residual GEMMs instead
-// (jaxfuse/residual_gemm.h), where cuBLASLt would round twice.
+// 16-bit forward runs the CUTLASS residual GEMM instead (jaxfuse/residual_gemm.h), where
+// cuBLASLt would round twice; its FP8 forward does with JAXFUSE_LINEAR_SCALE_ADD_GEMM=cutlass.
 //
 // Stages: instantiate validates the shapes once and builds the cuBLASLt descriptors;
 // initialize creates the device's handle and picks the algorithm: by default cuBLASLt's
@@ -96,14 +96,22 @@ cublasComputeType_t ComputeType() {
                                                                  : CUBLAS_COMPUTE_32F;
 }
 
-// JAXFUSE_LINEAR_SCALE_ADD_GEMM=cublaslt runs the 16-bit and FP8 forwards on cuBLASLt
-// instead of the CUTLASS residual GEMMs (A/B runs). Read once per process.
-bool ResidualGemmEnabled() {
-  static const bool enabled = [] {
+// JAXFUSE_LINEAR_SCALE_ADD_GEMM picks linear_scale_add's forward GEMM with a 16-bit
+// residual: unset, the CUTLASS residual GEMM for 16-bit operands and cuBLASLt for FP8 ones;
+// "cutlass", the CUTLASS kernels for both (one rounding everywhere, but on an H100 the FP8
+// step ran 1-3.5% slower than on cuBLASLt: session 53,
+// benchmarks/results/linear_scale_add_fp8_s53*); "cublaslt", cuBLASLt for both (A/B runs).
+// Read once per process.
+enum class ForwardGemm { kDefault, kCutlass, kCublasLt };
+
+ForwardGemm ForwardGemmChoice() {
+  static const ForwardGemm choice = [] {
     const char* value = std::getenv("JAXFUSE_LINEAR_SCALE_ADD_GEMM");
-    return value == nullptr || std::strcmp(value, "cublaslt") != 0;
+    if (value != nullptr && std::strcmp(value, "cublaslt") == 0) return ForwardGemm::kCublasLt;
+    if (value != nullptr && std::strcmp(value, "cutlass") == 0) return ForwardGemm::kCutlass;
+    return ForwardGemm::kDefault;
   }();
-  return enabled;
+  return choice;
 }
 
 // Random bits shaped into finite values of one element type, one 32-bit word per step:
@@ -549,21 +557,24 @@ ffi::ErrorOr<std::unique_ptr<MatmulState>> MakeState(const ffi::AnyBuffer& a,
 }
 
 // The CUTLASS residual GEMM an accumulating product runs (alignment permitting), if any:
-// the 16-bit forward a [p, r] @ b [r, q] + c, all of one 16-bit type; the FP8 forward
-// e4m3 a [p, r] @ (e4m3 b [q, r])^T + c with a 16-bit c. Both add c in fp32 before their one
-// rounding; the rest (f32 outputs, which round once on cuBLASLt too) stays on cuBLASLt.
+// the 16-bit forward a [p, r] @ b [r, q] + c, all of one 16-bit type; with
+// JAXFUSE_LINEAR_SCALE_ADD_GEMM=cutlass also the FP8 forward e4m3 a [p, r] @ (e4m3
+// b [q, r])^T + c with a 16-bit c. Both add c in fp32 before their one rounding; the rest
+// (f32 outputs, which round once on cuBLASLt too) stays on cuBLASLt.
 enum class ResidualKernel { kNone, kSixteenBit, kFp8 };
 
 ResidualKernel ResidualKernelFor(const MatmulProblem& problem) {
   const ffi::DataType type = problem.output_type;
-  if (!ResidualGemmEnabled() || problem.transpose_a ||
+  const ForwardGemm choice = ForwardGemmChoice();
+  if (choice == ForwardGemm::kCublasLt || problem.transpose_a ||
       (type != ffi::DataType::BF16 && type != ffi::DataType::F16)) {
     return ResidualKernel::kNone;
   }
   if (!problem.transpose_b && problem.input_type == type && problem.b_type == type) {
     return ResidualKernel::kSixteenBit;
   }
-  if (problem.transpose_b && problem.input_type == ffi::DataType::F8E4M3FN &&
+  if (choice == ForwardGemm::kCutlass && problem.transpose_b &&
+      problem.input_type == ffi::DataType::F8E4M3FN &&
       problem.b_type == ffi::DataType::F8E4M3FN) {
     return ResidualKernel::kFp8;
   }

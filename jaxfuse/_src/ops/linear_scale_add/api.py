@@ -233,17 +233,20 @@ def linear_scale_add(x: jax.Array, kernel: jax.Array, residual: jax.Array,
   buffer: donate ``residual`` under ``jax.jit`` and no copy is made.
 
   Rounding: the residual is added to alpha * x @ kernel in fp32 and the sum rounded once
-  to residual's dtype: in the jnp reference, the CPU handler, and on the GPU wherever the
-  result is 16-bit and the operands 16-byte aligned: the 16-bit forward (x, kernel and
-  residual all bfloat16 or all float16, K and N multiples of 8) and the FP8 forward with a
-  bfloat16 or float16 residual run CUTLASS SM90 GEMMs whose epilogue reads the residual
-  tile. Every other GPU product runs on cuBLASLt, whose tensor-core epilogue rounds
-  alpha * x @ kernel to a 16-bit output type before adding the residual (every algorithm
-  its heuristic offered, H100, cuBLAS 13.1; ``scripts/probe_linear_rounding.py``), as
-  XLA's own fused bf16 GEMM + add does: there a bf16 or f16 result errs by up to half an
-  ulp of |alpha * x @ kernel| more. ``JAXFUSE_LINEAR_SCALE_ADD_GEMM=cublaslt`` runs both
-  forwards on cuBLASLt as well (A/B runs). Split-K cuBLASLt algorithms are kept to fp32
-  partial sums, so no further rounding is added.
+  to residual's dtype: in the jnp reference, the CPU handler, and on the GPU the 16-bit
+  forward (x, kernel and residual all bfloat16 or all float16) where K and N are
+  multiples of 8 and the operands 16-byte aligned: a CUTLASS SM90 GEMM whose epilogue
+  reads the residual tile. Every other GPU product runs on cuBLASLt, whose tensor-core
+  epilogue rounds alpha * x @ kernel to a 16-bit output type before adding the residual
+  (every algorithm its heuristic offered, H100, cuBLAS 13.1;
+  ``scripts/probe_linear_rounding.py``), as XLA's own fused bf16 GEMM + add does: there a
+  bf16 or f16 result errs by up to half an ulp of |alpha * x @ kernel| more. That
+  includes the FP8 forward's 16-bit result, an extra error far below FP8's own:
+  ``JAXFUSE_LINEAR_SCALE_ADD_GEMM=cutlass`` runs it on a CUTLASS FP8 GEMM that rounds
+  once, which made the FP8 step 1-3.5% slower on an H100 (session 53).
+  ``JAXFUSE_LINEAR_SCALE_ADD_GEMM=cublaslt`` runs the 16-bit forward on cuBLASLt as well
+  (A/B runs). Split-K cuBLASLt algorithms are kept to fp32 partial sums, so no further
+  rounding is added.
 
   Args:
     x: [..., K], float32, bfloat16 or float16.
@@ -254,9 +257,8 @@ def linear_scale_add(x: jax.Array, kernel: jax.Array, residual: jax.Array,
     recipe: None (bf16/f16/f32 GEMM) or
       ``jaxfuse.quantization.Float8CurrentScaling(per_group=False)``: x and kernel are
       quantized to E4M3 with one current scale per tensor, the GEMM runs on the FP8 tensor
-      cores (CUTLASS for a 16-bit residual, else cuBLASLt; scales read on the device, fast
-      accumulation unless the recipe says otherwise) and accumulates into the residual in
-      place; the backward GEMMs run in FP8 too, with E5M2 gradients.
+      cores (cuBLASLt, scale pointers on the device, fast accumulation unless the recipe
+      says otherwise) and accumulates into the residual in place; the backward GEMMs run in FP8 too, with E5M2 gradients.
       K, N and the row count must be multiples of 16. Expected accuracy against the bf16
       op: about 2-4% relative (Frobenius) error for unit-variance data.
     implementation: None, "ffi" or "xla"; see ``jaxfuse`` module docs.

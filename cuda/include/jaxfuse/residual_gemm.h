@@ -3,7 +3,8 @@
 // the 16-bit output type (CUTLASS epilogues). cuBLASLt's tensor-core epilogue rounds the
 // scaled product to the 16-bit type before adding c (scripts/probe_linear_rounding.py), so
 // linear_scale_add's 16-bit forward runs the 16-bit kernel where it applies, and its FP8
-// forward the FP8 one with JAXFUSE_LINEAR_SCALE_ADD_GEMM=cutlass (cuda/gpu/linear_scale_add.cu). Host-only interface: no CUTLASS include; the kernels are
+// forward the FP8 one with JAXFUSE_LINEAR_SCALE_ADD_GEMM=cutlass
+// (cuda/gpu/linear_scale_add.cu). Host-only interface: no CUTLASS include; the kernels are
 // in cuda/gpu/dense_gemm/.
 #pragma once
 

@@ -92,7 +92,9 @@ PYEOF
       log "pytest -m gpu ${workers[*]} ${GPU_TESTS:-tests} ${GPU_TESTS_K:+-k \"$GPU_TESTS_K\"}"
       # SIGINT at the limit: pytest then stops and still prints what passed and failed (a
       # plain kill in session 51 lost the summary of a run whose last test had reported).
-      timeout -s INT -k 30 ${TEST_TIMEOUT:-420} env "${test_env[@]}" $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=15 "${workers[@]}" "${select[@]}" ${GPU_TESTS:-tests} 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40
+      # The JUnit XML names every test that finished: one cut off by the limit is the one
+      # missing from it (-q names none; session 53).
+      timeout -s INT -k 30 ${TEST_TIMEOUT:-420} env "${test_env[@]}" $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=15 --junitxml="$LOGS/gpu_tests.xml" "${workers[@]}" "${select[@]}" ${GPU_TESTS:-tests} 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40
       [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; log "GPU TESTS FAILED"; }
       ;;
     bench)

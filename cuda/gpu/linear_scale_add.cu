@@ -630,8 +630,13 @@ ffi::Error Execute(cudaStream_t stream, int device, MatmulState* state,
                ? ffi::Error::Success()
                : Internal("zeroing an empty product failed");
   }
-  const ResidualKernel residual_kernel =
+  ResidualKernel residual_kernel =
       c != nullptr ? ResidualKernelFor(problem) : ResidualKernel::kNone;
+  // FP8 operands come with their scales through the FP8 bindings only.
+  if (residual_kernel == ResidualKernel::kFp8 &&
+      (a_scale_inv == nullptr || b_scale_inv == nullptr)) {
+    residual_kernel = ResidualKernel::kNone;
+  }
   if (ResidualGemmSupports(residual_kernel, problem, a.untyped_data(), b.untyped_data(),
                            out.untyped_data())) {
     // c added in fp32 before the one rounding (cuBLASLt rounds the scaled product to 16

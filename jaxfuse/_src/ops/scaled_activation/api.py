@@ -76,7 +76,8 @@ def scaled_activation(x: jax.Array, scales: jax.Array, activation: str = "swiglu
     activation: "swiglu" (silu(a) * b), "clamped_swiglu" (a' = min(a, limit),
       b' = clip(b, -limit, limit) + linear_offset, a' * sigmoid(alpha * a') * b') or
       "srelu" (relu(x)**2).
-    limit, alpha, linear_offset: static floats used by clamped_swiglu.
+    limit, alpha, linear_offset: static floats used by clamped_swiglu, as float32 values
+      (the math is fp32: a limit of 1.9999999999999991 acts as 2.0).
     implementation: None, "ffi" or "xla"; see the ``jaxfuse`` module docs.
 
   Returns:

@@ -630,13 +630,8 @@ ffi::Error Execute(cudaStream_t stream, int device, MatmulState* state,
                ? ffi::Error::Success()
                : Internal("zeroing an empty product failed");
   }
-  ResidualKernel residual_kernel =
+  const ResidualKernel residual_kernel =
       c != nullptr ? ResidualKernelFor(problem) : ResidualKernel::kNone;
-  // FP8 operands come with their scales through the FP8 bindings only.
-  if (residual_kernel == ResidualKernel::kFp8 &&
-      (a_scale_inv == nullptr || b_scale_inv == nullptr)) {
-    residual_kernel = ResidualKernel::kNone;
-  }
   if (ResidualGemmSupports(residual_kernel, problem, a.untyped_data(), b.untyped_data(),
                            out.untyped_data())) {
     // c added in fp32 before the one rounding (cuBLASLt rounds the scaled product to 16
@@ -689,11 +684,25 @@ ffi::Error Execute(cudaStream_t stream, int device, MatmulState* state,
   return ffi::Error::Success();
 }
 
+// The 16-bit bindings carry no scales, which every FP8 product reads: FP8 operands go
+// through the *_fp8 targets.
+ffi::Error RejectFp8Operands(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
+  if (IsFp8(a.element_type()) || IsFp8(b.element_type())) {
+    return InvalidArgument("FP8 operands need their scales: use the *_fp8 matmul targets, got ",
+                           DataTypeName(a.element_type()), " and ",
+                           DataTypeName(b.element_type()));
+  }
+  return ffi::Error::Success();
+}
+
 // --- bindings: linear_scale_add (accumulating) ------------------------------------
 
 ffi::ErrorOr<std::unique_ptr<MatmulState>> LinearScaleAddInstantiate(
     ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c, ffi::Result<ffi::AnyBuffer> out,
     ffi::Result<ffi::AnyBuffer> workspace, float, bool transpose_a, bool transpose_b) {
+  if (auto error = RejectFp8Operands(a, b); error.failure()) {
+    return ffi::Unexpected<ffi::Error>(std::move(error));
+  }
   return MakeState(a, b, &c, *out, *workspace, transpose_a, transpose_b);
 }
 
@@ -710,6 +719,9 @@ ffi::Error LinearScaleAddExecute(cudaStream_t stream, int32_t device, MatmulStat
 ffi::ErrorOr<std::unique_ptr<MatmulState>> ScaledMatmulInstantiate(
     ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out,
     ffi::Result<ffi::AnyBuffer> workspace, float, bool transpose_a, bool transpose_b) {
+  if (auto error = RejectFp8Operands(a, b); error.failure()) {
+    return ffi::Unexpected<ffi::Error>(std::move(error));
+  }
   return MakeState(a, b, nullptr, *out, *workspace, transpose_a, transpose_b);
 }
 

@@ -83,12 +83,9 @@ cudaError_t Run(Element element, int64_t m, int64_t n, int64_t k, float alpha, c
                 int sm_count, cudaStream_t stream) {
   if (!Supports(m, n, k, a, b, c, d) || sm_count <= 0) return cudaErrorInvalidValue;
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
-  const AlphaBeta epilogue{alpha};
-  return element == Element::kBFloat16
-             ? detail::RunGemm<BFloat16Gemm>(mi, ni, ki, a, b, c, d, epilogue, workspace,
-                                             workspace_bytes, sm_count, stream)
-             : detail::RunGemm<Float16Gemm>(mi, ni, ki, a, b, c, d, epilogue, workspace,
-                                            workspace_bytes, sm_count, stream);
+  return detail::RunGemmFor<BFloat16Gemm, Float16Gemm>(element, mi, ni, ki, a, b, c, d,
+                                                       AlphaBeta{alpha}, workspace,
+                                                       workspace_bytes, sm_count, stream);
 }
 
 }  // namespace jaxfuse::residual_gemm

@@ -41,11 +41,8 @@ cudaError_t RunFp8(Element element, bool fast_accumulation, int64_t m, int64_t n
     return detail::RunFp8Promoted(element, mi, ni, ki, scales, a, b, c, d, workspace,
                                   workspace_bytes, sm_count, stream);
   }
-  return element == Element::kBFloat16
-             ? detail::RunGemm<BFloat16FastGemm>(mi, ni, ki, a, b, c, d, scales, workspace,
-                                                 workspace_bytes, sm_count, stream)
-             : detail::RunGemm<Float16FastGemm>(mi, ni, ki, a, b, c, d, scales, workspace,
-                                                workspace_bytes, sm_count, stream);
+  return detail::RunGemmFor<BFloat16FastGemm, Float16FastGemm>(
+      element, mi, ni, ki, a, b, c, d, scales, workspace, workspace_bytes, sm_count, stream);
 }
 
 }  // namespace jaxfuse::residual_gemm

@@ -22,11 +22,8 @@ cudaError_t RunFp8Promoted(Element element, int m, int n, int k, const Fp8Scales
                            const void* a, const void* b, const void* c, void* d,
                            void* workspace, size_t workspace_bytes, int sm_count,
                            cudaStream_t stream) {
-  return element == Element::kBFloat16
-             ? RunGemm<BFloat16PromotedGemm>(m, n, k, a, b, c, d, scales, workspace,
-                                             workspace_bytes, sm_count, stream)
-             : RunGemm<Float16PromotedGemm>(m, n, k, a, b, c, d, scales, workspace,
-                                            workspace_bytes, sm_count, stream);
+  return RunGemmFor<BFloat16PromotedGemm, Float16PromotedGemm>(
+      element, m, n, k, a, b, c, d, scales, workspace, workspace_bytes, sm_count, stream);
 }
 
 }  // namespace detail

@@ -84,6 +84,18 @@ cudaError_t RunGemm(int m, int n, int k, const void* a, const void* b, const voi
   return cudaSuccess;
 }
 
+// RunGemm for `element` with one config's two output-type instantiations.
+template <class BFloat16Gemm, class Float16Gemm, class FillEpilogue>
+cudaError_t RunGemmFor(Element element, int m, int n, int k, const void* a, const void* b,
+                       const void* c, void* d, FillEpilogue fill_epilogue, void* workspace,
+                       size_t workspace_bytes, int sm_count, cudaStream_t stream) {
+  return element == Element::kBFloat16
+             ? RunGemm<BFloat16Gemm>(m, n, k, a, b, c, d, fill_epilogue, workspace,
+                                     workspace_bytes, sm_count, stream)
+             : RunGemm<Float16Gemm>(m, n, k, a, b, c, d, fill_epilogue, workspace,
+                                    workspace_bytes, sm_count, stream);
+}
+
 // The FP8 kernels' epilogue: d = (alpha * a_scale_inv * b_scale_inv) * acc + c in fp32,
 // rounded once to d's type. The three scalars multiply in Sm90ScalarBroadcast (alpha from
 // the host, the two inverse scales read from the device when the kernel starts, so the

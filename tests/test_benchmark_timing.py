@@ -136,6 +136,28 @@ def test_grouped_mlp_chunks_hold_about_ten_ms_of_calls():
   assert 10.0 <= small * estimated_ms < 10.0 + estimated_ms
 
 
+def test_grouped_mlp_anchor_protocol_times_each_implementation_in_two_rounds(monkeypatch):
+  from benchmarks import bench_grouped_mlp  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(bench_grouped_mlp, "ANCHOR_CALLS", 3)
+  monkeypatch.setattr(bench_grouped_mlp, "ANCHOR_IDLE_S", 0.0)
+  block_calls = []
+  timer = bench_grouped_mlp.time_jax_per_call_ms
+
+  def counting_timer(fn, arg_sets, calls=3, warmup=3):
+    block_calls.append(calls)
+    return timer(fn, arg_sets, calls=calls, warmup=warmup)
+
+  monkeypatch.setattr(bench_grouped_mlp, "time_jax_per_call_ms", counting_timer)
+  (row,) = bench_grouped_mlp.anchor_protocol_rows("tiny", 64, 16, 16)
+  # One compile call per JAX implementation, then a block of 3 calls per round.
+  assert sorted(block_calls) == [1, 1, 3, 3, 3, 3]
+  for impl in ("jaxfuse", "jaxfuse_fp8"):
+    assert len(row[f"{impl}_blocks"]) == 2
+    assert row[f"{impl}_ms"] > 0.0
+    assert row[f"{impl}_tflops"] == pytest.approx(row["flops"] / row[f"{impl}_ms"] / 1e9)
+  assert row["section"] == "anchors protocol" and row["pass"] == "fwd+bwd"
+
+
 def test_alternating_times_and_paired_ratio():
   variants = {
       "fast": (lambda: time.sleep(0.002), (), common.keep_args, lambda _: None),

@@ -448,6 +448,8 @@ def rows_for(section, name, tokens, hidden, ffn, jax_times, torch_times):
     if pass_name == "fwd+bwd" and "fwd+bwd bf16 act" in t:
       row["torch_bf16_act_ms"] = t["fwd+bwd bf16 act"]
       row["torch_bf16_act_tflops"] = tflops(row["torch_bf16_act_ms"])
+      row["jaxfuse_vs_torch_bf16_act"] = (row["torch_bf16_act_ms"] / row["jaxfuse_ms"]
+                                          if row["jaxfuse_ms"] else None)
     row["jaxfuse_vs_torch"] = (row["torch_ms"] / row["jaxfuse_ms"]
                                if row["torch_ms"] and row["jaxfuse_ms"] else None)
     row["jaxfuse_vs_ragged_dot"] = (row["ragged_dot_ms"] / row["jaxfuse_ms"]
@@ -516,9 +518,9 @@ def main():
                             "jaxfuse_fp8_quantized_kernels_tflops",
                             "jaxfuse_fp8_blockwise_tflops", "jaxfuse_fp8_blockwise_fp8_wgrad_ms",
                             "jaxfuse_fp8_blockwise_quantized_kernels_tflops",
-                            "fp8_speedup", "torch_tflops",
+                            "fp8_speedup", "torch_tflops", "torch_bf16_act_tflops",
                             "torch_graph_tflops", "tokamax_tflops", "ragged_dot_tflops",
-                            "jaxfuse_vs_torch", "jaxfuse_vs_tokamax",
+                            "jaxfuse_vs_torch", "jaxfuse_vs_torch_bf16_act", "jaxfuse_vs_tokamax",
                             "jaxfuse_vs_ragged_dot"])
   common.write_results("grouped_mlp", rows, tag=args.tag, dtype="bfloat16",
                        fp8_recipe="Float8CurrentScaling(per_group=True) (jaxfuse_fp8_*); "

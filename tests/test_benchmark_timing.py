@@ -158,6 +158,20 @@ def test_grouped_mlp_anchor_protocol_times_each_implementation_in_two_rounds(mon
   assert row["section"] == "anchors protocol" and row["pass"] == "fwd+bwd"
 
 
+def test_grouped_mlp_rows_compare_jaxfuse_with_both_torch_compositions():
+  from benchmarks import bench_grouped_mlp  # pylint: disable=g-import-not-at-top
+  jax_times = {impl: {"fwd": 2.0, "fwd+bwd": 8.0} for impl in bench_grouped_mlp.JAX_IMPLS}
+  torch_times = {"fwd": 4.0, "fwd+bwd": 12.0, "fwd+bwd explicit": 14.0,
+                 "fwd+bwd bf16 act": 10.0, "mode": "autograd"}
+  forward, both = bench_grouped_mlp.rows_for("case", "c", 64, 16, 16, jax_times, torch_times)
+  assert forward["jaxfuse_vs_torch"] == pytest.approx(2.0)
+  assert "torch_bf16_act_ms" not in forward  # timed for the forward + backward only
+  assert both["jaxfuse_vs_torch"] == pytest.approx(1.5)
+  assert both["jaxfuse_vs_torch_bf16_act"] == pytest.approx(1.25)
+  assert both["torch_bf16_act_tflops"] == pytest.approx(both["flops"] / 10.0e-3 / 1e12)
+  assert both["torch_explicit_ms"] == 14.0
+
+
 def test_alternating_times_and_paired_ratio():
   variants = {
       "fast": (lambda: time.sleep(0.002), (), common.keep_args, lambda _: None),

@@ -152,6 +152,17 @@ def tokamax_variants(tokamax, bf16_fns, arg_sets):
   return {name: common.rotating(fn, arg_sets) for name, fn in fns.items()}, error
 
 
+def rotated_arg_sets(tokens, hidden, ffn):
+  """Argument tuples (x, k1, k2, scales, sizes, dy) for the timed steps: three input sets
+  to rotate through where one set's working set would sit in the 50 MB L2, else one."""
+  working_set = 2 * (tokens * hidden * 2 + EXPERTS * hidden * ffn * 3)
+  rotations = 3 if working_set < 2 * L2_BYTES else 1
+  sizes = jnp.asarray(group_sizes(tokens))
+  return [(x, k1, k2, s, sizes, dy)
+          for x, k1, k2, s, dy in (jax_inputs(tokens, hidden, ffn, seed)
+                                   for seed in range(rotations))]
+
+
 def time_jax(tokens, hidden, ffn, calls, baseline_calls, tokamax=None):
   """{impl: {pass: ms}} for jaxfuse (bf16 and FP8) and the ragged_dot composition.
 
@@ -160,11 +171,7 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls, tokamax=None):
   for bf16.
   jaxfuse runs `calls` rounds of alternating chunks of calls_per_sync calls; the tokamax
   composition (when `tokamax` is the module) runs in the same chunks."""
-  working_set = 2 * (tokens * hidden * 2 + EXPERTS * hidden * ffn * 3)
-  rotations = 3 if working_set < 2 * L2_BYTES else 1
-  sizes = jnp.asarray(group_sizes(tokens))
-  sets = [jax_inputs(tokens, hidden, ffn, seed) for seed in range(rotations)]
-  arg_sets = [(x, k1, k2, s, sizes, dy) for x, k1, k2, s, dy in sets]
+  arg_sets = rotated_arg_sets(tokens, hidden, ffn)
   out = {impl: {} for impl in JAX_IMPLS}
   # jaxfuse bf16 and FP8 in alternating chunks (common.time_alternating): the FP8 speedup
   # is a ratio of two runs that saw the same clocks.
@@ -208,12 +215,12 @@ def time_jax(tokens, hidden, ffn, calls, baseline_calls, tokamax=None):
       out[name][pass_name] = timing["median_ms"]
   for pass_name, fn in jax_fns("xla").items():  # ~15x slower: drift does not matter here
     try:
-      args = [arg_sets[i % rotations] for i in range(baseline_calls + 3)]
+      args = [arg_sets[i % len(arg_sets)] for i in range(baseline_calls + 3)]
       out["ragged_dot"][pass_name] = common.time_fn(fn, args)["median_ms"]
     except Exception as error:  # an out-of-memory baseline must not stop the run
       print(f"ragged_dot {pass_name} failed: {type(error).__name__}: {str(error)[:200]}")
       out["ragged_dot"][pass_name] = None
-  del sets, arg_sets, quantized_sets, block_quantized_sets
+  del arg_sets, quantized_sets, block_quantized_sets
   return out
 
 
@@ -274,21 +281,19 @@ def torch_fns(tokens, hidden, ffn):
     w1a, w2a = w1c.detach().requires_grad_(), w2c.detach().requires_grad_()
     sa = scales.detach().requires_grad_()
 
-    def autograd_step():
-      h = gmm(xa, w1a, offs=offs)
-      a, b = h.chunk(2, dim=-1)
-      act = (F.silu(a.float()) * b.float() * sa[:, None]).to(torch.bfloat16)
-      y = gmm(act, w2a, offs=offs)
-      grads = torch.autograd.grad(y, (xa, w1a, w2a, sa), dy)
-      return y, grads
+    def autograd_step_with(activation):
+      def step():
+        h = gmm(xa, w1a, offs=offs)
+        a, b = h.chunk(2, dim=-1)
+        y = gmm(activation(a, b, sa[:, None]), w2a, offs=offs)
+        grads = torch.autograd.grad(y, (xa, w1a, w2a, sa), dy)
+        return y, grads
+      return step
 
-    def autograd_bf16_act_step():
-      h = gmm(xa, w1a, offs=offs)
-      a, b = h.chunk(2, dim=-1)
-      act = F.silu(a) * b * sa[:, None].to(torch.bfloat16)
-      y = gmm(act, w2a, offs=offs)
-      grads = torch.autograd.grad(y, (xa, w1a, w2a, sa), dy)
-      return y, grads
+    autograd_step = autograd_step_with(  # fp32 SwiGLU, jaxfuse's math
+        lambda a, b, s: (F.silu(a.float()) * b.float() * s).to(torch.bfloat16))
+    autograd_bf16_act_step = autograd_step_with(  # on bf16 tensors
+        lambda a, b, s: F.silu(a) * b * s.to(torch.bfloat16))
 
     autograd_step()
     autograd_bf16_act_step()
@@ -345,7 +350,7 @@ ANCHOR_WARMUP = 3
 ANCHOR_IDLE_S = 3.0
 
 
-def time_jax_per_call_ms(fn, arg_sets, calls=ANCHOR_CALLS, warmup=ANCHOR_WARMUP):
+def time_jax_per_call_ms(fn, arg_sets, calls, warmup):
   """Per-call times (ms) of ``fn``, each call synchronised on its own, inputs rotated."""
   for index in range(warmup):
     jax.block_until_ready(fn(*arg_sets[index % len(arg_sets)]))
@@ -358,31 +363,9 @@ def time_jax_per_call_ms(fn, arg_sets, calls=ANCHOR_CALLS, warmup=ANCHOR_WARMUP)
   return times
 
 
-def time_torch_per_call_ms(fn, calls=ANCHOR_CALLS, warmup=ANCHOR_WARMUP):
-  """Per-call times (ms) of a torch callable, CUDA events around each call."""
-  import torch
-  for _ in range(warmup):
-    fn()
-  torch.cuda.synchronize()
-  times = []
-  for _ in range(calls):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    times.append(start.elapsed_time(end))
-  return times
-
-
 def anchor_protocol_rows(name, tokens, hidden, ffn):
   """Rows of the fwd+bwd seed case under ANCHORS.md's protocol (module docstring)."""
-  sizes = jnp.asarray(group_sizes(tokens))
-  working_set = 2 * (tokens * hidden * 2 + EXPERTS * hidden * ffn * 3)
-  rotations = 3 if working_set < 2 * L2_BYTES else 1
-  arg_sets = [(x, k1, k2, s, sizes, dy)
-              for x, k1, k2, s, dy in (jax_inputs(tokens, hidden, ffn, seed)
-                                       for seed in range(rotations))]
+  arg_sets = rotated_arg_sets(tokens, hidden, ffn)
   timers = {"jaxfuse": functools.partial(time_jax_per_call_ms,
                                          jax_fns("ffi")["fwd+bwd"], arg_sets),
             "jaxfuse_fp8": functools.partial(time_jax_per_call_ms,
@@ -392,9 +375,8 @@ def anchor_protocol_rows(name, tokens, hidden, ffn):
     if torch.cuda.is_available():
       _, _, autograd, autograd_bf16_act = torch_fns(tokens, hidden, ffn)
       if autograd is not None:
-        timers["torch"] = functools.partial(time_torch_per_call_ms, autograd)
-        timers["torch_bf16_act"] = functools.partial(time_torch_per_call_ms,
-                                                     autograd_bf16_act)
+        for impl, step in (("torch", autograd), ("torch_bf16_act", autograd_bf16_act)):
+          timers[impl] = functools.partial(common.torch_call_times_ms, step)
   except ImportError:
     pass
   for timer in timers.values():  # compile everything before the first idle period
@@ -405,7 +387,7 @@ def anchor_protocol_rows(name, tokens, hidden, ffn):
     for impl in order:
       time.sleep(ANCHOR_IDLE_S)
       with common.GpuMonitor() as gpu:
-        block = timers[impl]()
+        block = timers[impl](calls=ANCHOR_CALLS, warmup=ANCHOR_WARMUP)
       times[impl] += block
       rounds[impl].append({"median_ms": statistics.median(block), "gpu": gpu.summary})
   flops = mlp_api.flops(tokens, hidden, ffn, "swiglu", backward=True)

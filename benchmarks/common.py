@@ -242,8 +242,9 @@ def rotating(fn: Callable, args_list: Sequence[tuple]) -> tuple:
   return fn, args_list[0], lambda args, outputs: args_list[next(counter) % len(args_list)]
 
 
-def time_torch_ms(fn: Callable, calls: int, *, warmup: int = 3) -> float:
-  """Median time in ms of a torch callable on the GPU, measured with CUDA events."""
+def torch_call_times_ms(fn: Callable, calls: int, *, warmup: int = 3) -> list[float]:
+  """Times in ms of ``calls`` calls of a torch callable on the GPU, after ``warmup`` calls:
+  CUDA events around each call."""
   import torch  # pylint: disable=g-import-not-at-top  (torch is optional: baselines only)
   for _ in range(warmup):
     fn()
@@ -256,7 +257,12 @@ def time_torch_ms(fn: Callable, calls: int, *, warmup: int = 3) -> float:
     end.record()
     end.synchronize()
     times.append(start.elapsed_time(end))
-  return statistics.median(times)
+  return times
+
+
+def time_torch_ms(fn: Callable, calls: int, *, warmup: int = 3) -> float:
+  """Median time in ms of a torch callable on the GPU, measured with CUDA events."""
+  return statistics.median(torch_call_times_ms(fn, calls, warmup=warmup))
 
 
 # nvidia-smi's clock event reason bits (clocks_event_reasons.active) that slow the clocks

@@ -17,7 +17,7 @@ size_t LoadedVersion();
 namespace jaxfuse {
 size_t GroupedGemmWorkspaceBytes(int32_t form, int32_t a_type, int32_t b_type, int64_t m,
                                  int64_t k, int64_t n, int64_t groups, int sm_count,
-                                 bool fast_accumulation, bool block_scaling);
+                                 bool fast_accumulation, bool block_scaling, bool gated);
 }
 #endif
 
@@ -73,6 +73,7 @@ namespace py = pybind11;
   X("jaxfuse_grouped_gemm_fp8_wgrad", JaxfuseGroupedGemmFp8WgradCuda)               \
   X("jaxfuse_grouped_gemm_fp8_blockwise", JaxfuseGroupedGemmFp8BlockwiseCuda)       \
   X("jaxfuse_grouped_gemm_fp8_blockwise_wgrad", JaxfuseGroupedGemmFp8BlockwiseWgradCuda) \
+  X("jaxfuse_grouped_gemm_gated", JaxfuseGroupedGemmGatedCuda)                      \
   X("jaxfuse_group_columnwise", JaxfuseGroupColumnwiseCuda)                         \
   X("jaxfuse_group_offsets", JaxfuseGroupOffsetsCuda)                               \
   X("jaxfuse_scaled_activation_fwd", JaxfuseScaledActivationFwdCuda)                \
@@ -205,13 +206,14 @@ size_t LoadedCublasLtVersion() {
 // Scratch bytes of the CUDA grouped GEMM (0 without the CUDA part). Types: 0 bf16, 1 f16,
 // 2 float8_e4m3fn, 3 float8_e5m2; forms: 0 forward, 1 dgrad, 2 wgrad; fast_accumulation: the
 // FP8 forward's fast-accumulation kernels (their own tile shapes); block_scaling: the
-// blockwise FP8 kernels (forward, dgrad, and with form 2 the blockwise wgrad).
+// blockwise FP8 kernels (forward, dgrad, and with form 2 the blockwise wgrad); gated: the
+// bf16 forward with a gated activation in its epilogue (jaxfuse_grouped_gemm_gated).
 size_t GroupedGemmWorkspaceBytes(int32_t form, int32_t a_type, int32_t b_type, int64_t m,
                                  int64_t k, int64_t n, int64_t groups, int sm_count,
-                                 bool fast_accumulation, bool block_scaling) {
+                                 bool fast_accumulation, bool block_scaling, bool gated) {
 #if defined(JAXFUSE_WITH_CUDA)
   return jaxfuse::GroupedGemmWorkspaceBytes(form, a_type, b_type, m, k, n, groups, sm_count,
-                                            fast_accumulation, block_scaling);
+                                            fast_accumulation, block_scaling, gated);
 #else
   return 0;
 #endif
@@ -227,7 +229,7 @@ PYBIND11_MODULE(_jaxfuse, module) {
   module.def("grouped_gemm_workspace_bytes", &GroupedGemmWorkspaceBytes, py::arg("form"),
              py::arg("a_type"), py::arg("b_type"), py::arg("m"), py::arg("k"), py::arg("n"),
              py::arg("groups"), py::arg("sm_count"), py::arg("fast_accumulation") = false,
-             py::arg("block_scaling") = false,
+             py::arg("block_scaling") = false, py::arg("gated") = false,
              "Scratch bytes the CUDA grouped GEMM needs (0 without the CUDA part)");
   module.def("loaded_cublaslt_version", &LoadedCublasLtVersion,
              "Version of the cuBLASLt library opened at run time, 0 if none");

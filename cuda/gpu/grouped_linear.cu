@@ -26,12 +26,14 @@ bool ToElementType(ffi::DataType type, gg::ElementType* element) {
 }
 
 // `columnwise`: the FP8 wgrad on column-wise copies made from `columnwise_rows` rows.
+// `gated`: the bf16 forward with a gated activation in its epilogue (GroupedGemmGatedCuda).
 ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
                const ffi::AnyBuffer& b, const ffi::AnyBuffer& offsets,
                const ffi::AnyBuffer* a_scale_inv, const ffi::AnyBuffer* b_scale_inv,
                ffi::AnyBuffer out, ffi::AnyBuffer workspace, int32_t form,
                bool fast_accumulation, bool columnwise = false,
-               int64_t columnwise_rows = 0, bool block_scaling = false) {
+               int64_t columnwise_rows = 0, bool block_scaling = false,
+               const gg::GatedEpilogue* gated = nullptr) {
   GroupedProblem shape;
   const bool fp8 = a_scale_inv != nullptr;  // FP8 forward takes the weight K-major
   if (auto error = columnwise
@@ -80,6 +82,7 @@ ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
   problem.block_scaling = block_scaling;
   problem.workspace = workspace.untyped_data();
   problem.workspace_bytes = workspace.size_bytes();
+  problem.gated = gated;
   if (!gg::IsSupported(problem)) {
     return InvalidArgument("grouped GEMM form ", form, " not supported for these dtypes/shapes "
                            "(k, n must be multiples of 8 for 16-bit and 16 for FP8 inputs; "
@@ -140,13 +143,64 @@ ffi::Error GroupedGemmFp8BlockwiseCuda(cudaStream_t stream, int32_t device, ffi:
              /*block_scaling=*/true);
 }
 
+// FC1 of a gated MLP: h = x @ w[g] and its scaled activation from one kernel
+// (grouped_gemm.h, GatedEpilogue).
+ffi::Error GroupedGemmGatedCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                ffi::AnyBuffer w, ffi::AnyBuffer offsets, ffi::AnyBuffer scales,
+                                ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> act,
+                                ffi::Result<ffi::AnyBuffer> workspace, int32_t activation,
+                                float limit, float alpha, float linear_offset) {
+  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16) {
+    return InvalidArgument("gated grouped GEMM: x and w must be bfloat16, got ",
+                           DataTypeName(x.element_type()), " and ",
+                           DataTypeName(w.element_type()));
+  }
+  const auto kind = static_cast<Activation>(activation);
+  if (kind != Activation::kSwiglu && kind != Activation::kClampedSwiglu) {
+    return InvalidArgument("gated grouped GEMM: activation must be swiglu (0) or clamped_swiglu "
+                           "(2), got ", activation);
+  }
+  const auto h_dims = h->dimensions();
+  const auto act_dims = act->dimensions();
+  const auto scales_dims = scales.dimensions();
+  if (h_dims.size() != 2 || act_dims.size() != 2 || scales_dims.size() != 1 ||
+      act_dims[0] != h_dims[0] || 2 * act_dims[1] != h_dims[1] || scales_dims[0] != h_dims[0]) {
+    return InvalidArgument("gated grouped GEMM: expected h [m, 2F], act [m, F] and scales [m]");
+  }
+  if (h_dims[1] % 256 != 0) {
+    return InvalidArgument("gated grouped GEMM: 2F (w.shape[2]) must be a multiple of 256, got ",
+                           h_dims[1]);
+  }
+  const bool scales_f32 = scales.element_type() == ffi::DataType::F32;
+  if (!scales_f32 && scales.element_type() != ffi::DataType::BF16) {
+    return InvalidArgument("gated grouped GEMM: scales must be float32 or bfloat16, got ",
+                           DataTypeName(scales.element_type()));
+  }
+  if (act->element_type() != ffi::DataType::BF16) {
+    return InvalidArgument("gated grouped GEMM: act must be bfloat16");
+  }
+  gg::GatedEpilogue gated;
+  gated.activation.kind = kind;
+  gated.activation.limit = limit;
+  gated.activation.alpha = alpha;
+  gated.activation.linear_offset = linear_offset;
+  gated.scales = scales.untyped_data();
+  gated.scales_f32 = scales_f32;
+  gated.act_out = act->untyped_data();
+  return Run(stream, device, x, w, offsets, nullptr, nullptr, *h, *workspace,
+             static_cast<int32_t>(GroupedForm::kForward), /*fast_accumulation=*/false,
+             /*columnwise=*/false, /*columnwise_rows=*/0, /*block_scaling=*/false, &gated);
+}
+
 }  // namespace
 
 // Workspace the CUDA handler needs (for the Python wrapper, which sizes the scratch result).
 size_t GroupedGemmWorkspaceBytes(int32_t form, int32_t a_type, int32_t b_type, int64_t m,
                                  int64_t k, int64_t n, int64_t groups, int sm_count,
-                                 bool fast_accumulation, bool block_scaling) {
+                                 bool fast_accumulation, bool block_scaling, bool gated) {
   gg::Problem problem{};
+  gg::GatedEpilogue gated_epilogue;  // only its presence matters for the workspace
+  if (gated) problem.gated = &gated_epilogue;
   problem.fast_accumulation = fast_accumulation;
   problem.block_scaling = block_scaling;
   problem.form = static_cast<gg::Form>(form);
@@ -239,4 +293,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmFp8BlockwiseWgradCuda,
                                   .Ret<ffi::AnyBuffer>()  // out: bf16 dw [G, k, n]
                                   .Ret<ffi::AnyBuffer>()  // workspace
                                   .Attr<int64_t>("rows"), // m: rows the copies were made from
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGroupedGemmGatedCuda, jaxfuse::GroupedGemmGatedCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // x: bf16 [m, H]
+                                  .Arg<ffi::AnyBuffer>()  // w: bf16 [G, H, 2F], gate columns first
+                                  .Arg<ffi::AnyBuffer>()  // group_offsets: int32 [G + 1], on the device
+                                  .Arg<ffi::AnyBuffer>()  // scales: float32 or bf16 [m]
+                                  .Ret<ffi::AnyBuffer>()  // h: bf16 [m, 2F] = x @ w[g] per group
+                                  .Ret<ffi::AnyBuffer>()  // act: bf16 [m, F] = act(h) * scales
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<int32_t>("activation")  // 0 swiglu, 2 clamped_swiglu
+                                  .Attr<float>("limit")         // clamped_swiglu's parameters
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("linear_offset"),
                               {ffi::Traits::kCmdBufferCompatible});

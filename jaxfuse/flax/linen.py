@@ -442,7 +442,8 @@ class MoE(nn.Module):
     top_k: experts per token.
     activation: "swiglu", "clamped_swiglu" or "srelu".
     score_function: "softmax" or "sigmoid"; normalize_topk: see ``jaxfuse.moe_router``.
-    save_activation: keep the activation for the backward pass instead of recomputing it.
+    save_activation: keep the activation for the backward pass instead of recomputing it
+      (None: as ``jaxfuse.grouped_mlp`` decides).
     dtype: compute dtype of x and the expert kernels (default: promote x and param_dtype).
     param_dtype: dtype of the parameters.
     kernel_init, router_init: initializers.
@@ -459,7 +460,7 @@ class MoE(nn.Module):
   activation: str = "swiglu"
   score_function: str = "softmax"
   normalize_topk: bool | None = None
-  save_activation: bool = False
+  save_activation: bool | None = None
   dtype: Any = None
   param_dtype: Any = jnp.float32
   kernel_init: Initializer = default_expert_init

@@ -397,7 +397,8 @@ class MoE(nnx.Module):
     top_k: experts per token.
     activation: "swiglu", "clamped_swiglu" or "srelu".
     score_function: "softmax" or "sigmoid"; normalize_topk: see ``jaxfuse.moe_router``.
-    save_activation: keep the activation for the backward pass instead of recomputing it.
+    save_activation: keep the activation for the backward pass instead of recomputing it
+      (None: as ``jaxfuse.grouped_mlp`` decides).
     dtype: compute dtype of x and the expert kernels (default: promote x and param_dtype).
     param_dtype: dtype of the parameters.
     kernel_init, router_init: initializers.
@@ -411,7 +412,7 @@ class MoE(nnx.Module):
 
   def __init__(self, in_features: int, num_experts: int, ffn_features: int, *, top_k: int = 2,
                activation: str = "swiglu", score_function: str = "softmax",
-               normalize_topk: bool | None = None, save_activation: bool = False,
+               normalize_topk: bool | None = None, save_activation: bool | None = None,
                dtype: Any = None, param_dtype: Any = jnp.float32,
                kernel_init: Initializer = default_expert_init,
                router_init: Initializer = nnx.initializers.normal(stddev=0.02),

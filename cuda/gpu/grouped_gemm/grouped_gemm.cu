@@ -73,6 +73,15 @@ struct Family {
 
 // The kernel family for a problem (types/form only), or a null family when unsupported.
 Family PickFamily(const Problem& p) {
+  if (p.gated != nullptr) {  // bf16 forward only (GatedEpilogue)
+    const bool bf16 = p.a_type == ElementType::kBF16 && p.b_type == ElementType::kBF16 &&
+                      p.out_type == ElementType::kBF16;
+    if (!bf16 || p.form != Form::kForward || p.fast_accumulation || p.block_scaling ||
+        p.columnwise) {
+      return {};
+    }
+    return JAXFUSE_GG_FAMILY(Bf16FwdGated, false);
+  }
   if (Is16Bit(p.a_type)) {
     if (p.b_type != p.a_type || p.out_type != p.a_type || p.fast_accumulation) return {};
     const bool bf16 = p.a_type == ElementType::kBF16;
@@ -462,6 +471,9 @@ __device__ int64_t ClampedMax(const int32_t* offsets, int count, int64_t m) {
 struct ZeroParams {
   uint4* out;
   int64_t units;
+  // The gated forward's activation output [m, n / 2] (its uncovered rows too), or null.
+  uint4* act_out = nullptr;
+  int64_t act_units = 0;
 };
 
 // max_{j < count} clamp(offsets[j], 0, m) for count <= 32, by one warp with shuffles only
@@ -512,6 +524,14 @@ __global__ void __launch_bounds__(kSetupThreads) SetupKernel(SetupParams p, Zero
     const int64_t total = head_end + (p.m * z.units - tail_begin);
     for (int64_t i = first; i < total; i += stride) {
       z.out[i < head_end ? i : tail_begin + (i - head_end)] = zero;
+    }
+    if (z.act_out != nullptr) {
+      const int64_t act_head_end = head * z.act_units;
+      const int64_t act_tail_begin = tail * z.act_units;
+      const int64_t act_total = act_head_end + (p.m * z.act_units - act_tail_begin);
+      for (int64_t i = first; i < act_total; i += stride) {
+        z.act_out[i < act_head_end ? i : act_tail_begin + (i - act_head_end)] = zero;
+      }
     }
     return;
   }
@@ -587,6 +607,11 @@ bool IsSupported(const Problem& p) {
   if (p.k % multiple != 0 || p.n % multiple != 0) return false;
   if (!Aligned16(p.a) || !Aligned16(p.b) || !Aligned16(p.out)) return false;
   if (p.block_scaling && (p.a_scale_inv == nullptr || p.b_scale_inv == nullptr)) return false;
+  if (p.gated != nullptr) {
+    // 256-column tiles of 128 gate + 128 linear columns (gated_epilogue.cuh).
+    if (p.n % 256 != 0 || !IsGlu(p.gated->activation.kind)) return false;
+    if (p.gated->scales == nullptr || !Aligned16(p.gated->act_out)) return false;
+  }
   return true;
 }
 
@@ -705,6 +730,11 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   if (!wgrad) {
     if (p.m == 0 || out_cols == 0) return cudaSuccess;  // empty output
     if (contraction == 0) {                            // x @ (empty) = 0
+      if (p.gated != nullptr) {  // and act(0, 0) = 0 for the gated kinds
+        const cudaError_t error = cudaMemsetAsync(
+            p.gated->act_out, 0, static_cast<size_t>(p.m * (out_cols / 2) * out_bytes), stream);
+        if (error != cudaSuccess) return error;
+      }
       return cudaMemsetAsync(p.out, 0, static_cast<size_t>(p.m * out_cols * out_bytes), stream);
     }
   } else {
@@ -773,6 +803,10 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   dim3 grid(1, 1);
   if (!wgrad) {
     z.units = out_cols * out_bytes / 16;
+    if (p.gated != nullptr) {
+      z.act_out = static_cast<uint4*>(p.gated->act_out);
+      z.act_units = z.units / 2;  // n / 2 bf16 columns; n is a multiple of 256
+    }
     grid.x = static_cast<unsigned>(std::max<int64_t>(
         1, std::min<int64_t>(CeilDiv(p.m * z.units, kSetupThreads), sm_count)));
   } else {
@@ -810,6 +844,8 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   arrays.columns = wgrad || p.form == Form::kForward ? p.n : p.k;
   arrays.pdl = UseProgrammaticLaunch(p);
   arrays.teams = TeamsFor(p);
+  arrays.gated = p.gated;
+  arrays.out = p.out;
   if (config == TileConfig::kUniform) return family.uniform.run(config, arrays, sm_count, stream);
   if (!adaptive) return family.run(config, arrays, sm_count, stream);
   // kAdaptive: both kernels on the stream; the one the setup kernel gave no rows exits at once.

@@ -37,6 +37,10 @@ struct GemmArrays {
   bool pdl = false;                   // launch as a programmatic dependent (host value)
   int teams = 1;                      // team tile scheduler's teams (team_tile_scheduler.cuh;
                                       // host value; kernels without it ignore it)
+  // The gated FC1 (gemm_bf16_fwd_gated.cu) only: its activation output and scales, and the
+  // whole output's base address (h row 0: the epilogue finds a group's rows from ptr_d).
+  const GatedEpilogue* gated = nullptr;  // host pointer, read before the launch
+  const void* out = nullptr;
 };
 
 // Block edge of the blockwise FP8 scales (both the 1 x 128 and the 128 x 128 blocks);
@@ -97,6 +101,9 @@ inline bool Bf16WgradPairsColumnTiles(int64_t columns) {
 JAXFUSE_GG_DECLARE_FAMILY(Bf16Fwd)    // A K-major (x), B N-major (w[g])
 JAXFUSE_GG_DECLARE_FAMILY(Bf16Dgrad)  // A K-major (dy), B K-major (w[g] read as [k, n])
 JAXFUSE_GG_DECLARE_FAMILY(Bf16Wgrad)  // A M-major (x^T), B N-major (dy)
+// bf16 forward with a gated activation in the epilogue (Problem::gated; gated_epilogue.cuh):
+// one config, cooperative 128x256x64, cluster 1x2.
+JAXFUSE_GG_DECLARE_FAMILY(Bf16FwdGated)
 JAXFUSE_GG_DECLARE_FAMILY(F16Fwd)
 JAXFUSE_GG_DECLARE_FAMILY(F16Dgrad)
 JAXFUSE_GG_DECLARE_FAMILY(F16Wgrad)

@@ -49,6 +49,8 @@
 
 #include <cuda_runtime.h>
 
+#include "jaxfuse/activation.h"
+
 namespace jaxfuse::grouped_gemm {
 
 enum class ElementType { kBF16, kF16, kFloat8E4M3, kFloat8E5M2 };
@@ -72,6 +74,19 @@ enum class TileConfig {
                   // than 1/64 of the tiles, else to kLarge (the other launch finds no tile)
 };
 
+// FC1 of a gated MLP with its scaled activation in the epilogue (Problem::gated): kForward
+// with bf16 a, b and out, n a multiple of 256 (n = 2F, gate columns first). `out` gets h =
+// x @ w[g] as the plain forward writes it; act_out [m, n / 2] bf16 gets
+// act(h[:, :F], h[:, F:]) * scales[row] (jaxfuse/activation.h, fp32 math on the
+// bf16-rounded h, rounded to bf16: what scaled_activation writes for that h), zeros for
+// rows outside the groups.
+struct GatedEpilogue {
+  ActivationParams activation;    // kSwiglu or kClampedSwiglu
+  const void* scales = nullptr;   // DEVICE [m]: float32 (scales_f32) or bf16
+  bool scales_f32 = true;
+  void* act_out = nullptr;        // DEVICE [m, n / 2] bf16, 16-byte aligned
+};
+
 struct Problem {
   Form form;
   ElementType a_type;     // bf16/f16, or an FP8 type (see above)
@@ -92,6 +107,7 @@ struct Problem {
   bool columnwise = false;         // FP8 wgrad only (and required there): a, b column-wise
   bool block_scaling = false;      // FP8 forward/dgrad: per-block scales (see above)
   TileConfig tile_config = TileConfig::kAuto;  // optional override
+  const GatedEpilogue* gated = nullptr;        // bf16 forward only: see GatedEpilogue
 };
 
 // Host-only arithmetic: depends on form, types, G, k, n (the tile choice) and sm_count only,

@@ -27,7 +27,7 @@ def _sm_count() -> int:
 
 
 def _workspace_bytes(form, a, b, m, k, n, groups, fast_accumulation,
-                     block_scaling=False) -> int:
+                     block_scaling=False, gated=False) -> int:
   extension = ffi_registry.require_extension()
   a_code = _TYPE_CODES.get(jnp.dtype(a.dtype))
   b_code = _TYPE_CODES.get(jnp.dtype(b.dtype))
@@ -35,7 +35,7 @@ def _workspace_bytes(form, a, b, m, k, n, groups, fast_accumulation,
     return 0  # the handler reports the unsupported dtype
   return int(extension.grouped_gemm_workspace_bytes(form, a_code, b_code, m, k, n, groups,
                                                     _sm_count(), fast_accumulation,
-                                                    block_scaling))
+                                                    block_scaling, gated))
 
 
 def grouped_gemm(a: jax.Array, b: jax.Array, group_offsets: jax.Array, *, form: int,
@@ -76,6 +76,53 @@ def grouped_gemm(a: jax.Array, b: jax.Array, group_offsets: jax.Array, *, form: 
     attrs["fast_accumulation"] = bool(fast_accumulation)
   workspace_bytes = _workspace_bytes(form, a, b, m, k, n, groups, fast_accumulation)
   return _call(target, out_type, operands, attrs, workspace_bytes)
+
+
+# The gated FC1's CTA tile holds 128 gate and 128 linear columns: 2F must be a multiple.
+GATED_WIDTH_MULTIPLE = 256
+
+
+def supports_gated(x, w, activation: str) -> bool:
+  """Whether grouped_gemm_gated's CUDA kernel takes this FC1 (the CPU path takes any)."""
+  return (activation in ("swiglu", "clamped_swiglu") and jnp.dtype(x.dtype) == jnp.bfloat16
+          and jnp.dtype(w.dtype) == jnp.bfloat16 and w.shape[2] % GATED_WIDTH_MULTIPLE == 0)
+
+
+def grouped_gemm_gated(x: jax.Array, w: jax.Array, group_offsets: jax.Array,
+                       scales: jax.Array, *, activation: str, limit: float, alpha: float,
+                       linear_offset: float) -> tuple[jax.Array, jax.Array]:
+  """FC1 of a gated MLP and its scaled activation: (h, act).
+
+  x: bfloat16 [m, H]; w: bfloat16 [G, H, 2F] (gate columns first, 2F a multiple of 256);
+  group_offsets: int32 [G + 1] on the device; scales: float32 or bfloat16 [m].
+  h = x @ w[g] per group, bfloat16 [m, 2F]; act = scaled_activation(h, scales) bfloat16
+  [m, F], bit for bit. On CUDA one kernel writes both from FC1's accumulators
+  (cuda/gpu/grouped_gemm/gated_epilogue.cuh); on CPU the forward GEMM and the scaled
+  activation run one after the other. Rows outside the groups are zeros in both.
+  """
+  from jaxfuse._src.ops.scaled_activation import ffi as act_ffi  # pylint: disable=g-import-not-at-top
+  ffi_registry.ensure_registered()
+  groups = group_offsets.shape[0] - 1
+  (m, k), width = x.shape, w.shape[2]
+  attrs = act_ffi.activation_attrs(activation, limit, alpha, linear_offset)
+  out_types = (jax.ShapeDtypeStruct((m, width), x.dtype),
+               jax.ShapeDtypeStruct((m, width // 2), x.dtype))
+  workspace_bytes = _workspace_bytes(FORWARD, x, w, m, k, width, groups, False, gated=True)
+
+  def cpu(x, w, group_offsets, scales):
+    h = grouped_gemm(x, w, group_offsets, form=FORWARD)
+    return h, act_ffi.forward(h, scales, activation=activation, limit=limit, alpha=alpha,
+                              linear_offset=linear_offset)
+
+  def cuda(x, w, group_offsets, scales):
+    workspace = jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8)
+    h, act, _ = jax.ffi.ffi_call("jaxfuse_grouped_gemm_gated", (*out_types, workspace),
+                                 vmap_method="sequential")(x, w, group_offsets, scales, **attrs)
+    return h, act
+
+  operands = (x, w, group_offsets, scales)
+  h, act = jax.lax.platform_dependent(*operands, cpu=cpu, cuda=cuda)
+  return compat.vary_like(h, *operands), compat.vary_like(act, *operands)
 
 
 # The blockwise FP8 scales' block edge (the kernels' 1 x 128 and 128 x 128 blocks).

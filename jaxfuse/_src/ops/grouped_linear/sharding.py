@@ -122,6 +122,32 @@ _blockwise = sharding.partitioned(_blockwise_gemm, _blockwise_rule,
                                   local=_blockwise_local, local_factors=True)
 
 
+# --- The gated FC1 (h and its scaled activation from one kernel) ---------------------------
+# x [m, k], w [G, k, n], offsets, scales [m] -> h [m, n], act [m, f]. Only the tokens may
+# stay sharded (with local offsets, as the forward): gate column j pairs with column F + j,
+# so a sharded N would split the pairs; N, F and K are replicated (Shardy gathers them).
+def _gated_rule(attrs, in_ranks, out_ranks):
+  del attrs, in_ranks, out_ranks
+  return [["m", "k"], ["g", "k", "n"], ["o"], ["m"]], [["m", "n"], ["m", "f"]]
+
+
+def _gated_local(factor_axes, x, w, offsets, scales, **attrs):
+  return ffi.grouped_gemm_gated(x, w, _local_offsets(factor_axes, offsets, x.shape[0]), scales,
+                                **attrs)
+
+
+_gated = sharding.partitioned(ffi.grouped_gemm_gated, _gated_rule,
+                              replicated=("k", "n", "f", "g", "o"), summed=("m",),
+                              local=_gated_local, local_factors=True)
+
+
+def grouped_gemm_gated(x, w, group_offsets, scales, *, activation, limit, alpha,
+                       linear_offset):
+  """ffi.grouped_gemm_gated (h, act) with the sharding rules above."""
+  return _gated(x, w, group_offsets, scales, activation=activation, limit=float(limit),
+                alpha=float(alpha), linear_offset=float(linear_offset))
+
+
 def grouped_gemm_blockwise(a, b, group_offsets, a_scale_inv, b_scale_inv, *, form):
   """ffi.grouped_gemm_blockwise with the sharding rules above."""
   return _blockwise(a, b, group_offsets, a_scale_inv, b_scale_inv, form=int(form))

@@ -29,6 +29,7 @@ through the same fused activation stages, with 16-bit weight gradients (FP8 ones
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -64,6 +65,8 @@ class Config(NamedTuple):
   # Which of (kernel1, kernel2) are frozen quantize_experts results: used as given, no
   # gradient (a trainable one's gradient goes to its master).
   frozen_kernels: tuple = (False, False)
+  # FC1 and the scaled activation from one kernel (grouped_gemm_gated; see _gated_fc1).
+  gated_fc1: bool = False
 
   @property
   def act_kwargs(self) -> dict:
@@ -130,6 +133,31 @@ def _validate(x, kernel1, kernel2, group_sizes, scales, activation, recipe,
 
 def _gemm(a, b, offsets, form):
   return gemm_sharding.grouped_gemm(a, b, offsets, form=form)
+
+
+# JAXFUSE_GROUPED_MLP_GATED_FC1=0 turns the gated FC1 kernel off (FC1, then the scaled
+# activation kernel); read when a call is traced.
+GATED_FC1_ENV = "JAXFUSE_GROUPED_MLP_GATED_FC1"
+
+
+def _gated_fc1(x, kernel1, activation, recipe, implementation) -> bool:
+  """Whether FC1 and the activation run as one kernel: the 16-bit FFI path with bfloat16
+  operands, a gated activation and 2F a multiple of 256 (grouped_linear ffi.supports_gated),
+  unless JAXFUSE_GROUPED_MLP_GATED_FC1=0."""
+  if implementation != "ffi" or recipe is not None:
+    return False
+  if os.environ.get(GATED_FC1_ENV, "1") == "0":
+    return False
+  return gemm_ffi.supports_gated(x, kernel1, activation)
+
+
+def _fc1(x, kernel1, group_offsets, scales, config: Config):
+  """(h, a): FC1's output and its scaled activation, from one kernel where config says."""
+  if config.gated_fc1:
+    return gemm_sharding.grouped_gemm_gated(x, kernel1, group_offsets, scales,
+                                            **config.act_kwargs)
+  h = _gemm(x, kernel1, group_offsets, gemm_ffi.FORWARD)
+  return h, _activation(h, scales, config)
 
 
 def _activation(h, scales, config: Config):
@@ -362,8 +390,7 @@ def _forward(x, kernel1, kernel2, group_offsets, scales, config, varying_axes,
   if config.recipe is not None:
     return _variant(config.recipe).forward(x, kernel1, kernel2, group_offsets, scales, config,
                                            for_backward)
-  h = _gemm(x, kernel1, group_offsets, gemm_ffi.FORWARD)
-  a = _activation(h, scales, config)
+  h, a = _fc1(x, kernel1, group_offsets, scales, config)
   y = _gemm(a, kernel2, group_offsets, gemm_ffi.FORWARD)
   saved_activation = a if config.save_activation else None
   return y, (x, kernel1, kernel2, group_offsets, scales, h, saved_activation)
@@ -393,7 +420,7 @@ grouped_mlp_with_offsets.defvjp(_forward, _backward)
 
 def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_sizes: jax.Array,
                 scales: jax.Array, activation: str = "swiglu", *, recipe=None,
-                save_activation: bool = False, implementation: str | None = None,
+                save_activation: bool | None = None, implementation: str | None = None,
                 limit: float = 7.0, alpha: float = 1.702,
                 linear_offset: float = 1.0) -> jax.Array:
   """The expert MLP of an MoE layer: FC2(act(FC1(x)) * scales[:, None]), per group.
@@ -434,9 +461,12 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
       identical either way. (An FP8 recipe with fp8_wgrad saves the FP8 activation anyway.)
       When the forward and backward passes are one XLA program (jax.grad inside one jit),
       XLA's common-subexpression elimination merges the recompute with the forward's own
-      activation kernel, so the default runs one activation kernel as well and keeps its
+      activation kernel, so False runs one activation kernel as well and keeps its
       result alive until FC2's wgrad; the choice matters where the residuals cross a
-      program boundary (a vjp applied in another jit, offloaded residuals).
+      program boundary (a vjp applied in another jit, offloaded residuals). None (the
+      default) saves it where FC1's kernel writes the activation itself (the bfloat16 FFI
+      path with a gated activation and 2F a multiple of 256: there is no forward
+      activation kernel for a recompute to merge with), else recomputes it.
     implementation: None, "ffi" or "xla" (the ``ragged_dot`` + jnp composition).
 
   Returns:
@@ -475,8 +505,11 @@ def checked_config(x, kernel1, kernel2, group_sizes, scales, activation, recipe,
   alpha = checks.static_float("alpha", alpha)
   linear_offset = checks.static_float("linear_offset", linear_offset)
   frozen = tuple(quantized_kernels.is_frozen_kernel(k) for k in (kernel1, kernel2))
+  gated_fc1 = _gated_fc1(x, kernel1, activation, recipe, implementation)
+  if save_activation is None:
+    save_activation = gated_fc1
   return implementation, Config(activation, limit, alpha, linear_offset,
-                                bool(save_activation), recipe, frozen)
+                                bool(save_activation), recipe, frozen, gated_fc1)
 
 
 def flops(tokens: int, hidden: int, ffn: int, activation: str = "swiglu",

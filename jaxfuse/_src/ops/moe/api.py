@@ -84,7 +84,7 @@ def moe_router(x: jax.Array, router_kernel: jax.Array, top_k: int, *,
 
 def moe(x: jax.Array, router_kernel: jax.Array, kernel1: jax.Array, kernel2: jax.Array, *,
         top_k: int, activation: str = "swiglu", score_function: str = "softmax",
-        normalize_topk: bool | None = None, recipe=None, save_activation: bool = False,
+        normalize_topk: bool | None = None, recipe=None, save_activation: bool | None = None,
         implementation: str | None = None, limit: float = 7.0, alpha: float = 1.702,
         linear_offset: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """A drop-less mixture-of-experts MLP layer (router, permutation, grouped MLP, unpermute).

@@ -1,0 +1,211 @@
+// FC1 of a gated MLP with its scaled activation in the epilogue (the bf16 forward only).
+//
+// A plain forward writes h = x @ w1[g] ([rows, 2F], gate columns first) and the scaled
+// activation kernel then reads all of h back to write a = act(gate, linear) * scale[row]
+// ([rows, F]): 1.5 bytes of traffic per byte of h, in a memory-bound kernel of its own
+// (0.19-0.22 ms a step at T = 65536, 2F = 4096 on the H200; README.md, "Not built yet").
+// Here the GEMM writes both h and a from its accumulators.
+//
+// What makes the combine register-local: each 256-column CTA tile holds the gate columns
+// [128 j, 128 j + 128) and the matching linear columns [F + 128 j, F + 128 j + 128) instead
+// of 256 consecutive columns of h, so column c of the gate and column c of the linear half
+// meet in one accumulator tile, and wgmma's 64 x 256 layout gives both to the same thread
+// (GatedTileMainloop).
+//
+//   - The mainloop loads B (w1[g], N-major) with four 64-column TMA boxes per k-block (the
+//     128-byte swizzle caps a box at 64 bf16 columns). GatedTileMainloop only renames
+//     their coordinates: box c of tile j starts at column 128 j + 64 (c % 2) + F (c / 2)
+//     instead of 256 j + 64 c. Same descriptors, same shared-memory layout, same MMAs.
+//   - GatedEpilogueArray, a no-shared-memory epilogue (CUTLASS's DefaultEpilogueArray is
+//     its model), writes every accumulator to h at its real column and, for each gate
+//     column, act(gate, linear) * scale[row] to a. Both values come from the bf16-rounded
+//     accumulators, so a is bit-identical to scaled_activation(h, scales) of the same h
+//     (the tests hold it to that).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/detail.hpp"
+#include "cutlass/epilogue/dispatch_policy.hpp"
+#include "cutlass/epilogue/thread/linear_combination.h"
+#include "jaxfuse/activation.h"
+
+namespace jaxfuse::grouped_gemm::detail {
+
+// Gate and linear columns each tile holds, and the TMA box width of the B loads.
+inline constexpr int kGatedHalfTile = 128;
+inline constexpr int kGatedBoxColumns = 64;
+
+// The builder's SM90 pointer-array mainloop (bf16, B N-major, 256-column tiles) loading
+// tile j's B columns as gate [128 j, +128) then linear [F + 128 j, +128), F = N / 2.
+template <class Base>
+struct GatedTileMainloop : Base {
+  using Base::Base;
+  using typename Base::Params;
+  using TileShape = typename Base::TileShape;
+  static_assert(cute::size<1>(TileShape{}) == 2 * kGatedHalfTile,
+                "the gated FC1 kernel's CTA tile is 256 columns: 128 gate + 128 linear");
+
+  // gB_nkl as the kernel expects it, (BLK_N, BLK_K, n, k, l) of TMA coordinates, with the
+  // tile's N mode split as (64 columns of a box, 2 boxes of a half, 2 halves).
+  template <class ProblemShape_MNKL>
+  CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_mnkl,
+                                Params const& mainloop_params) const {
+    using namespace cute;
+    auto stock = Base::load_init(problem_shape_mnkl, mainloop_params);
+    const int32_t n = get<1>(problem_shape_mnkl);
+    const int32_t k = get<2>(problem_shape_mnkl);
+    const int32_t half = n / 2;
+    Tensor mB_nkl = mainloop_params.tma_load_b.get_tma_tensor(make_shape(n, k, 1));
+    constexpr int kBlockK = size<2>(TileShape{});
+    auto layout = make_layout(
+        make_shape(make_shape(Int<kGatedBoxColumns>{}, _2{}, _2{}), Int<kBlockK>{},
+                   half / kGatedHalfTile, ceil_div(k, kBlockK), _1{}),
+        make_stride(make_stride(E<0>{}, Int<kGatedBoxColumns>{} * E<0>{}, half * E<0>{}),
+                    E<1>{}, Int<kGatedHalfTile>{} * E<0>{}, Int<kBlockK>{} * E<1>{}, _0{}));
+    Tensor gB_nkl = make_tensor(mB_nkl.data(), layout);
+    return make_tuple(get<0>(stock), gB_nkl);
+  }
+};
+
+// What the gated epilogue writes besides h (host-built, passed by value to the kernel).
+struct GatedEpilogueParams {
+  ActivationParams activation;     // kSwiglu or kClampedSwiglu
+  const void* scales = nullptr;    // [m] float32 or bf16: the row's activation scale
+  bool scales_f32 = true;
+  const __nv_bfloat16* h = nullptr;  // h's row 0 (a group's first row is found from its
+                                     // ptr_D, so the setup kernel needs no new array)
+  __nv_bfloat16* act = nullptr;    // [m, n / 2]
+  int64_t columns = 0;             // n = 2F
+};
+
+// No-smem pointer-array epilogue: h (group pointers ptr_D, row-major [rows, n]) and the
+// scaled activation, from the cooperative kernel's 128 x 256 accumulator tile.
+class GatedEpilogueArray {
+ public:
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementD = cutlass::bfloat16_t;
+  using ElementC = void;
+  using ElementOutput = ElementD;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementScalar = float;
+  using StrideD = cute::Stride<int64_t, cute::_1, cute::_0>*;
+  using StrideC = StrideD;
+  using InternalStrideD = cute::remove_pointer_t<StrideD>;
+  using InternalStrideC = InternalStrideD;
+  // GemmUniversalAdapter names one; nothing calls it.
+  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<ElementD, 1, float, float>;
+
+  struct SharedStorage {};
+  using TensorMapStorage = SharedStorage;
+
+  struct Arguments {
+    ElementD** ptr_D = nullptr;  // [G]: group g's first row of h (the setup kernel's array)
+    StrideD dD = nullptr;        // unused: h's leading dimension is `gated.columns`
+    GatedEpilogueParams gated;
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args,
+                                                  void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
+                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.gated.columns % (2 * kGatedHalfTile) == 0 && args.gated.h != nullptr &&
+           args.gated.act != nullptr && args.gated.scales != nullptr;
+  }
+
+  CUTLASS_HOST_DEVICE explicit GatedEpilogueArray(Params const& params) : params_(params) {}
+
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
+            class FrgLayout, class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_mnk,
+                                 BlockCoordMNKL blk_coord_mnkl,
+                                 cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
+    using namespace cute;
+    static_assert(size<0>(BlockShapeMNK{}) == 128 && size<1>(BlockShapeMNK{}) == 2 * kGatedHalfTile,
+                  "the gated epilogue is written for the 128 x 256 cooperative tile");
+    // wgmma's C fragment of a 64 x 256 atom per warp group: values (2 adjacent columns, 2
+    // rows 8 apart, 32 column blocks of 8), so value i + 1 is column + 1 of value i (for
+    // even i), values with bit 1 set are the second row, and the linear partner of value i
+    // < 64 (a gate column, in the first 16 column blocks) is value i + 64. A host-side CuTe
+    // check of partition_C over all 256 threads confirmed it (session 55); the GPU tests
+    // compare every column.
+    static_assert(size(FrgLayout{}) == 128, "64 x 256 accumulator fragment per warp group");
+    constexpr int kPartner = 64;
+
+    const int32_t rows = get<0>(problem_shape_mnkl);
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
+    const GatedEpilogueParams& gated = params_.gated;
+    const int64_t columns = gated.columns;
+    const int64_t half = columns / 2;
+    const auto* h_group = reinterpret_cast<const __nv_bfloat16*>(params_.ptr_D[l_coord]);
+    // The group's first row of the whole [m, n] h, hence of act and scales.
+    const int64_t group_row0 = (h_group - gated.h) / columns;
+    const int64_t tile_row0 = static_cast<int64_t>(m_coord) * size<0>(BlockShapeMNK{});
+    const int64_t gate_col0 = static_cast<int64_t>(n_coord) * kGatedHalfTile;
+
+    Tensor tile_coords = make_identity_tensor(take<0, 2>(blk_shape_mnk));  // (BLK_M, BLK_N)
+    Tensor thread_coords = tiled_mma.get_thread_slice(thread_idx).partition_C(tile_coords);
+    // This thread's two rows (values 0 and 2): validity, scale and output row pointers.
+    bool valid[2];
+    float scale[2];
+    __nv_bfloat16* h_row[2];
+    __nv_bfloat16* act_row[2];
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int64_t tile_row = tile_row0 + get<0>(thread_coords(2 * r));
+      valid[r] = tile_row < rows;
+      const int64_t row = group_row0 + (valid[r] ? tile_row : 0);
+      scale[r] = gated.scales_f32
+                     ? static_cast<const float*>(gated.scales)[row]
+                     : __bfloat162float(static_cast<const __nv_bfloat16*>(gated.scales)[row]);
+      h_row[r] = const_cast<__nv_bfloat16*>(gated.h) + row * columns + gate_col0;
+      act_row[r] = gated.act + row * half + gate_col0;
+    }
+    const bool clamped = gated.activation.kind == Activation::kClampedSwiglu;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kPartner; i += 2) {
+      const int r = (i >> 1) & 1;
+      if (!valid[r]) continue;
+      const int64_t col = get<1>(thread_coords(i));  // < 128: a gate column of the tile
+      const __nv_bfloat162 gate = __floats2bfloat162_rn(accumulators(i), accumulators(i + 1));
+      const __nv_bfloat162 linear =
+          __floats2bfloat162_rn(accumulators(i + kPartner), accumulators(i + kPartner + 1));
+      *reinterpret_cast<__nv_bfloat162*>(h_row[r] + col) = gate;
+      *reinterpret_cast<__nv_bfloat162*>(h_row[r] + half + col) = linear;
+      const float2 g = __bfloat1622float2(gate);
+      const float2 l = __bfloat1622float2(linear);
+      const float2 act =
+          clamped ? make_float2(ClampedSwigluForward(gated.activation, g.x, l.x) * scale[r],
+                                ClampedSwigluForward(gated.activation, g.y, l.y) * scale[r])
+                  : make_float2(SwigluForward(g.x, l.x) * scale[r], SwigluForward(g.y, l.y) * scale[r]);
+      *reinterpret_cast<__nv_bfloat162*>(act_row[r] + col) = __float22bfloat162_rn(act);
+    }
+  }
+
+ private:
+  Params params_;
+};
+
+}  // namespace jaxfuse::grouped_gemm::detail

@@ -43,7 +43,7 @@ STEPS = 10
 
 
 def grouped_mlp_case(tokens, hidden, ffn, recipe=None, pass_name="fwd+bwd",
-                     save_activation=False):
+                     save_activation=None):
   x, k1, k2, scales, dy = bench_grouped_mlp.jax_inputs(tokens, hidden, ffn, 0)
   sizes = jnp.asarray(bench_grouped_mlp.group_sizes(tokens))
   step = bench_grouped_mlp.jax_fns("ffi", recipe, save_activation)[pass_name]

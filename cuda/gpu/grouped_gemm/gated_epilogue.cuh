@@ -145,12 +145,12 @@ class GatedEpilogueArray {
     using namespace cute;
     static_assert(size<0>(BlockShapeMNK{}) == 128 && size<1>(BlockShapeMNK{}) == 2 * kGatedHalfTile,
                   "the gated epilogue is written for the 128 x 256 cooperative tile");
-    // wgmma's C fragment of a 64 x 256 atom per warp group: values (2 adjacent columns, 2
-    // rows 8 apart, 32 column blocks of 8), so value i + 1 is column + 1 of value i (for
-    // even i), values with bit 1 set are the second row, and the linear partner of value i
-    // < 64 (a gate column, in the first 16 column blocks) is value i + 64. A host-side CuTe
-    // check of partition_C over all 256 threads confirmed it (session 55); the GPU tests
-    // compare every column.
+    // wgmma's C fragment of a 64 x 256 atom per warp group: value i of lane t is row
+    // t / 4 + 8 ((i / 2) % 2) (plus the warp's 16 and the warp group's 64) and column
+    // 8 (i / 4) + 2 (t % 4) + i % 2. So the 4 lanes of a quad hold the same two rows, and
+    // the linear partner of gate value i < 64 (the first 16 column blocks) is value i + 64.
+    // A host-side CuTe check of partition_C over all 256 threads confirmed it (session 55);
+    // the GPU tests compare every column.
     static_assert(size(FrgLayout{}) == 128, "64 x 256 accumulator fragment per warp group");
     constexpr int kPartner = 64;
 
@@ -159,48 +159,94 @@ class GatedEpilogueArray {
     const GatedEpilogueParams& gated = params_.gated;
     const int64_t columns = gated.columns;
     const int64_t half = columns / 2;
+    const int64_t gate_col0 = static_cast<int64_t>(n_coord) * kGatedHalfTile;
+    // The scheduler pads a group's F / 128 column tiles to a multiple of the cluster's 2
+    // (gemm_bf16_fwd_gated.cu runs a 1x1 cluster for odd counts; kept as a guard): a tile
+    // past the gate half would write other columns.
+    if (gate_col0 >= half) return;
     const auto* h_group = reinterpret_cast<const __nv_bfloat16*>(params_.ptr_D[l_coord]);
     // The group's first row of the whole [m, n] h, hence of act and scales.
     const int64_t group_row0 = (h_group - gated.h) / columns;
     const int64_t tile_row0 = static_cast<int64_t>(m_coord) * size<0>(BlockShapeMNK{});
-    const int64_t gate_col0 = static_cast<int64_t>(n_coord) * kGatedHalfTile;
 
     Tensor tile_coords = make_identity_tensor(take<0, 2>(blk_shape_mnk));  // (BLK_M, BLK_N)
     Tensor thread_coords = tiled_mma.get_thread_slice(thread_idx).partition_C(tile_coords);
-    // This thread's two rows (values 0 and 2): validity, scale and output row pointers.
-    bool valid[2];
+    // This thread's two rows (values 0 and 2).
     float scale[2];
-    __nv_bfloat16* h_row[2];
-    __nv_bfloat16* act_row[2];
+    int64_t row[2];
+    bool valid[2];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < 2; ++r) {
       const int64_t tile_row = tile_row0 + get<0>(thread_coords(2 * r));
       valid[r] = tile_row < rows;
-      const int64_t row = group_row0 + (valid[r] ? tile_row : 0);
+      row[r] = group_row0 + (valid[r] ? tile_row : 0);
       scale[r] = gated.scales_f32
-                     ? static_cast<const float*>(gated.scales)[row]
-                     : __bfloat162float(static_cast<const __nv_bfloat16*>(gated.scales)[row]);
-      h_row[r] = const_cast<__nv_bfloat16*>(gated.h) + row * columns + gate_col0;
-      act_row[r] = gated.act + row * half + gate_col0;
+                     ? static_cast<const float*>(gated.scales)[row[r]]
+                     : __bfloat162float(static_cast<const __nv_bfloat16*>(gated.scales)[row[r]]);
     }
+    // A quad (4 lanes) holds 8 consecutive columns of a row per column block, 2 per lane.
+    // Per pair of blocks (b, b + 1), a 4 x 4 transpose across the quad (slot s = 2 r + db)
+    // gives lane q the 8 columns of row q / 2, block b + q % 2, stored as one 16-byte
+    // vector: full 32-byte sectors instead of 4-byte pieces of eight rows.
+    const int quad_lane = threadIdx.x & 3;
+    const int my_row = quad_lane >> 1;
+    const bool my_valid = valid[my_row];
+    __nv_bfloat16* h_out = const_cast<__nv_bfloat16*>(gated.h) + row[my_row] * columns + gate_col0;
+    __nv_bfloat16* act_out = gated.act + row[my_row] * half + gate_col0;
     const bool clamped = gated.activation.kind == Activation::kClampedSwiglu;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kPartner; i += 2) {
-      const int r = (i >> 1) & 1;
-      if (!valid[r]) continue;
-      const int64_t col = get<1>(thread_coords(i));  // < 128: a gate column of the tile
-      const __nv_bfloat162 gate = __floats2bfloat162_rn(accumulators(i), accumulators(i + 1));
-      const __nv_bfloat162 linear =
-          __floats2bfloat162_rn(accumulators(i + kPartner), accumulators(i + kPartner + 1));
-      *reinterpret_cast<__nv_bfloat162*>(h_row[r] + col) = gate;
-      *reinterpret_cast<__nv_bfloat162*>(h_row[r] + half + col) = linear;
-      const float2 g = __bfloat1622float2(gate);
-      const float2 l = __bfloat1622float2(linear);
-      const float2 act =
-          clamped ? make_float2(ClampedSwigluForward(gated.activation, g.x, l.x) * scale[r],
-                                ClampedSwigluForward(gated.activation, g.y, l.y) * scale[r])
-                  : make_float2(SwigluForward(g.x, l.x) * scale[r], SwigluForward(g.y, l.y) * scale[r]);
-      *reinterpret_cast<__nv_bfloat162*>(act_row[r] + col) = __float22bfloat162_rn(act);
+    for (int block = 0; block < kGatedHalfTile / 8; block += 2) {
+      uint32_t gate[4], linear[4], act[4];
+      CUTLASS_PRAGMA_UNROLL
+      for (int slot = 0; slot < 4; ++slot) {
+        const int r = slot >> 1;
+        const int i = 4 * (block + (slot & 1)) + 2 * r;  // values i, i + 1: 2 columns
+        const __nv_bfloat162 g2 = __floats2bfloat162_rn(accumulators(i), accumulators(i + 1));
+        const __nv_bfloat162 l2 =
+            __floats2bfloat162_rn(accumulators(i + kPartner), accumulators(i + kPartner + 1));
+        const float2 g = __bfloat1622float2(g2);
+        const float2 l = __bfloat1622float2(l2);
+        const float2 a =
+            clamped ? make_float2(ClampedSwigluForward(gated.activation, g.x, l.x) * scale[r],
+                                  ClampedSwigluForward(gated.activation, g.y, l.y) * scale[r])
+                    : make_float2(SwigluForward(g.x, l.x) * scale[r],
+                                  SwigluForward(g.y, l.y) * scale[r]);
+        const __nv_bfloat162 a2 = __float22bfloat162_rn(a);
+        gate[slot] = reinterpret_cast<const uint32_t&>(g2);
+        linear[slot] = reinterpret_cast<const uint32_t&>(l2);
+        act[slot] = reinterpret_cast<const uint32_t&>(a2);
+      }
+      QuadTranspose(gate, quad_lane);
+      QuadTranspose(linear, quad_lane);
+      QuadTranspose(act, quad_lane);
+      if (my_valid) {
+        const int64_t col = 8 * (block + (quad_lane & 1));
+        *reinterpret_cast<uint4*>(h_out + col) = make_uint4(gate[0], gate[1], gate[2], gate[3]);
+        *reinterpret_cast<uint4*>(h_out + half + col) =
+            make_uint4(linear[0], linear[1], linear[2], linear[3]);
+        *reinterpret_cast<uint4*>(act_out + col) = make_uint4(act[0], act[1], act[2], act[3]);
+      }
+    }
+  }
+
+  // values[s] of quad lane j becomes lane s's values[j] (a 4 x 4 transpose in two
+  // butterfly steps: slots and lanes differing in bit 0, then in bit 1).
+  CUTLASS_DEVICE static void QuadTranspose(uint32_t (&values)[4], int quad_lane) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int bit = 1; bit <= 2; bit <<= 1) {
+      const bool upper = (quad_lane & bit) != 0;
+      CUTLASS_PRAGMA_UNROLL
+      for (int low = 0; low < 4; ++low) {
+        if (low & bit) continue;
+        const int high = low | bit;
+        const uint32_t sent = upper ? values[low] : values[high];
+        const uint32_t received = __shfl_xor_sync(0xffffffffu, sent, bit);
+        if (upper) {
+          values[low] = received;
+        } else {
+          values[high] = received;
+        }
+      }
     }
   }
 

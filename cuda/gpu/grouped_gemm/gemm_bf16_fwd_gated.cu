@@ -1,34 +1,40 @@
 // bf16 forward of a gated MLP's FC1 with the scaled activation in its epilogue
 // (gated_epilogue.cuh): h[rows_g] = x[rows_g] @ w1[g] and a = act(h) * scales, one kernel.
 // Layouts as gemm_bf16_fwd.cu (A = x K-major, B = w1[g] N-major); the kLarge tile
-// (cooperative 128x256x64, 1x2 cluster sharing the x tile), CUTLASS's per-SM descriptors.
+// (cooperative 128x256x64), CUTLASS's per-SM descriptors.
 #include "gated_epilogue.cuh"
 #include "gemm_common.cuh"
 
 namespace jaxfuse::grouped_gemm::detail {
 
-namespace Bf16FwdGatedGemm_types {
-using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
-using CollectiveEpilogue =
-    cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<GatedEpilogueArray>;
-using CollectiveMainloop = GatedTileMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::bfloat16_t,
-    cutlass::layout::RowMajor*, 8, cutlass::bfloat16_t, cutlass::layout::RowMajor*, 8, float,
-    TileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-        sizeof(typename CollectiveEpilogue::SharedStorage))>,
-    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp>;
-using Kernel = WaitForPriorGrid<
-    cutlass::gemm::kernel::GemmUniversal<GroupShape, CollectiveMainloop, CollectiveEpilogue>>;
-}  // namespace Bf16FwdGatedGemm_types
-using Bf16FwdGatedGemm = cutlass::gemm::device::GemmUniversalAdapter<Bf16FwdGatedGemm_types::Kernel>;
+// CLUSTER_N CTAs along N share the x tile by multicast: 2 (the kLarge tile's cluster) where
+// a group's F / 128 column tiles pair up, else 1 (a 1x2 cluster would pad an odd count and
+// spend a tile's mainloop on nothing).
+template <int kClusterN>
+struct GatedKernelTypes {
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::Int<kClusterN>, cute::_1>;
+  using CollectiveEpilogue =
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<GatedEpilogueArray>;
+  using CollectiveMainloop = GatedTileMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::bfloat16_t,
+      cutlass::layout::RowMajor*, 8, cutlass::bfloat16_t, cutlass::layout::RowMajor*, 8, float,
+      TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp>;
+  using Kernel = WaitForPriorGrid<
+      cutlass::gemm::kernel::GemmUniversal<GroupShape, CollectiveMainloop, CollectiveEpilogue>>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+using Bf16FwdGatedGemm = GatedKernelTypes<2>::Gemm;
+using Bf16FwdGatedGemm1x1 = GatedKernelTypes<1>::Gemm;
 
 namespace {
 
-typename Bf16FwdGatedGemm::Arguments MakeGatedArguments(const GemmArrays& arrays, int sm_count,
-                                                         int max_active_clusters) {
-  using Gemm = Bf16FwdGatedGemm;
+template <class Gemm>
+typename Gemm::Arguments MakeGatedArguments(const GemmArrays& arrays, int sm_count,
+                                            int max_active_clusters) {
   using Kernel = typename Gemm::GemmKernel;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
@@ -65,21 +71,16 @@ typename Bf16FwdGatedGemm::Arguments MakeGatedArguments(const GemmArrays& arrays
   return args;
 }
 
-}  // namespace
-
-size_t Bf16FwdGated_WorkspaceBytes(TileConfig, int num_groups, int sm_count) {
+template <class Gemm>
+size_t GatedWorkspaceBytes(int num_groups, int sm_count) {
   GemmArrays dummy;
   dummy.num_groups = num_groups;
-  return Bf16FwdGatedGemm::get_workspace_size(MakeGatedArguments(dummy, sm_count, 0));
+  return Gemm::get_workspace_size(MakeGatedArguments<Gemm>(dummy, sm_count, 0));
 }
 
-cudaError_t Bf16FwdGated_Run(TileConfig, const GemmArrays& arrays, int sm_count,
-                             cudaStream_t stream) {
-  using Gemm = Bf16FwdGatedGemm;
-  if (sm_count <= 0 || arrays.num_groups <= 0 || arrays.gated == nullptr) {
-    return cudaErrorInvalidValue;
-  }
-  auto args = MakeGatedArguments(arrays, sm_count, MaxActiveClusters<Gemm>());
+template <class Gemm>
+cudaError_t RunGated(const GemmArrays& arrays, int sm_count, cudaStream_t stream) {
+  auto args = MakeGatedArguments<Gemm>(arrays, sm_count, MaxActiveClusters<Gemm>());
   if (Gemm::get_workspace_size(args) > arrays.cutlass_workspace_bytes) {
     return cudaErrorInvalidValue;
   }
@@ -94,6 +95,24 @@ cudaError_t Bf16FwdGated_Run(TileConfig, const GemmArrays& arrays, int sm_count,
     return error != cudaSuccess ? error : cudaErrorLaunchFailure;
   }
   return cudaSuccess;
+}
+
+}  // namespace
+
+size_t Bf16FwdGated_WorkspaceBytes(TileConfig, int num_groups, int sm_count) {
+  return std::max(GatedWorkspaceBytes<Bf16FwdGatedGemm>(num_groups, sm_count),
+                  GatedWorkspaceBytes<Bf16FwdGatedGemm1x1>(num_groups, sm_count));
+}
+
+cudaError_t Bf16FwdGated_Run(TileConfig, const GemmArrays& arrays, int sm_count,
+                             cudaStream_t stream) {
+  if (sm_count <= 0 || arrays.num_groups <= 0 || arrays.gated == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  // arrays.columns = n = 2F: F / 128 column tiles per group.
+  const bool paired = arrays.columns / 256 % 2 == 0;
+  return paired ? RunGated<Bf16FwdGatedGemm>(arrays, sm_count, stream)
+                : RunGated<Bf16FwdGatedGemm1x1>(arrays, sm_count, stream);
 }
 
 }  // namespace jaxfuse::grouped_gemm::detail

@@ -54,7 +54,8 @@ def offsets_of(sizes):
   return jaxfuse.group_offsets(jnp.asarray(sizes, jnp.int32), implementation="ffi")
 
 
-# GPU: F / 128 odd (3 column tiles: the 1x1-cluster kernel) and even (4: the 1x2 one).
+# GPU: F / 128 odd (3 column tiles) and even (4). These problems are small enough for the
+# tile heuristic's kSmall: the ping-pong kernel (both cooperative ones: the test below).
 SHAPES = [pytest.param("cpu", 128, id="cpu"),
           pytest.param("gpu", 384, id="gpu-odd_tiles", marks=pytest.mark.gpu),
           pytest.param("gpu", 512, id="gpu-even_tiles", marks=pytest.mark.gpu)]
@@ -226,3 +227,41 @@ def test_handler_rejects_a_width_that_is_not_a_multiple_of_256():
   offsets = jax.device_put(offsets_of([16, 16]), x.devices().pop())
   with pytest.raises(Exception, match="multiple of 256"):
     jax.block_until_ready(gated(x, w, offsets, scales, "swiglu"))
+
+
+_KERNEL_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+import jaxfuse
+from jaxfuse._src.ops.grouped_linear import ffi as g
+from jaxfuse._src.ops.scaled_activation import ffi as a
+act = dict(activation="clamped_swiglu", limit=1.5, alpha=1.702, linear_offset=1.0)
+errors = []
+for ffn in (384, 512):  # F / 128 odd and even: the 1x1- and 1x2-cluster cooperative kernels
+  rng = np.random.default_rng(ffn)
+  sizes = [300, 0, 129, 467, 2]
+  m = 1000
+  x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((len(sizes), 256, 2 * ffn)) / 16, jnp.bfloat16)
+  s = jnp.asarray(rng.uniform(0.1, 1, m), jnp.float32)
+  o = jaxfuse.group_offsets(jnp.asarray(sizes, jnp.int32), implementation="ffi")
+  h, act_out = jax.jit(lambda *v: g.grouped_gemm_gated(*v, **act))(x, w, o, s)
+  h_plain = jax.jit(lambda x, w, o: g.grouped_gemm(x, w, o, form=0))(x, w, o)
+  act_of_h = jax.jit(lambda h, s: a.forward(h, s, **act))(h, s)
+  h, h_plain, act_out, act_of_h = (np.asarray(v, np.float64) for v in (h, h_plain, act_out, act_of_h))
+  errors += [np.abs(act_out - act_of_h).max(), np.abs(h - h_plain).max() / np.abs(h_plain).max()]
+np.save(sys.argv[1], np.asarray(errors))
+"""
+
+
+@pytest.mark.gpu
+def test_both_kernels_match_the_two_kernel_path(tmp_path):
+  """JAXFUSE_GROUPED_GEMM_TILE (read once per process) forces the cooperative kernels
+  (large; the unit tests' small problems get the ping-pong one) and the ping-pong one."""
+  outputs = helpers.outputs_under_environments(
+      _KERNEL_SCRIPT, tmp_path, {config: {"JAXFUSE_GROUPED_GEMM_TILE": config}
+                                 for config in ("large", "small")})
+  for config, errors in outputs.items():
+    act_errors, h_errors = errors[0::2], errors[1::2]
+    assert (act_errors == 0).all(), f"{config}: act differs from scaled_activation(h)"
+    assert (h_errors <= helpers.rtol(jnp.bfloat16)).all(), f"{config}: h {h_errors}"

@@ -6,21 +6,24 @@
 // (0.19-0.22 ms a step at T = 65536, 2F = 4096 on the H200; README.md, "Not built yet").
 // Here the GEMM writes both h and a from its accumulators.
 //
-// What makes the combine register-local: each 256-column CTA tile holds the gate columns
-// [128 j, 128 j + 128) and the matching linear columns [F + 128 j, F + 128 j + 128) instead
-// of 256 consecutive columns of h, so column c of the gate and column c of the linear half
-// meet in one accumulator tile, and wgmma's 64 x 256 layout gives both to the same thread
+// What makes the combine register-local: each CTA tile of 2T columns (T = 128 for the
+// cooperative 128 x 256 kernel, 64 for the ping-pong 128 x 128 one) holds the gate columns
+// [T j, T j + T) and the matching linear columns [F + T j, F + T j + T) instead of 2T
+// consecutive columns of h, so column c of the gate and column c of the linear half meet
+// in one accumulator tile, and wgmma's m64 layout gives both to the same thread
 // (GatedTileMainloop).
 //
-//   - The mainloop loads B (w1[g], N-major) with four 64-column TMA boxes per k-block (the
+//   - The mainloop loads B (w1[g], N-major) with 64-column TMA boxes per k-block (the
 //     128-byte swizzle caps a box at 64 bf16 columns). GatedTileMainloop only renames
-//     their coordinates: box c of tile j starts at column 128 j + 64 (c % 2) + F (c / 2)
-//     instead of 256 j + 64 c. Same descriptors, same shared-memory layout, same MMAs.
+//     their coordinates: box c of tile j starts at column T j + 64 (c % (T / 64)) +
+//     F (c / (T / 64)) instead of 2T j + 64 c. Same descriptors, same shared-memory
+//     layout, same MMAs.
 //   - GatedEpilogueArray, a no-shared-memory epilogue (CUTLASS's DefaultEpilogueArray is
 //     its model), writes every accumulator to h at its real column and, for each gate
-//     column, act(gate, linear) * scale[row] to a. Both values come from the bf16-rounded
-//     accumulators, so a is bit-identical to scaled_activation(h, scales) of the same h
-//     (the tests hold it to that).
+//     column, act(gate, linear) * scale[row] to act, in 16-byte vectors (a transpose within
+//     each quad of lanes). Both values come from the bf16-rounded accumulators, so act is
+//     bit-identical to scaled_activation(h, scales) of the same h (the tests hold it to
+//     that).
 #pragma once
 
 #include <cstdint>
@@ -36,22 +39,22 @@
 
 namespace jaxfuse::grouped_gemm::detail {
 
-// Gate and linear columns each tile holds, and the TMA box width of the B loads.
-inline constexpr int kGatedHalfTile = 128;
+// The TMA box width of the B loads (the 128-byte swizzle's 64 bf16 columns).
 inline constexpr int kGatedBoxColumns = 64;
 
-// The builder's SM90 pointer-array mainloop (bf16, B N-major, 256-column tiles) loading
-// tile j's B columns as gate [128 j, +128) then linear [F + 128 j, +128), F = N / 2.
+// The builder's SM90 pointer-array mainloop (bf16, B N-major, CTA tiles of 2 T columns, T =
+// 128 or 64) loading tile j's B columns as gate [T j, +T) then linear [F + T j, +T),
+// F = N / 2.
 template <class Base>
 struct GatedTileMainloop : Base {
   using Base::Base;
   using typename Base::Params;
   using TileShape = typename Base::TileShape;
-  static_assert(cute::size<1>(TileShape{}) == 2 * kGatedHalfTile,
-                "the gated FC1 kernel's CTA tile is 256 columns: 128 gate + 128 linear");
+  static constexpr int kHalfTile = cute::size<1>(TileShape{}) / 2;
+  static_assert(kHalfTile % kGatedBoxColumns == 0, "a half tile is whole TMA boxes");
 
   // gB_nkl as the kernel expects it, (BLK_N, BLK_K, n, k, l) of TMA coordinates, with the
-  // tile's N mode split as (64 columns of a box, 2 boxes of a half, 2 halves).
+  // tile's N mode split as (64 columns of a box, boxes of a half, 2 halves).
   template <class ProblemShape_MNKL>
   CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_mnkl,
                                 Params const& mainloop_params) const {
@@ -63,10 +66,10 @@ struct GatedTileMainloop : Base {
     Tensor mB_nkl = mainloop_params.tma_load_b.get_tma_tensor(make_shape(n, k, 1));
     constexpr int kBlockK = size<2>(TileShape{});
     auto layout = make_layout(
-        make_shape(make_shape(Int<kGatedBoxColumns>{}, _2{}, _2{}), Int<kBlockK>{},
-                   half / kGatedHalfTile, ceil_div(k, kBlockK), _1{}),
+        make_shape(make_shape(Int<kGatedBoxColumns>{}, Int<kHalfTile / kGatedBoxColumns>{}, _2{}),
+                   Int<kBlockK>{}, half / kHalfTile, ceil_div(k, kBlockK), _1{}),
         make_stride(make_stride(E<0>{}, Int<kGatedBoxColumns>{} * E<0>{}, half * E<0>{}),
-                    E<1>{}, Int<kGatedHalfTile>{} * E<0>{}, Int<kBlockK>{} * E<1>{}, _0{}));
+                    E<1>{}, Int<kHalfTile>{} * E<0>{}, Int<kBlockK>{} * E<1>{}, _0{}));
     Tensor gB_nkl = make_tensor(mB_nkl.data(), layout);
     return make_tuple(get<0>(stock), gB_nkl);
   }
@@ -128,7 +131,7 @@ class GatedEpilogueArray {
   }
   template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
-    return args.gated.columns % (2 * kGatedHalfTile) == 0 && args.gated.h != nullptr &&
+    return args.gated.columns % 256 == 0 && args.gated.h != nullptr &&
            args.gated.act != nullptr && args.gated.scales != nullptr;
   }
 
@@ -143,24 +146,29 @@ class GatedEpilogueArray {
                                  cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     using namespace cute;
-    static_assert(size<0>(BlockShapeMNK{}) == 128 && size<1>(BlockShapeMNK{}) == 2 * kGatedHalfTile,
-                  "the gated epilogue is written for the 128 x 256 cooperative tile");
-    // wgmma's C fragment of a 64 x 256 atom per warp group: value i of lane t is row
-    // t / 4 + 8 ((i / 2) % 2) (plus the warp's 16 and the warp group's 64) and column
-    // 8 (i / 4) + 2 (t % 4) + i % 2. So the 4 lanes of a quad hold the same two rows, and
-    // the linear partner of gate value i < 64 (the first 16 column blocks) is value i + 64.
-    // A host-side CuTe check of partition_C over all 256 threads confirmed it (session 55);
-    // the GPU tests compare every column.
-    static_assert(size(FrgLayout{}) == 128, "64 x 256 accumulator fragment per warp group");
-    constexpr int kPartner = 64;
+    // wgmma's C fragment per warp group, m64nN atoms (N = the tile's 256 or 128 columns)
+    // stacked MMA_M times along M: value i of lane t is row t / 4 + 8 ((i / 2) % 2) + 64 m
+    // (plus the warp's 16 and, cooperative, the warp group's 64), m = i / (N / 2), and
+    // column 8 ((i / 4) % (N / 8)) + 2 (t % 4) + i % 2. So the 4 lanes of a quad hold the
+    // same rows, and the linear partner of a gate value (the first N / 16 column blocks) is
+    // value i + N / 4. A host-side CuTe check of partition_C over every thread confirmed it
+    // for both kernels (session 55); the GPU tests compare every column.
+    constexpr int kTileN = size<1>(BlockShapeMNK{});
+    constexpr int kHalf = kTileN / 2;
+    constexpr int kBlocks = kHalf / 8;              // gate column blocks of 8
+    constexpr int kPerAtom = kTileN / 2;            // values per m64 atom and thread
+    constexpr int kPartner = kTileN / 4;
+    constexpr int kAtoms = size(FrgLayout{}) / kPerAtom;
+    static_assert(kHalf % 16 == 0 && kAtoms * kPerAtom == size(FrgLayout{}),
+                  "accumulator fragment of m64 atoms with a gate and a linear half");
 
     const int32_t rows = get<0>(problem_shape_mnkl);
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
     const GatedEpilogueParams& gated = params_.gated;
     const int64_t columns = gated.columns;
     const int64_t half = columns / 2;
-    const int64_t gate_col0 = static_cast<int64_t>(n_coord) * kGatedHalfTile;
-    // The scheduler pads a group's F / 128 column tiles to a multiple of the cluster's 2
+    const int64_t gate_col0 = static_cast<int64_t>(n_coord) * kHalf;
+    // The scheduler pads a group's F / kHalf column tiles to a multiple of the cluster's
     // (gemm_bf16_fwd_gated.cu runs a 1x1 cluster for odd counts; kept as a guard): a tile
     // past the gate half would write other columns.
     if (gate_col0 >= half) return;
@@ -171,60 +179,65 @@ class GatedEpilogueArray {
 
     Tensor tile_coords = make_identity_tensor(take<0, 2>(blk_shape_mnk));  // (BLK_M, BLK_N)
     Tensor thread_coords = tiled_mma.get_thread_slice(thread_idx).partition_C(tile_coords);
-    // This thread's two rows (values 0 and 2).
-    float scale[2];
-    int64_t row[2];
-    bool valid[2];
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      const int64_t tile_row = tile_row0 + get<0>(thread_coords(2 * r));
-      valid[r] = tile_row < rows;
-      row[r] = group_row0 + (valid[r] ? tile_row : 0);
-      scale[r] = gated.scales_f32
-                     ? static_cast<const float*>(gated.scales)[row[r]]
-                     : __bfloat162float(static_cast<const __nv_bfloat16*>(gated.scales)[row[r]]);
-    }
-    // A quad (4 lanes) holds 8 consecutive columns of a row per column block, 2 per lane.
-    // Per pair of blocks (b, b + 1), a 4 x 4 transpose across the quad (slot s = 2 r + db)
-    // gives lane q the 8 columns of row q / 2, block b + q % 2, stored as one 16-byte
-    // vector: full 32-byte sectors instead of 4-byte pieces of eight rows.
     const int quad_lane = threadIdx.x & 3;
-    const int my_row = quad_lane >> 1;
-    const bool my_valid = valid[my_row];
-    __nv_bfloat16* h_out = const_cast<__nv_bfloat16*>(gated.h) + row[my_row] * columns + gate_col0;
-    __nv_bfloat16* act_out = gated.act + row[my_row] * half + gate_col0;
     const bool clamped = gated.activation.kind == Activation::kClampedSwiglu;
     CUTLASS_PRAGMA_UNROLL
-    for (int block = 0; block < kGatedHalfTile / 8; block += 2) {
-      uint32_t gate[4], linear[4], act[4];
+    for (int atom = 0; atom < kAtoms; ++atom) {
+      const int base = atom * kPerAtom;
+      // This thread's two rows in the atom (values base and base + 2).
+      float scale[2];
+      int64_t row[2];
+      bool valid[2];
       CUTLASS_PRAGMA_UNROLL
-      for (int slot = 0; slot < 4; ++slot) {
-        const int r = slot >> 1;
-        const int i = 4 * (block + (slot & 1)) + 2 * r;  // values i, i + 1: 2 columns
-        const __nv_bfloat162 g2 = __floats2bfloat162_rn(accumulators(i), accumulators(i + 1));
-        const __nv_bfloat162 l2 =
-            __floats2bfloat162_rn(accumulators(i + kPartner), accumulators(i + kPartner + 1));
-        const float2 g = __bfloat1622float2(g2);
-        const float2 l = __bfloat1622float2(l2);
-        const float2 a =
-            clamped ? make_float2(ClampedSwigluForward(gated.activation, g.x, l.x) * scale[r],
-                                  ClampedSwigluForward(gated.activation, g.y, l.y) * scale[r])
-                    : make_float2(SwigluForward(g.x, l.x) * scale[r],
-                                  SwigluForward(g.y, l.y) * scale[r]);
-        const __nv_bfloat162 a2 = __float22bfloat162_rn(a);
-        gate[slot] = reinterpret_cast<const uint32_t&>(g2);
-        linear[slot] = reinterpret_cast<const uint32_t&>(l2);
-        act[slot] = reinterpret_cast<const uint32_t&>(a2);
+      for (int r = 0; r < 2; ++r) {
+        const int64_t tile_row = tile_row0 + get<0>(thread_coords(base + 2 * r));
+        valid[r] = tile_row < rows;
+        row[r] = group_row0 + (valid[r] ? tile_row : 0);
+        scale[r] = gated.scales_f32
+                       ? static_cast<const float*>(gated.scales)[row[r]]
+                       : __bfloat162float(static_cast<const __nv_bfloat16*>(gated.scales)[row[r]]);
       }
-      QuadTranspose(gate, quad_lane);
-      QuadTranspose(linear, quad_lane);
-      QuadTranspose(act, quad_lane);
-      if (my_valid) {
-        const int64_t col = 8 * (block + (quad_lane & 1));
-        *reinterpret_cast<uint4*>(h_out + col) = make_uint4(gate[0], gate[1], gate[2], gate[3]);
-        *reinterpret_cast<uint4*>(h_out + half + col) =
-            make_uint4(linear[0], linear[1], linear[2], linear[3]);
-        *reinterpret_cast<uint4*>(act_out + col) = make_uint4(act[0], act[1], act[2], act[3]);
+      // A quad (4 lanes) holds 8 consecutive columns of a row per column block, 2 per lane.
+      // Per pair of blocks (b, b + 1), a 4 x 4 transpose across the quad (slot s = 2 r + db)
+      // gives lane q the 8 columns of row q / 2, block b + q % 2, stored as one 16-byte
+      // vector: whole 32-byte sectors instead of 4-byte pieces of eight rows.
+      const int my_row = quad_lane >> 1;
+      const bool my_valid = valid[my_row];
+      __nv_bfloat16* h_out =
+          const_cast<__nv_bfloat16*>(gated.h) + row[my_row] * columns + gate_col0;
+      __nv_bfloat16* act_out = gated.act + row[my_row] * half + gate_col0;
+      CUTLASS_PRAGMA_UNROLL
+      for (int block = 0; block < kBlocks; block += 2) {
+        uint32_t gate[4], linear[4], act[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int slot = 0; slot < 4; ++slot) {
+          const int r = slot >> 1;
+          const int i = base + 4 * (block + (slot & 1)) + 2 * r;  // values i, i + 1
+          const __nv_bfloat162 g2 = __floats2bfloat162_rn(accumulators(i), accumulators(i + 1));
+          const __nv_bfloat162 l2 = __floats2bfloat162_rn(accumulators(i + kPartner),
+                                                          accumulators(i + kPartner + 1));
+          const float2 g = __bfloat1622float2(g2);
+          const float2 l = __bfloat1622float2(l2);
+          const float2 a =
+              clamped ? make_float2(ClampedSwigluForward(gated.activation, g.x, l.x) * scale[r],
+                                    ClampedSwigluForward(gated.activation, g.y, l.y) * scale[r])
+                      : make_float2(SwigluForward(g.x, l.x) * scale[r],
+                                    SwigluForward(g.y, l.y) * scale[r]);
+          const __nv_bfloat162 a2 = __float22bfloat162_rn(a);
+          gate[slot] = reinterpret_cast<const uint32_t&>(g2);
+          linear[slot] = reinterpret_cast<const uint32_t&>(l2);
+          act[slot] = reinterpret_cast<const uint32_t&>(a2);
+        }
+        QuadTranspose(gate, quad_lane);
+        QuadTranspose(linear, quad_lane);
+        QuadTranspose(act, quad_lane);
+        if (my_valid) {
+          const int64_t col = 8 * (block + (quad_lane & 1));
+          *reinterpret_cast<uint4*>(h_out + col) = make_uint4(gate[0], gate[1], gate[2], gate[3]);
+          *reinterpret_cast<uint4*>(h_out + half + col) =
+              make_uint4(linear[0], linear[1], linear[2], linear[3]);
+          *reinterpret_cast<uint4*>(act_out + col) = make_uint4(act[0], act[1], act[2], act[3]);
+        }
       }
     }
   }

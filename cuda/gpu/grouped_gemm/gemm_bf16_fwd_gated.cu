@@ -10,9 +10,12 @@ namespace jaxfuse::grouped_gemm::detail {
 // CLUSTER_N CTAs along N share the x tile by multicast: 2 (the kLarge tile's cluster) where
 // a group's F / 128 column tiles pair up, else 1 (a 1x2 cluster would pad an odd count and
 // spend a tile's mainloop on nothing).
-template <int kClusterN>
+// TILE_N columns per tile (half gate, half linear); KERNEL_SCHEDULE cooperative (128 x 256,
+// both warp groups on one tile) or ping-pong (128 x 128, the warp groups on alternate
+// tiles, one's epilogue under the other's mainloop).
+template <int kTileN, int kClusterN, class KernelSchedule>
 struct GatedKernelTypes {
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using TileShape = cute::Shape<cute::_128, cute::Int<kTileN>, cute::_64>;
   using ClusterShape = cute::Shape<cute::_1, cute::Int<kClusterN>, cute::_1>;
   using CollectiveEpilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<GatedEpilogueArray>;
@@ -22,13 +25,16 @@ struct GatedKernelTypes {
       TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp>;
+      KernelSchedule>::CollectiveOp>;
   using Kernel = WaitForPriorGrid<
       cutlass::gemm::kernel::GemmUniversal<GroupShape, CollectiveMainloop, CollectiveEpilogue>>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
-using Bf16FwdGatedGemm = GatedKernelTypes<2>::Gemm;
-using Bf16FwdGatedGemm1x1 = GatedKernelTypes<1>::Gemm;
+using Cooperative = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+using Bf16FwdGatedGemm = GatedKernelTypes<256, 2, Cooperative>::Gemm;
+using Bf16FwdGatedGemm1x1 = GatedKernelTypes<256, 1, Cooperative>::Gemm;
+using Bf16FwdGatedPingpong =
+    GatedKernelTypes<128, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong>::Gemm;
 
 namespace {
 
@@ -100,16 +106,19 @@ cudaError_t RunGated(const GemmArrays& arrays, int sm_count, cudaStream_t stream
 }  // namespace
 
 size_t Bf16FwdGated_WorkspaceBytes(TileConfig, int num_groups, int sm_count) {
-  return std::max(GatedWorkspaceBytes<Bf16FwdGatedGemm>(num_groups, sm_count),
-                  GatedWorkspaceBytes<Bf16FwdGatedGemm1x1>(num_groups, sm_count));
+  return std::max({GatedWorkspaceBytes<Bf16FwdGatedGemm>(num_groups, sm_count),
+                   GatedWorkspaceBytes<Bf16FwdGatedGemm1x1>(num_groups, sm_count),
+                   GatedWorkspaceBytes<Bf16FwdGatedPingpong>(num_groups, sm_count)});
 }
 
-cudaError_t Bf16FwdGated_Run(TileConfig, const GemmArrays& arrays, int sm_count,
+// kSmall: the ping-pong kernel; otherwise the cooperative one, its 1x2 cluster where a
+// group's F / 128 column tiles pair up (arrays.columns = n = 2F).
+cudaError_t Bf16FwdGated_Run(TileConfig config, const GemmArrays& arrays, int sm_count,
                              cudaStream_t stream) {
   if (sm_count <= 0 || arrays.num_groups <= 0 || arrays.gated == nullptr) {
     return cudaErrorInvalidValue;
   }
-  // arrays.columns = n = 2F: F / 128 column tiles per group.
+  if (config == TileConfig::kSmall) return RunGated<Bf16FwdGatedPingpong>(arrays, sm_count, stream);
   const bool paired = arrays.columns / 256 % 2 == 0;
   return paired ? RunGated<Bf16FwdGatedGemm>(arrays, sm_count, stream)
                 : RunGated<Bf16FwdGatedGemm1x1>(arrays, sm_count, stream);

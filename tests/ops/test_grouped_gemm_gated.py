@@ -145,7 +145,13 @@ def _count(jaxpr, target):
   return helpers.count_primitives(jaxpr, helpers.ffi_target(target))
 
 
-def test_grouped_mlp_runs_the_gated_fc1_and_keeps_its_activation():
+@pytest.fixture(name="gated_on")
+def _gated_on(monkeypatch):
+  monkeypatch.setenv(mlp_api.GATED_FC1_ENV, "1")
+
+
+def test_grouped_mlp_runs_the_gated_fc1_and_keeps_its_activation(gated_on):
+  del gated_on
   jaxpr = _mlp_jaxpr(ffn=128)
   assert _count(jaxpr, "jaxfuse_grouped_gemm_gated") == 1
   # The activation kernel only in the gated op's CPU branch: the backward does not
@@ -165,14 +171,19 @@ def test_grouped_mlp_runs_the_gated_fc1_and_keeps_its_activation():
     (256, jnp.bfloat16, "srelu"),         # not a gated activation
 ])
 def test_grouped_mlp_keeps_two_kernels_where_the_gated_one_does_not_apply(ffn, dtype,
-                                                                          activation):
+                                                                          activation, gated_on):
+  del gated_on
   jaxpr = _mlp_jaxpr(ffn, dtype, activation)
   assert _count(jaxpr, "jaxfuse_grouped_gemm_gated") == 0
   assert _count(jaxpr, "jaxfuse_grouped_gemm") == 12
 
 
-def test_environment_variable_turns_it_off(monkeypatch):
-  monkeypatch.setenv(mlp_api.GATED_FC1_ENV, "0")
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_off_by_default_and_with_the_variable_at_0(setting, monkeypatch):
+  if setting is None:
+    monkeypatch.delenv(mlp_api.GATED_FC1_ENV, raising=False)
+  else:
+    monkeypatch.setenv(mlp_api.GATED_FC1_ENV, setting)
   jaxpr = _mlp_jaxpr(ffn=128)
   assert _count(jaxpr, "jaxfuse_grouped_gemm_gated") == 0
   assert _count(jaxpr, "jaxfuse_scaled_activation_fwd") == 2

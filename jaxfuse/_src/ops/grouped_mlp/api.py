@@ -135,18 +135,21 @@ def _gemm(a, b, offsets, form):
   return gemm_sharding.grouped_gemm(a, b, offsets, form=form)
 
 
-# JAXFUSE_GROUPED_MLP_GATED_FC1=0 turns the gated FC1 kernel off (FC1, then the scaled
-# activation kernel); read when a call is traced.
+# JAXFUSE_GROUPED_MLP_GATED_FC1=1 turns the gated FC1 kernel on (default: off, FC1 then the
+# scaled activation kernel); read when a call is traced. Off by default until a GPU run has
+# checked the kernel as it stands and measured it faster (cuda/gpu/grouped_gemm/README.md,
+# "The gated FC1").
 GATED_FC1_ENV = "JAXFUSE_GROUPED_MLP_GATED_FC1"
+GATED_FC1_DEFAULT = "0"
 
 
 def _gated_fc1(x, kernel1, activation, recipe, implementation) -> bool:
   """Whether FC1 and the activation run as one kernel: the 16-bit FFI path with bfloat16
   operands, a gated activation and 2F a multiple of 256 (grouped_linear ffi.supports_gated),
-  unless JAXFUSE_GROUPED_MLP_GATED_FC1=0."""
+  when JAXFUSE_GROUPED_MLP_GATED_FC1 is 1."""
   if implementation != "ffi" or recipe is not None:
     return False
-  if os.environ.get(GATED_FC1_ENV, "1") == "0":
+  if os.environ.get(GATED_FC1_ENV, GATED_FC1_DEFAULT) != "1":
     return False
   return gemm_ffi.supports_gated(x, kernel1, activation)
 
@@ -464,9 +467,10 @@ def grouped_mlp(x: jax.Array, kernel1: jax.Array, kernel2: jax.Array, group_size
       activation kernel, so False runs one activation kernel as well and keeps its
       result alive until FC2's wgrad; the choice matters where the residuals cross a
       program boundary (a vjp applied in another jit, offloaded residuals). None (the
-      default) saves it where FC1's kernel writes the activation itself (the bfloat16 FFI
-      path with a gated activation and 2F a multiple of 256: there is no forward
-      activation kernel for a recompute to merge with), else recomputes it.
+      default) saves it where FC1's kernel writes the activation itself (the gated FC1:
+      bfloat16, a gated activation, 2F a multiple of 256, JAXFUSE_GROUPED_MLP_GATED_FC1=1;
+      there is no forward activation kernel for a recompute to merge with), else
+      recomputes it.
     implementation: None, "ffi" or "xla" (the ``ragged_dot`` + jnp composition).
 
   Returns:

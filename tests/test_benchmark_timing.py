@@ -266,3 +266,17 @@ def test_linear_scale_add_rows_carry_the_device_clock_of_fresh_residuals(monkeyp
   # Without device_calls the rows keep the host clock alone.
   timing = bench.time_pair(steps, x, kernel, d_out, backward=True, rounds=1, chunk=1)
   assert timed_calls == [3, 3] and "device_span_ms" not in timing["xla_bf16"]
+
+
+def test_gated_fc1_bench_checks_then_times_three_variants(monkeypatch):
+  """bench_gated_fc1 on CPU (the gated op's CPU branch is the two kernels): the bit-for-bit
+  check passes, and each variant gets a time and the derived ratios."""
+  from benchmarks import bench_gated_fc1  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(common, "warm_up_device", lambda *args, **kwargs: None)
+  row = bench_gated_fc1.run_case("tiny", 256, 64, 128, rounds=2)
+  assert row["max_act_diff"] == 0.0 and row["h_rel_diff"] <= 2e-2
+  for impl in ("gated", "two_kernels", "fc1_alone"):
+    assert row[f"{impl}_ms"] > 0.0
+  assert row["gated_vs_two_kernels"] == pytest.approx(row["two_kernels_ms"] / row["gated_ms"])
+  assert row["paired_gated_vs_two_kernels"] > 0.0
+  assert row["epilogue_cost_ms"] == pytest.approx(row["gated_ms"] - row["fc1_alone_ms"])

@@ -87,7 +87,8 @@ struct GatedEpilogueParams {
 };
 
 // No-smem pointer-array epilogue: h (group pointers ptr_D, row-major [rows, n]) and the
-// scaled activation, from the cooperative kernel's 128 x 256 accumulator tile.
+// scaled activation, from a tile of T gate and T linear columns (GatedTileMainloop's): the
+// cooperative kernel's 128 x 256 or the ping-pong kernel's 128 x 128.
 class GatedEpilogueArray {
  public:
   using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;

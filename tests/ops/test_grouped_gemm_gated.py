@@ -150,8 +150,8 @@ def _gated_on(monkeypatch):
   monkeypatch.setenv(mlp_api.GATED_FC1_ENV, "1")
 
 
-def test_grouped_mlp_runs_the_gated_fc1_and_keeps_its_activation(gated_on):
-  del gated_on
+@pytest.mark.usefixtures("gated_on")
+def test_grouped_mlp_runs_the_gated_fc1_and_keeps_its_activation():
   jaxpr = _mlp_jaxpr(ffn=128)
   assert _count(jaxpr, "jaxfuse_grouped_gemm_gated") == 1
   # The activation kernel only in the gated op's CPU branch: the backward does not
@@ -170,9 +170,9 @@ def test_grouped_mlp_runs_the_gated_fc1_and_keeps_its_activation(gated_on):
     (128, jnp.float16, "swiglu"),         # float16: the kernel is bfloat16 only
     (256, jnp.bfloat16, "srelu"),         # not a gated activation
 ])
+@pytest.mark.usefixtures("gated_on")
 def test_grouped_mlp_keeps_two_kernels_where_the_gated_one_does_not_apply(ffn, dtype,
-                                                                          activation, gated_on):
-  del gated_on
+                                                                          activation):
   jaxpr = _mlp_jaxpr(ffn, dtype, activation)
   assert _count(jaxpr, "jaxfuse_grouped_gemm_gated") == 0
   assert _count(jaxpr, "jaxfuse_grouped_gemm") == 12

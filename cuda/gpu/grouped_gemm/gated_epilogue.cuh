@@ -35,6 +35,7 @@
 #include "cutlass/epilogue/collective/detail.hpp"
 #include "cutlass/epilogue/dispatch_policy.hpp"
 #include "cutlass/epilogue/thread/linear_combination.h"
+#include "internal.cuh"
 #include "jaxfuse/activation.h"
 
 namespace jaxfuse::grouped_gemm::detail {
@@ -115,6 +116,21 @@ class GatedEpilogueArray {
     GatedEpilogueParams gated;
   };
   using Params = Arguments;
+
+  // From the setup arrays (gemm_common.cuh's MakeArguments calls it): h's group pointers,
+  // and the activation's inputs and output (none while only the workspace is sized).
+  static void FillArguments(Arguments& args, const GemmArrays& arrays) {
+    args.ptr_D = reinterpret_cast<ElementD**>(arrays.ptr_d);
+    args.dD = nullptr;
+    if (arrays.gated == nullptr) return;
+    const GatedEpilogue& gated = *arrays.gated;
+    args.gated.activation = gated.activation;
+    args.gated.scales = gated.scales;
+    args.gated.scales_f32 = gated.scales_f32;
+    args.gated.h = static_cast<const __nv_bfloat16*>(arrays.out);
+    args.gated.act = static_cast<__nv_bfloat16*>(gated.act_out);
+    args.gated.columns = arrays.columns;
+  }
 
   template <class ProblemShape>
   static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args,

@@ -185,6 +185,16 @@ struct HasTeams<SchedulerArguments,
                 std::void_t<decltype(std::declval<SchedulerArguments&>().teams)>>
     : std::true_type {};
 
+// Whether an epilogue fills its own arguments from the setup arrays (a static
+// FillArguments(Arguments&, const GemmArrays&): gated_epilogue.cuh) instead of taking
+// CUTLASS's LinearCombination ones below.
+template <class Epilogue, class = void>
+struct FillsOwnArguments : std::false_type {};
+template <class Epilogue>
+struct FillsOwnArguments<Epilogue, std::void_t<decltype(Epilogue::FillArguments(
+                                       std::declval<typename Epilogue::Arguments&>(),
+                                       std::declval<const GemmArrays&>()))>> : std::true_type {};
+
 template <class Gemm>
 typename Gemm::Arguments MakeArguments(const GemmArrays& arrays, int sm_count,
                                        int max_active_clusters) {
@@ -224,24 +234,29 @@ typename Gemm::Arguments MakeArguments(const GemmArrays& arrays, int sm_count,
     args.mainloop.layout_SFB = nullptr;
   }
 
-  auto& fusion = args.epilogue.thread;
-  fusion.alpha = 1.0f;
-  fusion.beta = 0.0f;
-  fusion.alpha_ptr = nullptr;
-  fusion.beta_ptr = nullptr;
-  fusion.beta_ptr_array = nullptr;
-  fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
-  if (arrays.alpha_ptrs != nullptr) {
-    fusion.alpha_ptr_array = arrays.alpha_ptrs;  // one pointer per group
-    fusion.dAlpha = {cute::_0{}, cute::_0{}, 1};
+  using CollectiveEpilogue = typename Kernel::CollectiveEpilogue;
+  if constexpr (FillsOwnArguments<CollectiveEpilogue>::value) {
+    CollectiveEpilogue::FillArguments(args.epilogue, arrays);
   } else {
-    fusion.alpha_ptr_array = nullptr;
-    fusion.dAlpha = {cute::_0{}, cute::_0{}, 0};
+    auto& fusion = args.epilogue.thread;
+    fusion.alpha = 1.0f;
+    fusion.beta = 0.0f;
+    fusion.alpha_ptr = nullptr;
+    fusion.beta_ptr = nullptr;
+    fusion.beta_ptr_array = nullptr;
+    fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
+    if (arrays.alpha_ptrs != nullptr) {
+      fusion.alpha_ptr_array = arrays.alpha_ptrs;  // one pointer per group
+      fusion.dAlpha = {cute::_0{}, cute::_0{}, 1};
+    } else {
+      fusion.alpha_ptr_array = nullptr;
+      fusion.dAlpha = {cute::_0{}, cute::_0{}, 0};
+    }
+    args.epilogue.ptr_C = nullptr;
+    args.epilogue.dC = static_cast<StrideC*>(nullptr);
+    args.epilogue.ptr_D = reinterpret_cast<ElementD**>(arrays.ptr_d);
+    args.epilogue.dD = reinterpret_cast<StrideD*>(arrays.stride_d);
   }
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = static_cast<StrideC*>(nullptr);
-  args.epilogue.ptr_D = reinterpret_cast<ElementD**>(arrays.ptr_d);
-  args.epilogue.dD = reinterpret_cast<StrideD*>(arrays.stride_d);
 
   using Raster = decltype(args.scheduler.raster_order);
   args.scheduler.raster_order = arrays.raster == 'N' ? Raster::AlongN : Raster::AlongM;

@@ -17,8 +17,7 @@ template <int kTileN, int kClusterN, class KernelSchedule>
 struct GatedKernelTypes {
   using TileShape = cute::Shape<cute::_128, cute::Int<kTileN>, cute::_64>;
   using ClusterShape = cute::Shape<cute::_1, cute::Int<kClusterN>, cute::_1>;
-  using CollectiveEpilogue =
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<GatedEpilogueArray>;
+  using CollectiveEpilogue = GatedEpilogueAdapter<GatedEpilogueArray>;
   using CollectiveMainloop = GatedTileMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::bfloat16_t,
       cutlass::layout::RowMajor*, 8, cutlass::bfloat16_t, cutlass::layout::RowMajor*, 8, float,

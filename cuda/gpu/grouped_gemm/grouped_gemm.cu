@@ -842,6 +842,7 @@ cudaError_t Run(const Problem& p, int sm_count, cudaStream_t stream) {
   const char raster = detail::ActiveTuningOptions().raster;
   arrays.raster = raster != 0 ? raster : (wgrad ? 'M' : 'N');
   arrays.columns = wgrad || p.form == Form::kForward ? p.n : p.k;
+  arrays.rows = p.m;
   arrays.pdl = UseProgrammaticLaunch(p);
   arrays.teams = TeamsFor(p);
   arrays.gated = p.gated;

@@ -34,6 +34,8 @@ struct GemmArrays {
   char raster = 'M';                  // tile scheduler raster order: 'M' or 'N' (host value)
   int64_t columns = 0;                // CUTLASS N of every group (host value; the bf16 wgrad
                                       // picks its small kernel's cluster shape from it)
+  int64_t rows = 0;                   // m, the row-ragged operands' rows (host value; the
+                                      // gated epilogue's store descriptors cover them all)
   bool pdl = false;                   // launch as a programmatic dependent (host value)
   int teams = 1;                      // team tile scheduler's teams (team_tile_scheduler.cuh;
                                       // host value; kernels without it ignore it)

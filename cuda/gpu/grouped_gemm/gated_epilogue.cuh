@@ -110,6 +110,8 @@ struct GatedEpilogueParams {
   const void* scales = nullptr;    // [m] float32 or bf16: the row's activation scale
   bool scales_f32 = true;
   bool stores_encoded = false;     // both descriptors built (can_implement asks)
+  bool tma_stores = true;          // staged TMA stores where a warp's rows allow (else all
+                                   // from registers; TuningOptions::gated_tma_stores)
   const __nv_bfloat16* h = nullptr;  // h's row 0 (a group's first row is found from its
                                      // ptr_D, so the setup kernel needs no new array)
   __nv_bfloat16* act = nullptr;    // [m, n / 2]
@@ -178,6 +180,7 @@ class GatedEpilogueArray {
     args.gated.h = static_cast<const __nv_bfloat16*>(arrays.out);
     args.gated.act = static_cast<__nv_bfloat16*>(gated.act_out);
     args.gated.columns = arrays.columns;
+    args.gated.tma_stores = ActiveTuningOptions().gated_tma_stores;
     args.gated.stores_encoded =
         EncodeStageStore(&args.gated.h_store, arrays.out, arrays.rows, arrays.columns) &&
         EncodeStageStore(&args.gated.act_store, gated.act_out, arrays.rows, arrays.columns / 2);
@@ -280,7 +283,7 @@ class GatedEpilogueArray {
       // the quad's two (lane / 4 and lane / 4 + 8 of the warp's 16), block b + q % 2.
       const int my_row = quad_lane >> 1;
       const int64_t warp_row0 = tile_row0 + get<0>(thread_coords(base)) - (lane >> 2);
-      if (warp_row0 + kStageRows <= rows) {
+      if (gated.tma_stores && warp_row0 + kStageRows <= rows) {
         // All 16 rows of the warp are the group's: staged TMA stores.
         const int stage_row = (lane >> 2) + 8 * my_row;
         const int stage_col = 8 * (quad_lane & 1);

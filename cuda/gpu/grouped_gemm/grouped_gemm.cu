@@ -588,6 +588,11 @@ TuningOptions& ActiveTuningOptions() {
       if (value == "prepared") o.prepared_tensormaps = true;
       if (value == "cutlass") o.prepared_tensormaps = false;
     }
+    if (const char* stores = std::getenv("JAXFUSE_GROUPED_GEMM_GATED_STORES")) {
+      const std::string value(stores);
+      if (value == "tma") o.gated_tma_stores = true;
+      if (value == "registers") o.gated_tma_stores = false;
+    }
     return o;
   }();
   return options;

@@ -82,6 +82,10 @@ struct TuningOptions {
   // few tiles. 1 = CUTLASS's order; 0 = the heuristic (grouped_gemm.cu, TeamsFor).
   // JAXFUSE_GROUPED_GEMM_TEAMS=1..1024.
   int teams = 0;
+  // How the gated FC1's epilogue writes h and act (gated_epilogue.cuh): staged in shared
+  // memory and stored by the TMA unit (true), or straight from registers (false, the
+  // session-55 form): JAXFUSE_GROUPED_GEMM_GATED_STORES=tma|registers.
+  bool gated_tma_stores = true;
 };
 TuningOptions& ActiveTuningOptions();
 

@@ -250,7 +250,8 @@ act = dict(activation="clamped_swiglu", limit=1.5, alpha=1.702, linear_offset=1.
 errors = []
 for ffn in (384, 512):  # F / 128 odd and even: the 1x1- and 1x2-cluster cooperative kernels
   rng = np.random.default_rng(ffn)
-  sizes = [300, 0, 129, 467, 2]
+  # Groups ending mid-warp, on a warp's last row (64 rows after 898) and past the rows.
+  sizes = [300, 0, 129, 467, 2, 64]
   m = 1000
   x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((len(sizes), 256, 2 * ffn)) / 16, jnp.bfloat16)
@@ -266,12 +267,16 @@ np.save(sys.argv[1], np.asarray(errors))
 
 
 @pytest.mark.gpu
-def test_both_kernels_match_the_two_kernel_path(tmp_path):
+def test_both_kernels_and_both_store_paths_match_the_two_kernel_path(tmp_path):
   """JAXFUSE_GROUPED_GEMM_TILE (read once per process) forces the cooperative kernels
-  (large; the unit tests' small problems get the ping-pong one) and the ping-pong one."""
+  (large; the unit tests' small problems get the ping-pong one) and the ping-pong one;
+  JAXFUSE_GROUPED_GEMM_GATED_STORES the epilogue's staged TMA stores or its register
+  stores (a warp whose rows pass its group's end stores from registers either way)."""
   outputs = helpers.outputs_under_environments(
-      _KERNEL_SCRIPT, tmp_path, {config: {"JAXFUSE_GROUPED_GEMM_TILE": config}
-                                 for config in ("large", "small")})
+      _KERNEL_SCRIPT, tmp_path,
+      {f"{config}-{stores}": {"JAXFUSE_GROUPED_GEMM_TILE": config,
+                              "JAXFUSE_GROUPED_GEMM_GATED_STORES": stores}
+       for config in ("large", "small") for stores in ("tma", "registers")})
   for config, errors in outputs.items():
     act_errors, h_errors = errors[0::2], errors[1::2]
     assert (act_errors == 0).all(), f"{config}: act differs from scaled_activation(h)"

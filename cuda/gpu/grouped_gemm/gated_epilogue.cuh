@@ -23,7 +23,9 @@
 //     real column and the activation to act. Both values come from the bf16-rounded
 //     accumulators, so act is bit-identical to scaled_activation(h, scales) of the same h
 //     (the tests hold it to that). A transpose within each quad of lanes gives each lane
-//     16-byte vectors of one row. Each warp stages its 16 rows x 16 gate columns of gate,
+//     16-byte vectors of one row, which it stores from registers, or, with
+//     JAXFUSE_GROUPED_GEMM_GATED_STORES=tma (not yet the default: the staged stores have not
+//     run on a GPU), stages: each warp stages its 16 rows x 16 gate columns of gate,
 //     linear and act in a shared-memory buffer of its own (two, alternating) and one lane
 //     hands them to the TMA unit as three 2-D bulk stores, so the warps go back to the MMAs
 //     while the stores drain (stores straight from registers stalled the cooperative
@@ -110,7 +112,7 @@ struct GatedEpilogueParams {
   const void* scales = nullptr;    // [m] float32 or bf16: the row's activation scale
   bool scales_f32 = true;
   bool stores_encoded = false;     // both descriptors built (can_implement asks)
-  bool tma_stores = true;          // staged TMA stores where a warp's rows allow (else all
+  bool tma_stores = false;         // staged TMA stores where a warp's rows allow (else all
                                    // from registers; TuningOptions::gated_tma_stores)
   const __nv_bfloat16* h = nullptr;  // h's row 0 (a group's first row is found from its
                                      // ptr_D, so the setup kernel needs no new array)

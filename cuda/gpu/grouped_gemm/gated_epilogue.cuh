@@ -111,9 +111,9 @@ struct GatedEpilogueParams {
   ActivationParams activation;     // kSwiglu or kClampedSwiglu
   const void* scales = nullptr;    // [m] float32 or bf16: the row's activation scale
   bool scales_f32 = true;
-  bool stores_encoded = false;     // both descriptors built (can_implement asks)
   bool tma_stores = false;         // staged TMA stores where a warp's rows allow (else all
                                    // from registers; TuningOptions::gated_tma_stores)
+  bool stores_encoded = false;     // both descriptors built (only for tma_stores)
   const __nv_bfloat16* h = nullptr;  // h's row 0 (a group's first row is found from its
                                      // ptr_D, so the setup kernel needs no new array)
   __nv_bfloat16* act = nullptr;    // [m, n / 2]
@@ -183,7 +183,9 @@ class GatedEpilogueArray {
     args.gated.act = static_cast<__nv_bfloat16*>(gated.act_out);
     args.gated.columns = arrays.columns;
     args.gated.tma_stores = ActiveTuningOptions().gated_tma_stores;
+    // Two driver calls per launch: only where the staged stores will read the descriptors.
     args.gated.stores_encoded =
+        args.gated.tma_stores &&
         EncodeStageStore(&args.gated.h_store, arrays.out, arrays.rows, arrays.columns) &&
         EncodeStageStore(&args.gated.act_store, gated.act_out, arrays.rows, arrays.columns / 2);
   }
@@ -206,7 +208,7 @@ class GatedEpilogueArray {
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     return args.gated.columns % 256 == 0 && args.gated.h != nullptr &&
            args.gated.act != nullptr && args.gated.scales != nullptr &&
-           args.gated.stores_encoded;
+           (!args.gated.tma_stores || args.gated.stores_encoded);
   }
 
   // `params` is the kernel's own (grid-constant) parameter: the TMA stores name its
@@ -318,8 +320,8 @@ class GatedEpilogueArray {
           }
         }
       } else {
-        // The group ends within the warp's rows: 16-byte stores from registers, rows past
-        // the end skipped.
+        // Register stores (the group ends within the warp's rows, or the staged stores are
+        // off): 16-byte stores, rows past the group's end skipped.
         const bool my_valid = valid[my_row];
         __nv_bfloat16* h_out =
             const_cast<__nv_bfloat16*>(gated.h) + row[my_row] * columns + gate_col0;
